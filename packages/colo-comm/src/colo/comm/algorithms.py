@@ -1,0 +1,94 @@
+"""Which implementation runs a collective, per backend and message size.
+
+Some backends are slow or incomplete for some collectives: gloo's reduce_scatter is slower than its
+all_reduce from about 1 MB up (an all-reduce followed by a local slice is then faster despite moving twice
+the bytes), and gloo has no uneven all-gather (colo pads). The table below maps ``backend -> op -> [(min_bytes,
+algorithm), ...]``: the last entry whose ``min_bytes`` does not exceed the message size wins.
+
+The built-in table holds the crossovers that ``python -m colo.comm.bench --calibrate`` measured on a 2-core
+CPU machine with 2 ranks; run the calibration on your own machine and point ``COLO_COMM_ALGORITHMS`` at the
+JSON file it writes (or call `load_algorithm_table`) to use your figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+ALTERNATIVES: dict[str, tuple[str, ...]] = {
+    "reduce_scatter": ("native", "all_reduce"),
+}
+"""For each collective with a choice, its implementations: ``native`` is torch.distributed's own."""
+
+BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
+    "gloo": {"reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")]},
+    "nccl": {"reduce_scatter": [(0, "native")]},
+}
+
+_table: dict[str, dict[str, list[tuple[int, str]]]] = {}
+_forced: dict[str, str] = {}
+
+
+def _validate(table: dict) -> dict[str, dict[str, list[tuple[int, str]]]]:
+    clean: dict[str, dict[str, list[tuple[int, str]]]] = {}
+    for backend, ops in table.items():
+        for op, entries in ops.items():
+            if op not in ALTERNATIVES:
+                raise ValueError(f"algorithm table names op {op!r}, which has no alternatives; known: {list(ALTERNATIVES)}")
+            rows = sorted((int(min_bytes), str(name)) for min_bytes, name in entries)
+            for _, name in rows:
+                if name not in ALTERNATIVES[op]:
+                    raise ValueError(f"algorithm {name!r} for {op} is unknown; choose from {ALTERNATIVES[op]}")
+            clean.setdefault(backend, {})[op] = rows
+    return clean
+
+
+def load_algorithm_table(path: str | os.PathLike) -> None:
+    """Use the table in a JSON file written by ``python -m colo.comm.bench --calibrate``."""
+    data = json.loads(Path(path).read_text())
+    _table.clear()
+    _table.update(_validate(data.get("table", data)))
+
+
+def current_table() -> dict[str, dict[str, list[tuple[int, str]]]]:
+    """The table in force: the built-in one, overlaid by ``COLO_COMM_ALGORITHMS`` or `load_algorithm_table`."""
+    if not _table:
+        _table.update(_validate(BUILTIN_TABLE))
+        env_path = os.environ.get("COLO_COMM_ALGORITHMS")
+        if env_path:
+            for backend, ops in _validate(json.loads(Path(env_path).read_text()).get("table", {})).items():
+                _table.setdefault(backend, {}).update(ops)
+    return _table
+
+
+def choose_algorithm(op: str, backend: str, nbytes: int) -> str:
+    """The implementation of ``op`` to run on ``backend`` for a message of ``nbytes`` bytes."""
+    if op in _forced:
+        return _forced[op]
+    rows = current_table().get(backend, {}).get(op)
+    if not rows:
+        return "native"
+    chosen = rows[0][1]
+    for min_bytes, name in rows:
+        if nbytes >= min_bytes:
+            chosen = name
+    return chosen
+
+
+@contextlib.contextmanager
+def force_algorithm(op: str, algorithm: str) -> Iterator[None]:
+    """Run ``op`` with ``algorithm`` regardless of size inside the block (for tests and benchmarks)."""
+    if algorithm not in ALTERNATIVES.get(op, ("native",)):
+        raise ValueError(f"algorithm {algorithm!r} for {op} is unknown; choose from {ALTERNATIVES.get(op, ('native',))}")
+    previous = _forced.get(op)
+    _forced[op] = algorithm
+    try:
+        yield
+    finally:
+        if previous is None:
+            _forced.pop(op, None)
+        else:
+            _forced[op] = previous

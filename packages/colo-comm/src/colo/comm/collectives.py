@@ -1,0 +1,356 @@
+"""Collectives over a `Group`: all_reduce, broadcast, all_gather (even and uneven), reduce_scatter, all_to_all, barrier.
+
+Each call validates its input before any communication, records its volume in the active `CommTracker`s,
+picks its implementation from `colo.comm.algorithms`, and returns the result or, with ``async_op=True``, a
+`Handle`. Ranks are group ranks (``src=0`` is the group's first member), never global ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .algorithms import choose_algorithm
+from .group import Group, as_group
+from .handle import issue
+from .tracker import record
+
+# torch 2.13 renamed the flat-buffer collectives; older torch (2.6-2.12) has only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+"""Supported reductions. ``avg`` runs as a sum divided by the group size (gloo has no native average everywhere)."""
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _member_group(group: Group | dist.ProcessGroup | None, op: str) -> Group:
+    resolved = as_group(group)
+    if resolved.process_group is None or dist.get_rank() not in resolved.ranks:
+        raise ValueError(f"{op}: rank {dist.get_rank()} is not a member of group {resolved.describe()}")
+    return resolved
+
+
+def _check_tensor(tensor: object, op: str, name: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, not {type(tensor).__name__}")
+    return tensor
+
+
+def _check_reduce_op(op_name: str, reduce: str, tensor: torch.Tensor) -> None:
+    if reduce not in REDUCE_OPS:
+        raise ValueError(f"{op_name}: op={reduce!r} is not supported; use one of {sorted(REDUCE_OPS)}")
+    if reduce == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"{op_name}: op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
+
+
+def _check_group_rank(op: str, name: str, value: int, group: Group) -> int:
+    if not isinstance(value, int) or not 0 <= value < group.size:
+        raise ValueError(f"{op}: {name}={value!r} must be a group rank in [0, {group.size}) of group {group.describe()}")
+    return value
+
+
+def _check_dim(op: str, tensor: torch.Tensor, dim: int) -> int:
+    if tensor.dim() == 0:
+        raise ValueError(f"{op}: needs a tensor with at least one dimension, got a scalar; use tensor.reshape(1)")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"{op}: dim={dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+    return dim % tensor.dim()
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: str = "sum", *, group: Group | dist.ProcessGroup | None = None, async_op: bool = False
+):
+    """Reduce ``tensor`` in place over the group so every rank holds the result.
+
+    Args:
+        tensor: contiguous tensor, reduced in place.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+        group: a `Group` (``mesh.group("dp")``), a torch ProcessGroup, or ``None`` for the world.
+        async_op: return a `Handle` instead of waiting.
+
+    Returns:
+        ``tensor`` (or a `Handle` whose ``wait()`` returns it).
+    """
+    tensor = _check_tensor(tensor, "all_reduce")
+    group = _member_group(group, "all_reduce")
+    _check_reduce_op("all_reduce", op, tensor)
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce: tensor must be contiguous (it is reduced in place); pass tensor.contiguous()")
+    n = group.size
+    volume = 2 * (n - 1) / n * _nbytes(tensor)
+    record("all_reduce", group.name, n, str(tensor.dtype), volume, volume, "native")
+
+    def finish() -> torch.Tensor:
+        if op == "avg":
+            tensor.div_(n)
+        return tensor
+
+    return issue(
+        "all_reduce",
+        group,
+        lambda: [dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=True)],
+        finish,
+        async_op,
+        f"of {tuple(tensor.shape)} {tensor.dtype}",
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor, *, src: int, group: Group | dist.ProcessGroup | None = None, async_op: bool = False
+):
+    """Copy ``tensor`` from group rank ``src`` to every rank of the group, in place.
+
+    Returns:
+        ``tensor`` (or a `Handle` whose ``wait()`` returns it).
+    """
+    tensor = _check_tensor(tensor, "broadcast")
+    group = _member_group(group, "broadcast")
+    _check_group_rank("broadcast", "src", src, group)
+    if not tensor.is_contiguous():
+        raise ValueError("broadcast: tensor must be contiguous (it is written in place); pass tensor.contiguous()")
+    record("broadcast", group.name, group.size, str(tensor.dtype), _nbytes(tensor), _nbytes(tensor), "native")
+    return issue(
+        "broadcast",
+        group,
+        lambda: [dist.broadcast(tensor, src=group.global_rank(src), group=group.process_group, async_op=True)],
+        lambda: tensor,
+        async_op,
+        f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
+    )
+
+
+def all_gather(
+    tensor: torch.Tensor,
+    *,
+    group: Group | dist.ProcessGroup | None = None,
+    dim: int = 0,
+    sizes: list[int] | None = None,
+    async_op: bool = False,
+):
+    """Concatenate every rank's ``tensor`` along ``dim``, in group-rank order.
+
+    Args:
+        tensor: this rank's piece; all pieces agree on every dimension but ``dim``.
+        group: the group to gather over (``None``: the world).
+        dim: the dimension to concatenate along.
+        sizes: each rank's extent along ``dim``, for uneven pieces (gloo has no uneven all-gather, so colo pads
+            to the largest, gathers and trims). ``None`` means every piece has this rank's shape.
+        async_op: return a `Handle` instead of waiting.
+
+    Returns:
+        The gathered tensor (or a `Handle` whose ``wait()`` returns it).
+    """
+    tensor = _check_tensor(tensor, "all_gather")
+    group = _member_group(group, "all_gather")
+    dim = _check_dim("all_gather", tensor, dim)
+    n, me = group.size, group.rank
+    if sizes is not None:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != n or any(s < 0 for s in sizes):
+            raise ValueError(f"all_gather: sizes={sizes} must list {n} non-negative extents, one per rank of the group")
+        if sizes[me] != tensor.shape[dim]:
+            raise ValueError(
+                f"all_gather: sizes[{me}]={sizes[me]} does not match this rank's tensor, whose dim {dim} has "
+                f"extent {tensor.shape[dim]}"
+            )
+        if len(set(sizes)) == 1:
+            sizes = None
+    row_bytes = tensor.element_size() * _inner_numel(tensor, dim)
+    if sizes is None:
+        piece = tensor.contiguous()
+        extent = tensor.shape[dim]
+        total = n * extent
+        volume = (n - 1) * extent * row_bytes
+        record("all_gather", group.name, n, str(tensor.dtype), volume, volume, "native")
+    else:
+        extent = max(sizes)
+        pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, extent - tensor.shape[dim]]
+        piece = torch.nn.functional.pad(tensor, pad).contiguous()
+        total = sum(sizes)
+        volume = (total - sizes[me]) * row_bytes
+        record("all_gather", group.name, n, str(tensor.dtype), volume, (n - 1) * extent * row_bytes, "padded")
+
+    flat = torch.empty(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
+
+    def finish() -> torch.Tensor:
+        stacked = flat.view(n, *piece.shape)
+        if sizes is None and dim == 0:
+            return stacked.view(total, *piece.shape[1:])
+        parts = stacked.unbind(0)
+        if sizes is not None:
+            parts = [part.narrow(dim, 0, size) for part, size in zip(parts, sizes)]
+        return torch.cat(parts, dim=dim)
+
+    return issue(
+        "all_gather",
+        group,
+        lambda: [_all_gather_flat(flat, piece.view(-1), group=group.process_group, async_op=True)],
+        finish,
+        async_op,
+        f"of {tuple(tensor.shape)} {tensor.dtype}",
+    )
+
+
+def _inner_numel(tensor: torch.Tensor, dim: int) -> int:
+    inner = 1
+    for i, extent in enumerate(tensor.shape):
+        if i != dim:
+            inner *= extent
+    return inner
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    *,
+    group: Group | dist.ProcessGroup | None = None,
+    dim: int = 0,
+    async_op: bool = False,
+):
+    """Reduce ``tensor`` over the group and return this rank's equal part of the result along ``dim``.
+
+    The implementation is picked per backend and size by `colo.comm.algorithms` (on gloo, an all-reduce and a
+    local slice from about 1 MB up, where gloo's own reduce_scatter is slower).
+
+    Args:
+        tensor: the full tensor; its extent along ``dim`` must divide by the group size.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+        group: the group to reduce over (``None``: the world).
+        dim: the dimension to split.
+        async_op: return a `Handle` instead of waiting.
+
+    Returns:
+        This rank's part (or a `Handle` whose ``wait()`` returns it).
+    """
+    tensor = _check_tensor(tensor, "reduce_scatter")
+    group = _member_group(group, "reduce_scatter")
+    _check_reduce_op("reduce_scatter", op, tensor)
+    dim = _check_dim("reduce_scatter", tensor, dim)
+    n, me = group.size, group.rank
+    if tensor.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter: dim {dim} of shape {tuple(tensor.shape)} has extent {tensor.shape[dim]}, which does "
+            f"not divide by the group size {n}; pad it to a multiple of {n}"
+        )
+    full = tensor.movedim(dim, 0).contiguous() if dim else tensor.contiguous()
+    part = full.shape[0] // n
+    algorithm = choose_algorithm("reduce_scatter", group.backend, _nbytes(full))
+    volume = (n - 1) / n * _nbytes(full)
+    impl_volume = 2 * volume if algorithm == "all_reduce" else volume
+    record("reduce_scatter", group.name, n, str(tensor.dtype), volume, impl_volume, algorithm)
+
+    if algorithm == "all_reduce":
+        buffer = full.clone() if full is tensor else full
+
+        def start() -> list:
+            return [dist.all_reduce(buffer, op=REDUCE_OPS[op], group=group.process_group, async_op=True)]
+
+        def local_part() -> torch.Tensor:
+            return buffer.narrow(0, me * part, part).clone()
+    else:
+        output = torch.empty((part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+        def start() -> list:
+            return [_reduce_scatter_flat(output, full, op=REDUCE_OPS[op], group=group.process_group, async_op=True)]
+
+        def local_part() -> torch.Tensor:
+            return output
+
+    def finish() -> torch.Tensor:
+        result = local_part()
+        if op == "avg":
+            result.div_(n)
+        return result.movedim(0, dim) if dim else result
+
+    return issue("reduce_scatter", group, start, finish, async_op, f"of {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    *,
+    group: Group | dist.ProcessGroup | None = None,
+    input_split_sizes: list[int] | None = None,
+    output_split_sizes: list[int] | None = None,
+    async_op: bool = False,
+):
+    """Send slice ``i`` of ``tensor`` (along dim 0) to group rank ``i``; return the slices received, in rank order.
+
+    Args:
+        tensor: this rank's input.
+        group: the group to exchange over (``None``: the world).
+        input_split_sizes: rows sent to each rank; ``None`` splits dim 0 evenly.
+        output_split_sizes: rows received from each rank; when ``None`` with uneven input splits, they are
+            exchanged first (one extra small all-to-all).
+        async_op: return a `Handle` instead of waiting.
+
+    Returns:
+        The received tensor (or a `Handle` whose ``wait()`` returns it).
+    """
+    tensor = _check_tensor(tensor, "all_to_all")
+    group = _member_group(group, "all_to_all")
+    _check_dim("all_to_all", tensor, 0)
+    n, me = group.size, group.rank
+    rows = tensor.shape[0]
+    if input_split_sizes is None:
+        if rows % n:
+            raise ValueError(
+                f"all_to_all: dim 0 has extent {rows}, which does not divide by the group size {n}; pad it or pass "
+                "input_split_sizes"
+            )
+        if output_split_sizes is not None:
+            raise ValueError("all_to_all: output_split_sizes needs input_split_sizes too")
+        input_splits = output_splits = [rows // n] * n
+    else:
+        input_splits = [int(s) for s in input_split_sizes]
+        if len(input_splits) != n or any(s < 0 for s in input_splits) or sum(input_splits) != rows:
+            raise ValueError(
+                f"all_to_all: input_split_sizes={input_splits} must be {n} non-negative row counts adding up to "
+                f"dim 0's extent {rows}"
+            )
+        if output_split_sizes is None:
+            output_splits = _exchange_split_sizes(input_splits, group)
+        else:
+            output_splits = [int(s) for s in output_split_sizes]
+            if len(output_splits) != n or any(s < 0 for s in output_splits):
+                raise ValueError(f"all_to_all: output_split_sizes={output_splits} must be {n} non-negative row counts")
+    source = tensor.contiguous()
+    row_bytes = tensor.element_size() * _inner_numel(tensor, 0)
+    volume = (rows - input_splits[me]) * row_bytes
+    record("all_to_all", group.name, n, str(tensor.dtype), volume, volume, "native")
+    output = torch.empty((sum(output_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    even = input_split_sizes is None
+    return issue(
+        "all_to_all",
+        group,
+        lambda: [
+            dist.all_to_all_single(
+                output,
+                source,
+                None if even else output_splits,
+                None if even else input_splits,
+                group=group.process_group,
+                async_op=True,
+            )
+        ],
+        lambda: output,
+        async_op,
+        f"of {tuple(tensor.shape)} {tensor.dtype}",
+    )
+
+
+def _exchange_split_sizes(input_splits: list[int], group: Group) -> list[int]:
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
+    sent = torch.tensor(input_splits, dtype=torch.int64, device=device)
+    received = all_to_all(sent, group=group)
+    return [int(x) for x in received.tolist()]
+
+
+def barrier(*, group: Group | dist.ProcessGroup | None = None) -> None:
+    """Block until every rank of the group reaches the barrier."""
+    group = _member_group(group, "barrier")
+    record("barrier", group.name, group.size, "none", 0, 0, "native")
+    issue("barrier", group, lambda: [dist.barrier(group=group.process_group, async_op=True)], None, False)

@@ -1,0 +1,139 @@
+"""`Group`: a process group together with its member ranks and the name used in errors and accounting."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+# Groups created by colo, keyed so that every rank takes the same path through the cache: eager groups are
+# created by every rank of the world (and cached on every rank, members or not), locally synchronised groups
+# only by their members. Keeping the two apart means a rank never skips a `new_group` call its peers make.
+_EAGER_GROUPS: dict[tuple[tuple[int, ...], float], object] = {}
+_LOCAL_GROUPS: dict[tuple[tuple[int, ...], float], object] = {}
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as colo passes it around.
+
+    Attributes:
+        name: the mesh axis (``"tp"``), fused axes (``"dp+sp"``), ``"world"`` or ``"custom"``; the tracker
+            accounts communication per name and errors quote it.
+        process_group: the ``torch.distributed`` group (``None`` only for a rank outside it).
+        ranks: the global ranks of the members, in group-rank order.
+        timeout: seconds after which an operation on this group fails instead of hanging.
+    """
+
+    name: str
+    process_group: object = field(repr=False, compare=False)
+    ranks: tuple[int, ...]
+    timeout: float
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return self.ranks.index(dist.get_rank())
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of the member at ``group_rank``."""
+        if not 0 <= group_rank < self.size:
+            raise ValueError(f"group rank {group_rank} is outside group {self.describe()} of size {self.size}")
+        return self.ranks[group_rank]
+
+    def describe(self) -> str:
+        """A short description for messages: ``'tp' (ranks [0, 1])``."""
+        ranks = list(self.ranks) if self.size <= 16 else f"{list(self.ranks[:8])}... ({self.size} ranks)"
+        return f"'{self.name}' (ranks {ranks})"
+
+    @property
+    def backend(self) -> str:
+        """The backend of the group's process group (``"gloo"``, ``"nccl"``, ...)."""
+        return str(dist.get_backend(self.process_group))
+
+
+def default_timeout() -> float:
+    """The timeout, in seconds, of the default process group (set by `init_distributed`)."""
+    from .distributed import current_timeout
+
+    return current_timeout()
+
+
+def world_group() -> Group:
+    """The group of every rank of the job."""
+    _require_initialized()
+    return Group("world", dist.group.WORLD, tuple(range(dist.get_world_size())), default_timeout())
+
+
+def as_group(group: Group | dist.ProcessGroup | None) -> Group:
+    """Normalise what a caller passed as a group: a `Group`, a raw ``ProcessGroup`` or ``None`` (the world)."""
+    if isinstance(group, Group):
+        return group
+    if group is None:
+        return world_group()
+    if isinstance(group, dist.ProcessGroup):
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return Group("custom", group, ranks, default_timeout())
+    raise TypeError(
+        f"group must be a colo.comm.Group (from Mesh.group), a torch ProcessGroup or None, not {type(group).__name__}"
+    )
+
+
+def new_group(ranks, *, name: str, timeout: float | None = None, local_synchronization: bool = False) -> Group:
+    """Create (or reuse) the process group of ``ranks``.
+
+    Without ``local_synchronization`` every rank of the world must call this with the same ``ranks`` in the same
+    order (torch's rule); with it, only the members call it. Groups are cached per process, so building several
+    meshes of the same shape does not open new connections each time.
+
+    Args:
+        ranks: global ranks of the members, in group-rank order.
+        name: the name errors and the `CommTracker` use for this group.
+        timeout: seconds before an operation on the group fails; defaults to the default group's timeout.
+        local_synchronization: only members take part in creating the group.
+
+    Returns:
+        The `Group`; its ``process_group`` is ``None`` on ranks outside it.
+    """
+    _require_initialized()
+    ranks = tuple(int(r) for r in ranks)
+    timeout = float(timeout if timeout is not None else default_timeout())
+    world = dist.get_world_size()
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < world for r in ranks):
+        raise ValueError(f"group ranks {list(ranks)} must be distinct ranks of a world of size {world}")
+    if ranks == tuple(range(world)):
+        return Group(name, dist.group.WORLD, ranks, timeout)
+    key = (ranks, timeout)
+    cache = _LOCAL_GROUPS if local_synchronization else _EAGER_GROUPS
+    if key not in cache:
+        if local_synchronization and dist.get_rank() not in ranks:
+            raise ValueError(f"rank {dist.get_rank()} is not in group {list(ranks)}; only members create it")
+        cache[key] = dist.new_group(
+            list(ranks),
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=local_synchronization,
+        )
+    process_group = cache[key]
+    if process_group in (None, dist.GroupMember.NON_GROUP_MEMBER):
+        process_group = None
+    return Group(name, process_group, ranks, timeout)
+
+
+def clear_group_cache() -> None:
+    """Forget cached groups (called when the default process group is destroyed)."""
+    _EAGER_GROUPS.clear()
+    _LOCAL_GROUPS.clear()
+
+
+def _require_initialized() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call colo.comm.init_distributed() first "
+            "(run the script under torchrun, or start ranks with colo.comm.launch)"
+        )

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create .venv if missing and install every colo package (editable) plus the dev tools.
+#
+# torch is pinned through a pip constraint file: torch==2.13.0 (a CPU build on machines without CUDA wheels
+# at hand) when the venv has no torch, and the installed version otherwise, so no other package can pull
+# in a different torch. Idempotent: the Makefile reruns it only when a pyproject changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_PIN="${TORCH_PIN:-2.13.0}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+mkdir -p "$VENV/colo"
+CONSTRAINTS="$VENV/colo/constraints.txt"
+if installed=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null); then
+    echo "[setup] keeping the installed torch $installed"
+    echo "torch==$installed" > "$CONSTRAINTS"
+else
+    echo "[setup] no torch in $VENV: pinning torch==$TORCH_PIN"
+    echo "torch==$TORCH_PIN" > "$CONSTRAINTS"
+fi
+
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install -c "$CONSTRAINTS" "torch" "hatchling>=1.18" "editables" 2>&1 | grep -v "^WARNING: Location" || true
+"$PY" -c "import torch" >/dev/null  # fail loudly if the torch install did not work
+
+PACKAGES=(comm kernels tensor zero gemini pipeline apps)
+EDITABLES=()
+for name in "${PACKAGES[@]}"; do
+    EDITABLES+=(-e "./packages/colo-$name[testing]")
+done
+# No build isolation: hatchling is already in the venv, which saves a build environment per package.
+"${PIP[@]}" install -c "$CONSTRAINTS" --no-build-isolation "${EDITABLES[@]}" -e ".[dev]" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+"$PY" -c "import colo.comm, colo.kernels, colo.tensor, colo.zero, colo.gemini, colo.pipeline, colo.apps"
+echo "[setup] ok: $("$PY" -c "import torch; print('torch', torch.__version__)")"
