@@ -1,0 +1,79 @@
+"""Which implementation of a kernel runs: Triton on CUDA, the torch reference elsewhere, or what the user forces.
+
+``COLO_KERNELS=triton|torch|auto`` (default ``auto``) sets the choice for the process; `use_backend` sets it for
+a block (tests use it to run the Triton kernels through Triton's interpreter on CPU); every public op also takes
+``backend=`` for one call. Triton on a CPU tensor needs ``TRITON_INTERPRET=1`` set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+_override: list[str] = []
+
+
+class UnsupportedKernelInput(ValueError):
+    """The chosen backend cannot run this op on these inputs (shape, dtype or device); the message says which."""
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton imports (it is a Linux-only dependency of colo-kernels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), i.e. on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _requested(backend: str | None) -> str:
+    if backend is None:
+        backend = _override[-1] if _override else os.environ.get("COLO_KERNELS", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend {backend!r} is unknown; use one of {BACKENDS} (COLO_KERNELS or backend=)")
+    return backend
+
+
+def resolve_backend(op: str, *tensors: torch.Tensor, backend: str | None = None) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that runs ``op`` on ``tensors``.
+
+    ``auto`` picks Triton when every tensor is on a CUDA device and triton is installed, the reference otherwise.
+    Forcing ``triton`` where it cannot run raises `UnsupportedKernelInput` naming the op and the reason.
+    """
+    requested = _requested(backend)
+    on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return "triton" if on_cuda and triton_available() else "torch"
+    if not triton_available():
+        raise UnsupportedKernelInput(f"{op}: backend 'triton' was forced but triton is not installed; pip install triton")
+    if not on_cuda and not interpreter_enabled():
+        raise UnsupportedKernelInput(
+            f"{op}: backend 'triton' was forced for CPU tensors; set TRITON_INTERPRET=1 before importing colo.kernels "
+            "to run Triton's interpreter, or use backend='torch'"
+        )
+    return "triton"
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Force a kernel backend (``"triton"``, ``"torch"`` or ``"auto"``) inside the block."""
+    _requested(backend)
+    _override.append(backend)
+    try:
+        yield
+    finally:
+        _override.pop()
