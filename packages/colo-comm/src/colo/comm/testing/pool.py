@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._function_ref import ref_of
 from .._workers import RankGang
 
 DEFAULT_TEST_TIMEOUT_S = 60.0
@@ -98,6 +99,7 @@ def run_distributed(
         RankFailure: a rank raised or died; the message leads with its traceback.
         RankTimeout: a rank did not finish within ``timeout``.
     """
+    ref_of(fn)  # reject lambdas and closures before (re)starting any rank
     if timeout is None:
         timeout = float(os.environ.get("COLO_TEST_TIMEOUT", DEFAULT_TEST_TIMEOUT_S))
     return get_pool(world_size, backend).run(fn, args, kwargs, timeout=timeout)

@@ -1,0 +1,218 @@
+"""Every collective equals the same computation done locally on the gathered inputs, on 2 and 4 ranks.
+
+Inputs are integer-valued so sums are exact in every dtype and reduction order (bf16 and fp16 included).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from colo.comm import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    force_algorithm,
+    reduce_scatter,
+    world_group,
+)
+from colo.comm.testing import run_distributed
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rank_input(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The input rank ``rank`` contributes: small integers, exact in every dtype under any summation order."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(-8, 9, shape, generator=generator).to(dtype)
+
+
+def _all_inputs(world: int, shape, dtype) -> list[torch.Tensor]:
+    return [_rank_input(r, shape, dtype) for r in range(world)]
+
+
+def _reduce_local(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack([t.float() for t in inputs])
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.sum(0) / len(inputs)
+    if op == "max":
+        return stacked.max(0).values
+    return stacked.min(0).values
+
+
+def _all_reduce(shape, dtype, op, async_op):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensor = _rank_input(rank, shape, dtype)
+    result = all_reduce(tensor, op, async_op=async_op)
+    if async_op:
+        result = result.wait()
+    assert result is tensor, "all_reduce works in place and returns its tensor"
+    expected = _reduce_local(_all_inputs(world, shape, dtype), op).to(dtype)
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+def test_all_reduce_equals_local_reduction(world_size, dtype, op):
+    # avg divides by 2 or 4: exact in every dtype for these small integers
+    run_distributed(_all_reduce, (5, 3), dtype, op, op == "max", world_size=world_size)
+
+
+def _broadcast(src, dtype):
+    rank = dist.get_rank()
+    tensor = _rank_input(rank, (7,), dtype)
+    handle = broadcast(tensor, src=src, async_op=True)
+    torch.testing.assert_close(handle.wait(), _rank_input(src, (7,), dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_broadcast_from_every_source(world_size):
+    for src in range(world_size):
+        run_distributed(_broadcast, src, torch.bfloat16, world_size=world_size)
+
+
+def _all_gather(shape, dim, dtype, uneven):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if uneven:
+        sizes = [(r % 3) + 1 for r in range(world)]
+        shape = list(shape)
+        shape[dim] = sizes[rank]
+        inputs = []
+        for r in range(world):
+            piece_shape = list(shape)
+            piece_shape[dim] = sizes[r]
+            inputs.append(_rank_input(r, tuple(piece_shape), dtype))
+        result = all_gather(inputs[rank], dim=dim, sizes=sizes)
+    else:
+        inputs = _all_inputs(world, shape, dtype)
+        result = all_gather(inputs[rank], dim=dim, async_op=True).wait()
+    torch.testing.assert_close(result, torch.cat(inputs, dim=dim), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_all_gather_concatenates_in_rank_order(world_size, dim, uneven):
+    run_distributed(_all_gather, (2, 3, 4), dim, torch.float16, uneven, world_size=world_size)
+
+
+def _reduce_scatter(algorithm, dim, op, dtype):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = [3, 3, 3]
+    shape[dim] = 2 * world
+    inputs = _all_inputs(world, tuple(shape), dtype)
+    with force_algorithm("reduce_scatter", algorithm):
+        result = reduce_scatter(inputs[rank], op, dim=dim)
+    expected = _reduce_local(inputs, op).to(dtype).chunk(world, dim=dim)[rank]
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    assert result.shape == expected.shape
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@pytest.mark.parametrize("dim", [0, 2])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_reduce_scatter_equals_local_reduction_then_chunk(world_size, algorithm, dim, op):
+    run_distributed(_reduce_scatter, algorithm, dim, op, torch.bfloat16, world_size=world_size)
+
+
+def _all_to_all(uneven, pass_output_splits):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # splits[src][dst]: rows rank src sends to rank dst
+    splits = [[(src + 2 * dst) % 3 + (0 if uneven else 2 - (src + 2 * dst) % 3) for dst in range(world)]
+              for src in range(world)]
+    inputs = [_rank_input(src, (sum(splits[src]), 2), torch.float32) for src in range(world)]
+    kwargs = {}
+    if uneven:
+        kwargs["input_split_sizes"] = splits[rank]
+        if pass_output_splits:
+            kwargs["output_split_sizes"] = [splits[src][rank] for src in range(world)]
+    result = all_to_all(inputs[rank], **kwargs)
+    expected = torch.cat([inputs[src].split(splits[src])[rank] for src in range(world)])
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    "uneven, pass_output_splits", [(False, False), (True, False), (True, True)], ids=["even", "uneven", "uneven-given"]
+)
+def test_all_to_all_routes_slice_i_to_rank_i(world_size, uneven, pass_output_splits):
+    run_distributed(_all_to_all, uneven, pass_output_splits, world_size=world_size)
+
+
+def _async_overlap():
+    """Several async collectives in flight at once complete correctly, in any wait order."""
+    world = dist.get_world_size()
+    a = torch.ones(1000)
+    b = torch.full((world * 4,), 2.0)
+    h1 = all_reduce(a, async_op=True)
+    h2 = reduce_scatter(b, async_op=True)
+    h3 = all_gather(torch.full((2,), float(dist.get_rank())), async_op=True)
+    gathered = h3.wait()
+    shard = h2.wait()
+    reduced = h1.wait()
+    assert h1.is_completed() and h2.is_completed() and h3.is_completed()
+    torch.testing.assert_close(reduced, torch.full((1000,), float(world)))
+    torch.testing.assert_close(shard, torch.full((4,), 2.0 * world))
+    torch.testing.assert_close(gathered, torch.arange(world).float().repeat_interleave(2))
+    barrier()
+
+
+def test_async_handles_overlap():
+    run_distributed(_async_overlap, world_size=2)
+
+
+def _bad_inputs():
+    world = dist.get_world_size()
+    errors = {}
+    cases = {
+        "op": lambda: all_reduce(torch.ones(2), "mean"),
+        "avg_int": lambda: all_reduce(torch.ones(2, dtype=torch.int64), "avg"),
+        "contiguous": lambda: all_reduce(torch.ones(4, 4).t()),
+        "not_tensor": lambda: all_reduce([1.0, 2.0]),
+        "src": lambda: broadcast(torch.ones(2), src=world),
+        "rs_divisible": lambda: reduce_scatter(torch.ones(world + 1)),
+        "ag_sizes": lambda: all_gather(torch.ones(2), sizes=[2] * (world + 1)),
+        "ag_own_size": lambda: all_gather(torch.ones(2), sizes=[3] * world),
+        "a2a_splits": lambda: all_to_all(torch.ones(4), input_split_sizes=[1] * world),
+        "group": lambda: all_reduce(torch.ones(2), group="dp"),
+        "scalar": lambda: all_gather(torch.tensor(1.0)),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+        except (ValueError, TypeError) as error:
+            errors[name] = str(error)
+    # Every rank must still be in step: a failed validation issued no collective.
+    torch.testing.assert_close(all_reduce(torch.ones(1)), torch.full((1,), float(world)))
+    return errors
+
+
+def test_bad_input_raises_before_any_collective():
+    errors = run_distributed(_bad_inputs, world_size=2)[0]
+    assert set(errors) == {
+        "op", "avg_int", "contiguous", "not_tensor", "src", "rs_divisible", "ag_sizes", "ag_own_size", "a2a_splits",
+        "group", "scalar",
+    }
+    assert "use one of" in errors["op"]
+    assert "use op='sum'" in errors["avg_int"]
+    assert "tensor.contiguous()" in errors["contiguous"]
+    assert "src=2" in errors["src"] and "[0, 2)" in errors["src"]
+    assert "pad it to a multiple of 2" in errors["rs_divisible"]
+    assert "Mesh.group" in errors["group"]
+
+
+def _group_of_world():
+    group = world_group()
+    return group.name, group.ranks, group.rank, group.size
+
+
+def test_world_group_describes_every_rank():
+    results = run_distributed(_group_of_world, world_size=2)
+    assert results == [("world", (0, 1), 0, 2), ("world", (0, 1), 1, 2)]
