@@ -17,10 +17,12 @@ def _fresh_table():
     algorithms._table.clear()
 
 
-def test_gloo_reduce_scatter_switches_to_all_reduce_from_one_mebibyte():
+def test_gloo_switches_reduce_scatter_and_all_gather_to_all_reduce_at_the_measured_sizes():
     assert choose_algorithm("reduce_scatter", "gloo", (1 << 20) - 1) == "native"
     assert choose_algorithm("reduce_scatter", "gloo", 1 << 20) == "all_reduce"
     assert choose_algorithm("reduce_scatter", "nccl", 1 << 30) == "native"
+    assert choose_algorithm("all_gather", "gloo", (4 << 20) - 1) == "native"
+    assert choose_algorithm("all_gather", "gloo", 4 << 20) == "all_reduce"
     assert choose_algorithm("all_reduce", "gloo", 1 << 30) == "native"
 
 

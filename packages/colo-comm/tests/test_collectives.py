@@ -77,7 +77,12 @@ def test_broadcast_from_every_source(world_size):
         run_distributed(_broadcast, src, torch.bfloat16, world_size=world_size)
 
 
-def _all_gather(shape, dim, dtype, uneven):
+def _all_gather(shape, dim, dtype, uneven, algorithm):
+    with force_algorithm("all_gather", algorithm):
+        _all_gather_checked(shape, dim, dtype, uneven)
+
+
+def _all_gather_checked(shape, dim, dtype, uneven):
     rank, world = dist.get_rank(), dist.get_world_size()
     if uneven:
         sizes = [(r % 3) + 1 for r in range(world)]
@@ -98,8 +103,9 @@ def _all_gather(shape, dim, dtype, uneven):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 @pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
-def test_all_gather_concatenates_in_rank_order(world_size, dim, uneven):
-    run_distributed(_all_gather, (2, 3, 4), dim, torch.float16, uneven, world_size=world_size)
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+def test_all_gather_concatenates_in_rank_order(world_size, dim, uneven, algorithm):
+    run_distributed(_all_gather, (2, 3, 4), dim, torch.float16, uneven, algorithm, world_size=world_size)
 
 
 def _reduce_scatter(algorithm, dim, op, dtype):

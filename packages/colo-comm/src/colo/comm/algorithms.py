@@ -20,12 +20,16 @@ from pathlib import Path
 
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "all_reduce"),
+    "all_gather": ("native", "all_reduce"),
 }
 """For each collective with a choice, its implementations: ``native`` is torch.distributed's own."""
 
 BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
-    "gloo": {"reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")]},
-    "nccl": {"reduce_scatter": [(0, "native")]},
+    "gloo": {
+        "reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")],
+        "all_gather": [(0, "native"), (4 << 20, "all_reduce")],
+    },
+    "nccl": {"reduce_scatter": [(0, "native")], "all_gather": [(0, "native")]},
 }
 
 _table: dict[str, dict[str, list[tuple[int, str]]]] = {}

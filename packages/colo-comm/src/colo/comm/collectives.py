@@ -165,16 +165,34 @@ def all_gather(
         extent = tensor.shape[dim]
         total = n * extent
         volume = (n - 1) * extent * row_bytes
-        record("all_gather", group.name, n, str(tensor.dtype), volume, volume, "native")
     else:
         extent = max(sizes)
         pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, extent - tensor.shape[dim]]
         piece = torch.nn.functional.pad(tensor, pad).contiguous()
         total = sum(sizes)
         volume = (total - sizes[me]) * row_bytes
-        record("all_gather", group.name, n, str(tensor.dtype), volume, (n - 1) * extent * row_bytes, "padded")
 
-    flat = torch.empty(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
+    algorithm = choose_algorithm("all_gather", group.backend, n * _nbytes(piece))
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        algorithm = "native"
+    if algorithm == "all_reduce":
+        # Every rank writes its piece into a zero buffer and the sum assembles them: x + 0 == x exactly
+        # (up to the sign of a zero: -0.0 arrives as +0.0).
+        flat = torch.zeros(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
+        flat.narrow(0, me * piece.numel(), piece.numel()).copy_(piece.view(-1))
+
+        def start() -> list:
+            return [dist.all_reduce(flat, group=group.process_group, async_op=True)]
+    else:
+        flat = torch.empty(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
+
+        def start() -> list:
+            return [_all_gather_flat(flat, piece.view(-1), group=group.process_group, async_op=True)]
+
+    padded_volume = (n - 1) * extent * row_bytes
+    impl_volume = 2 * padded_volume if algorithm == "all_reduce" else padded_volume
+    label = algorithm if sizes is None else f"padded_{algorithm}"
+    record("all_gather", group.name, n, str(tensor.dtype), volume, impl_volume, label)
 
     def finish() -> torch.Tensor:
         stacked = flat.view(n, *piece.shape)
@@ -185,14 +203,7 @@ def all_gather(
             parts = [part.narrow(dim, 0, size) for part, size in zip(parts, sizes)]
         return torch.cat(parts, dim=dim)
 
-    return issue(
-        "all_gather",
-        group,
-        lambda: [_all_gather_flat(flat, piece.view(-1), group=group.process_group, async_op=True)],
-        finish,
-        async_op,
-        f"of {tuple(tensor.shape)} {tensor.dtype}",
-    )
+    return issue("all_gather", group, start, finish, async_op, f"of {tuple(tensor.shape)} {tensor.dtype}")
 
 
 def _inner_numel(tensor: torch.Tensor, dim: int) -> int:
