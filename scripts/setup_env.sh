@@ -28,7 +28,16 @@ else
 fi
 
 PIP=("$PY" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install -c "$CONSTRAINTS" "torch" "hatchling>=1.18" "editables" 2>&1 | grep -v "^WARNING: Location" || true
+pip_install() {
+    # pip's output without this machine's noise about missing local index folders; its failure fails setup
+    local log status=0
+    log=$(mktemp)
+    "${PIP[@]}" install "$@" >"$log" 2>&1 || status=$?
+    grep -v "^WARNING: Location" "$log" || true
+    rm -f "$log"
+    return $status
+}
+pip_install -c "$CONSTRAINTS" "torch" "hatchling>=1.18" "editables"
 "$PY" -c "import torch" >/dev/null  # fail loudly if the torch install did not work
 
 PACKAGES=(comm kernels tensor zero gemini pipeline apps)
@@ -37,7 +46,6 @@ for name in "${PACKAGES[@]}"; do
     EDITABLES+=(-e "./packages/colo-$name[testing]")
 done
 # No build isolation: hatchling is already in the venv, which saves a build environment per package.
-"${PIP[@]}" install -c "$CONSTRAINTS" --no-build-isolation "${EDITABLES[@]}" -e ".[dev]" 2>&1 \
-    | grep -v "^WARNING: Location" || true
+pip_install -c "$CONSTRAINTS" --no-build-isolation "${EDITABLES[@]}" -e ".[dev]"
 "$PY" -c "import colo.comm, colo.kernels, colo.tensor, colo.zero, colo.gemini, colo.pipeline, colo.apps"
 echo "[setup] ok: $("$PY" -c "import torch; print('torch', torch.__version__)")"

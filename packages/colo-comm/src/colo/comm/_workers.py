@@ -188,9 +188,13 @@ class RankGang:
             payload = pickle.dumps((task_id, ref, tuple(args), dict(kwargs or {})))
         except Exception as error:
             raise TypeError(f"arguments for {ref.qualname} cannot be pickled to send to the ranks: {error}") from error
-        for conn in self._conns:
-            conn.send_bytes(payload)
-        results, failures, pending = self._collect(task_id, timeout, expect="ok")
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            results, failures, pending = self._collect(task_id, timeout, expect="ok")
+        except BaseException:
+            self.kill()  # interrupted (Ctrl-C, pytest-timeout): the ranks' state is unknown, never reuse them
+            raise
         if not failures and not pending:
             return [results[rank] for rank in range(self.world_size)]
         first = next(iter(failures), None)
@@ -237,7 +241,9 @@ class RankGang:
                         self._procs[rank].join(1)
                         code = self._procs[rank].exitcode
                     failures[rank] = f"rank {rank} died (exit code {code})"
-                elif reply[0] == expect and reply[1] == task_id:
+                elif reply[1] != task_id:
+                    continue  # not an answer to this request
+                elif reply[0] == expect:
                     results[rank] = reply[2]
                 elif reply[0] in ("error", "init_error"):
                     failures[rank] = reply[2]

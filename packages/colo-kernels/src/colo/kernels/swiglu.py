@@ -23,12 +23,18 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 if triton is not None:
 
     @triton.jit
+    def _sigmoid(x):
+        # exp of a non-positive number only, so no overflow for large |x|
+        decay = tl.exp(-tl.abs(x))
+        return tl.where(x >= 0, 1.0 / (1.0 + decay), decay / (1.0 + decay))
+
+    @triton.jit
     def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        out = gate / (1.0 + tl.exp(-gate)) * up
+        out = gate * _sigmoid(gate) * up
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -38,7 +44,7 @@ if triton is not None:
         dout = tl.load(dout_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        sigmoid = 1.0 / (1.0 + tl.exp(-gate))
+        sigmoid = _sigmoid(gate)
         silu = gate * sigmoid
         # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
         dgate = dout * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
