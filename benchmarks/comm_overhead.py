@@ -25,11 +25,23 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", default=str(RESULTS / "comm_overhead_cpu.json"))
     args = parser.parse_args()
-    return bench.main([
-        "--nprocs", str(args.nprocs), "--vs-raw", "--rounds", str(args.rounds),
-        "--ops", "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast",
-        "--min-bytes", "4K", "--max-bytes", "16M", "--json", args.json,
-    ])
+    return bench.main(
+        [
+            "--nprocs",
+            str(args.nprocs),
+            "--vs-raw",
+            "--rounds",
+            str(args.rounds),
+            "--ops",
+            "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "16M",
+            "--json",
+            args.json,
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def test_bandwidth_table_covers_each_axis_op_and_size():
 def test_calibration_and_overhead_modes_produce_tables():
     calibration = run_distributed(_bench, ["--calibrate", "unused.json", "--max-bytes", "4K"], world_size=2)[0]
     assert set(calibration["table"]["gloo"]) == {"reduce_scatter", "all_gather"}
-    overhead = run_distributed(_bench, ["--vs-raw", "--max-bytes", "4K", "--rounds", "2", "--ops", "all_reduce"],
-                               world_size=2)[0]
+    overhead = run_distributed(
+        _bench, ["--vs-raw", "--max-bytes", "4K", "--rounds", "2", "--ops", "all_reduce"], world_size=2
+    )[0]
     (row,) = overhead["overhead"]
     assert row["op"] == "all_reduce" and row["ratio"] > 0
 

@@ -131,8 +131,10 @@ def test_reduce_scatter_equals_local_reduction_then_chunk(world_size, algorithm,
 def _all_to_all(uneven, pass_output_splits):
     rank, world = dist.get_rank(), dist.get_world_size()
     # splits[src][dst]: rows rank src sends to rank dst
-    splits = [[(src + 2 * dst) % 3 + (0 if uneven else 2 - (src + 2 * dst) % 3) for dst in range(world)]
-              for src in range(world)]
+    splits = [
+        [(src + 2 * dst) % 3 + (0 if uneven else 2 - (src + 2 * dst) % 3) for dst in range(world)]
+        for src in range(world)
+    ]
     inputs = [_rank_input(src, (sum(splits[src]), 2), torch.float32) for src in range(world)]
     kwargs = {}
     if uneven:
@@ -203,8 +205,17 @@ def _bad_inputs():
 def test_bad_input_raises_before_any_collective():
     errors = run_distributed(_bad_inputs, world_size=2)[0]
     assert set(errors) == {
-        "op", "avg_int", "contiguous", "not_tensor", "src", "rs_divisible", "ag_sizes", "ag_own_size", "a2a_splits",
-        "group", "scalar",
+        "op",
+        "avg_int",
+        "contiguous",
+        "not_tensor",
+        "src",
+        "rs_divisible",
+        "ag_sizes",
+        "ag_own_size",
+        "a2a_splits",
+        "group",
+        "scalar",
     }
     assert "use one of" in errors["op"]
     assert "use op='sum'" in errors["avg_int"]

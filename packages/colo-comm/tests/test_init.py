@@ -54,7 +54,8 @@ def test_a_script_without_torchrun_runs_as_a_single_process_job():
         from colo.comm import all_reduce, destroy_distributed, init_distributed, Mesh
         info = init_distributed(timeout=12)
         mesh = Mesh(dp=1)
-        print(info.rank, info.world_size, info.backend, info.timeout, all_reduce(torch.ones(2), group=mesh.group("dp")).sum().item())
+        total = all_reduce(torch.ones(2), group=mesh.group("dp")).sum().item()
+        print(info.rank, info.world_size, info.backend, info.timeout, total)
         destroy_distributed()
         """
     )

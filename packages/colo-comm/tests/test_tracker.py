@@ -27,38 +27,45 @@ def _volumes():
     dp, tp = mesh.group("dp"), mesh.group("tp")
     world = mesh.group("dp", "tp")
     with CommTracker() as tracker:
-        all_reduce(torch.ones(1000), group=dp)                                   # fp32, 4000 B
+        all_reduce(torch.ones(1000), group=dp)  # fp32, 4000 B
         with force_algorithm("all_gather", "native"):
-            all_gather(torch.ones(10, 3, dtype=torch.bfloat16), group=tp)            # out 2*60 B
+            all_gather(torch.ones(10, 3, dtype=torch.bfloat16), group=tp)  # out 2*60 B
             all_gather(torch.ones(mesh.rank("tp") + 1, 5), group=tp, sizes=[1, 2])  # uneven: rows 1, 2 of 20 B
         with force_algorithm("all_gather", "all_reduce"):
-            all_gather(torch.ones(10, 3, dtype=torch.bfloat16), group=world)         # out 4*60 B
+            all_gather(torch.ones(10, 3, dtype=torch.bfloat16), group=world)  # out 4*60 B
         with force_algorithm("reduce_scatter", "native"):
-            reduce_scatter(torch.ones(8, 4), group=world)                        # in 128 B
+            reduce_scatter(torch.ones(8, 4), group=world)  # in 128 B
         with force_algorithm("reduce_scatter", "all_reduce"):
             reduce_scatter(torch.ones(8, 4), group=world)
-        all_to_all(torch.ones(4, 2, dtype=torch.float16), group=tp)              # in 16 B
-        broadcast(torch.ones(16), src=0, group=dp)                               # 64 B
+        all_to_all(torch.ones(4, 2, dtype=torch.float16), group=tp)  # in 16 B
+        broadcast(torch.ones(16), src=0, group=dp)  # 64 B
         peer = 1 - mesh.rank("tp")
         batch_send_recv([P2POp.send(torch.ones(3), peer), P2POp.recv(torch.empty(3), peer)], group=tp)
         barrier(group=world)
-    return mesh.rank("tp"), tracker.records, {
-        "all_reduce": (tracker.bytes("all_reduce", axis="dp"), tracker.calls("all_reduce")),
-        "all_gather": tracker.bytes("all_gather", axis="tp"),
-        "all_gather_impl": tracker.impl_bytes("all_gather", axis="tp"),
-        "all_gather_world": (tracker.bytes("all_gather", axis="dp+tp"), tracker.impl_bytes("all_gather", axis="dp+tp"),
-                             tracker.algorithms("all_gather")),
-        "reduce_scatter": tracker.bytes("reduce_scatter", axis="dp+tp"),
-        "reduce_scatter_impl": tracker.impl_bytes("reduce_scatter", axis="dp+tp"),
-        "reduce_scatter_algorithms": tracker.algorithms("reduce_scatter"),
-        "all_to_all": tracker.bytes("all_to_all", axis="tp"),
-        "broadcast": tracker.bytes("broadcast", axis="dp"),
-        "send": tracker.bytes("send", axis="tp"),
-        "recv": tracker.bytes("recv", axis="tp"),
-        "barrier": (tracker.bytes("barrier"), tracker.calls("barrier", axis="dp+tp")),
-        "other_axis": tracker.bytes("all_reduce", axis="tp"),
-        "summary": tracker.summary(),
-    }
+    return (
+        mesh.rank("tp"),
+        tracker.records,
+        {
+            "all_reduce": (tracker.bytes("all_reduce", axis="dp"), tracker.calls("all_reduce")),
+            "all_gather": tracker.bytes("all_gather", axis="tp"),
+            "all_gather_impl": tracker.impl_bytes("all_gather", axis="tp"),
+            "all_gather_world": (
+                tracker.bytes("all_gather", axis="dp+tp"),
+                tracker.impl_bytes("all_gather", axis="dp+tp"),
+                tracker.algorithms("all_gather"),
+            ),
+            "reduce_scatter": tracker.bytes("reduce_scatter", axis="dp+tp"),
+            "reduce_scatter_impl": tracker.impl_bytes("reduce_scatter", axis="dp+tp"),
+            "reduce_scatter_algorithms": tracker.algorithms("reduce_scatter"),
+            "all_to_all": tracker.bytes("all_to_all", axis="tp"),
+            "broadcast": tracker.bytes("broadcast", axis="dp"),
+            "send": tracker.bytes("send", axis="tp"),
+            "recv": tracker.bytes("recv", axis="tp"),
+            "barrier": (tracker.bytes("barrier"), tracker.calls("barrier", axis="dp+tp")),
+            "other_axis": tracker.bytes("all_reduce", axis="tp"),
+            "summary": tracker.summary(),
+        },
+    )
 
 
 def test_tracker_bytes_equal_the_formulas():
@@ -72,8 +79,11 @@ def test_tracker_bytes_equal_the_formulas():
         # the padded implementation moves max(sizes) = 2 rows from each other rank
         assert volume["all_gather_impl"] == pytest.approx(even_gather + (n - 1) * 2 * 20)
         # an all-gather run as an all-reduce of the (4 * 60 B) output buffer moves twice the formula volume
-        assert volume["all_gather_world"] == (pytest.approx(3 / 4 * 240), pytest.approx(2 * 3 / 4 * 240),
-                                              {"native": 1, "padded_native": 1, "all_reduce": 1})
+        assert volume["all_gather_world"] == (
+            pytest.approx(3 / 4 * 240),
+            pytest.approx(2 * 3 / 4 * 240),
+            {"native": 1, "padded_native": 1, "all_reduce": 1},
+        )
         assert volume["reduce_scatter"] == pytest.approx(2 * (3 / 4) * 128)
         assert volume["reduce_scatter_impl"] == pytest.approx((3 / 4) * 128 + 2 * (3 / 4) * 128)
         assert volume["reduce_scatter_algorithms"] == {"native": 1, "all_reduce": 1}

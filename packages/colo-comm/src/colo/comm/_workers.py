@@ -24,12 +24,24 @@ FAILURE_GRACE_S = 2.0
 """After a rank fails, how long the others get to finish or fail themselves before the gang is killed."""
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, pg_timeout: float, threads: int | None,
-                 env: dict[str, str], conn) -> None:
+def _worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    pg_timeout: float,
+    threads: int | None,
+    env: dict[str, str],
+    conn,
+) -> None:
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -90,8 +102,16 @@ class RankGang:
         start_timeout: seconds to wait for every rank to join the process group.
     """
 
-    def __init__(self, world_size: int, *, backend: str = "auto", pg_timeout: float = 60.0,
-                 threads: int | None = None, env: dict[str, str] | None = None, start_timeout: float = 120.0):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "auto",
+        pg_timeout: float = 60.0,
+        threads: int | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 120.0,
+    ):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be a positive int")
         self.world_size = world_size
@@ -117,9 +137,7 @@ class RankGang:
             port_taken = any(any(s in text.lower() for s in _ADDRESS_IN_USE) for text in failures.values())
             if not port_taken or attempt == attempts - 1:
                 first = min(failures)
-                raise RankFailure(
-                    f"rank {first} failed to start:\n{failures[first]}", failures, first
-                )
+                raise RankFailure(f"rank {first} failed to start:\n{failures[first]}", failures, first)
         raise AssertionError("unreachable")
 
     def _try_start(self, port: int) -> dict[int, str]:
@@ -200,8 +218,9 @@ class RankGang:
         first = next(iter(failures), None)
         for rank in pending:
             failures[rank] = (
-                f"rank {rank} did not finish within {timeout:.0f}s" if first is None else
-                f"rank {rank} was still running {FAILURE_GRACE_S:.0f}s after rank {first} failed "
+                f"rank {rank} did not finish within {timeout:.0f}s"
+                if first is None
+                else f"rank {rank} was still running {FAILURE_GRACE_S:.0f}s after rank {first} failed "
                 "(probably waiting in a collective for it)"
             )
         self.kill()

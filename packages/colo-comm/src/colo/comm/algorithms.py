@@ -41,7 +41,9 @@ def _validate(table: dict) -> dict[str, dict[str, list[tuple[int, str]]]]:
     for backend, ops in table.items():
         for op, entries in ops.items():
             if op not in ALTERNATIVES:
-                raise ValueError(f"algorithm table names op {op!r}, which has no alternatives; known: {list(ALTERNATIVES)}")
+                raise ValueError(
+                    f"algorithm table names op {op!r}, which has no alternatives; known: {list(ALTERNATIVES)}"
+                )
             rows = sorted((int(min_bytes), str(name)) for min_bytes, name in entries)
             for _, name in rows:
                 if name not in ALTERNATIVES[op]:
@@ -86,7 +88,9 @@ def choose_algorithm(op: str, backend: str, nbytes: int) -> str:
 def force_algorithm(op: str, algorithm: str) -> Iterator[None]:
     """Run ``op`` with ``algorithm`` regardless of size inside the block (for tests and benchmarks)."""
     if algorithm not in ALTERNATIVES.get(op, ("native",)):
-        raise ValueError(f"algorithm {algorithm!r} for {op} is unknown; choose from {ALTERNATIVES.get(op, ('native',))}")
+        raise ValueError(
+            f"algorithm {algorithm!r} for {op} is unknown; choose from {ALTERNATIVES.get(op, ('native',))}"
+        )
     previous = _forced.get(op)
     _forced[op] = algorithm
     try:

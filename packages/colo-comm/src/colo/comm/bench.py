@@ -212,11 +212,19 @@ def bandwidth_rows(mesh, ops, sizes, dtype) -> list[dict]:
                 seconds = time_call(_colo_call(op, nbytes, group, dtype, None))
                 algorithm = choose_algorithm(op, group.backend, nbytes)
                 algbw = nbytes / seconds / 1e9
-                rows.append({
-                    "axis": group.name, "group_size": n, "op": op, "bytes": nbytes, "dtype": str(dtype).split(".")[-1],
-                    "algorithm": algorithm, "time_us": seconds * 1e6, "algbw_gbps": algbw,
-                    "busbw_gbps": algbw * BUS_FACTOR[op](n),
-                })
+                rows.append(
+                    {
+                        "axis": group.name,
+                        "group_size": n,
+                        "op": op,
+                        "bytes": nbytes,
+                        "dtype": str(dtype).split(".")[-1],
+                        "algorithm": algorithm,
+                        "time_us": seconds * 1e6,
+                        "algbw_gbps": algbw,
+                        "busbw_gbps": algbw * BUS_FACTOR[op](n),
+                    }
+                )
     return rows
 
 
@@ -236,8 +244,9 @@ def calibration_rows(group, sizes, dtype) -> tuple[list[dict], dict]:
             timings = {name: time_call(_colo_call(op, nbytes, group, dtype, name)) for name in names}
             best = min(timings, key=timings.get)
             fastest.append((nbytes, best))
-            rows.append({"op": op, "bytes": nbytes, **{f"{k}_us": v * 1e6 for k, v in timings.items()},
-                         "fastest": best})
+            rows.append(
+                {"op": op, "bytes": nbytes, **{f"{k}_us": v * 1e6 for k, v in timings.items()}, "fastest": best}
+            )
         entries: list[list] = [[0, "native"]]
         for index, (nbytes, _) in enumerate(fastest):
             if all(best != "native" for _, best in fastest[index:]):
@@ -264,25 +273,40 @@ def overhead_rows(group, ops, sizes, dtype, rounds: int) -> list[dict]:
                 raw_times.append(raw_s)
                 colo_times.append(colo_s)
                 ratios.append(colo_s / raw_s)
-            rows.append({
-                "op": op, "bytes": nbytes, "raw_us": statistics.median(raw_times) * 1e6,
-                "colo_us": statistics.median(colo_times) * 1e6, "ratio": statistics.median(ratios),
-            })
+            rows.append(
+                {
+                    "op": op,
+                    "bytes": nbytes,
+                    "raw_us": statistics.median(raw_times) * 1e6,
+                    "colo_us": statistics.median(colo_times) * 1e6,
+                    "ratio": statistics.median(ratios),
+                }
+            )
     return rows
 
 
 def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     print(f"\n# {title}")
-    print("".join(f"{header:>{width}}" for header, _, width in ((h, k, w.split('.')[0].lstrip('<>')) for h, k, w in columns)))
+    print(
+        "".join(
+            f"{header:>{width}}" for header, _, width in ((h, k, w.split(".")[0].lstrip("<>")) for h, k, w in columns)
+        )
+    )
     for row in rows:
         print("".join(format(row[key], spec) for _, key, spec in columns))
 
 
 def _environment() -> dict:
     return {
-        "world_size": dist.get_world_size(), "backend": dist.get_backend(), "torch": torch.__version__,
-        "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "device": torch.cuda.get_device_name() if dist.get_backend() == "nccl" else f"cpu ({platform.processor() or 'unknown'})",
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": torch.cuda.get_device_name()
+        if dist.get_backend() == "nccl"
+        else f"cpu ({platform.processor() or 'unknown'})",
         "omp_threads": torch.get_num_threads(),
     }
 
@@ -306,32 +330,53 @@ def run(args: argparse.Namespace) -> dict:
         rows, table = calibration_rows(group, sizes, dtype)
         result.update(calibration=rows, table=table)
         if rank0:
-            _print_table(f"implementations per op (us), {group.size} ranks", rows, [
-                ("op", "op", ">16"), ("size", "bytes", ">12"),
-                *[(f"{k}", f"{k}_us", ">14.1f") for k in ("native", "all_reduce")], ("fastest", "fastest", ">12"),
-            ])
+            _print_table(
+                f"implementations per op (us), {group.size} ranks",
+                rows,
+                [
+                    ("op", "op", ">16"),
+                    ("size", "bytes", ">12"),
+                    *[(f"{k}", f"{k}_us", ">14.1f") for k in ("native", "all_reduce")],
+                    ("fastest", "fastest", ">12"),
+                ],
+            )
             print(f"\ntable: {json.dumps(table)}")
     elif args.vs_raw:
         group = mesh.group(*mesh.axis_names)
         rows = overhead_rows(group, ops, sizes, dtype, args.rounds)
         result["overhead"] = rows
         if rank0:
-            _print_table(f"colo wrappers vs raw torch.distributed, {group.size} ranks, median of {args.rounds} "
-                         "alternating rounds", rows, [
-                ("op", "op", ">16"), ("size", "bytes", ">12"), ("raw us", "raw_us", ">12.1f"),
-                ("colo us", "colo_us", ">12.1f"), ("colo/raw", "ratio", ">10.3f"),
-            ])
+            _print_table(
+                f"colo wrappers vs raw torch.distributed, {group.size} ranks, median of {args.rounds} "
+                "alternating rounds",
+                rows,
+                [
+                    ("op", "op", ">16"),
+                    ("size", "bytes", ">12"),
+                    ("raw us", "raw_us", ">12.1f"),
+                    ("colo us", "colo_us", ">12.1f"),
+                    ("colo/raw", "ratio", ">10.3f"),
+                ],
+            )
     else:
         rows = bandwidth_rows(mesh, ops, sizes, dtype)
         result["bandwidth"] = rows
         if rank0:
             env = result["environment"]
-            _print_table(f"colo.comm bandwidth: mesh {shape}, {env['backend']}, {env['world_size']} ranks, "
-                         f"{env['device']}", rows, [
-                ("axis", "axis", ">8"), ("op", "op", ">16"), ("size", "bytes", ">11"), ("dtype", "dtype", ">9"),
-                ("algorithm", "algorithm", ">12"), ("time(us)", "time_us", ">12.1f"),
-                ("algbw(GB/s)", "algbw_gbps", ">13.3f"), ("busbw(GB/s)", "busbw_gbps", ">13.3f"),
-            ])
+            _print_table(
+                f"colo.comm bandwidth: mesh {shape}, {env['backend']}, {env['world_size']} ranks, {env['device']}",
+                rows,
+                [
+                    ("axis", "axis", ">8"),
+                    ("op", "op", ">16"),
+                    ("size", "bytes", ">11"),
+                    ("dtype", "dtype", ">9"),
+                    ("algorithm", "algorithm", ">12"),
+                    ("time(us)", "time_us", ">12.1f"),
+                    ("algbw(GB/s)", "algbw_gbps", ">13.3f"),
+                    ("busbw(GB/s)", "busbw_gbps", ">13.3f"),
+                ],
+            )
     return result
 
 

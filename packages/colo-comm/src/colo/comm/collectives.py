@@ -49,7 +49,9 @@ def _check_reduce_op(op_name: str, reduce: str, tensor: torch.Tensor) -> None:
 
 def _check_group_rank(op: str, name: str, value: int, group: Group) -> int:
     if not isinstance(value, int) or not 0 <= value < group.size:
-        raise ValueError(f"{op}: {name}={value!r} must be a group rank in [0, {group.size}) of group {group.describe()}")
+        raise ValueError(
+            f"{op}: {name}={value!r} must be a group rank in [0, {group.size}) of group {group.describe()}"
+        )
     return value
 
 

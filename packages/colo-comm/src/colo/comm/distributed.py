@@ -81,9 +81,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it)") from None
 
 
-def init_distributed(
-    backend: str = "auto", *, timeout: float | datetime.timedelta | None = None
-) -> DistributedInfo:
+def init_distributed(backend: str = "auto", *, timeout: float | datetime.timedelta | None = None) -> DistributedInfo:
     """Initialise torch.distributed for this process, from torchrun's environment.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun (and

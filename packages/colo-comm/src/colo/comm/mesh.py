@@ -71,7 +71,8 @@ class Mesh:
                 fixed = dict(axis_sizes, **{first: axis_sizes[first] * world // total})
                 hint = f", e.g. Mesh({', '.join(f'{k}={v}' for k, v in fixed.items())})"
             raise ValueError(
-                f"Mesh({shown}) has {total} ranks but the world has {world}; choose sizes that multiply to {world}{hint}"
+                f"Mesh({shown}) has {total} ranks but the world has {world}; "
+                f"choose sizes that multiply to {world}{hint}"
             )
 
     # --- geometry -------------------------------------------------------------------------------------------

@@ -112,7 +112,9 @@ def batch_send_recv(ops: list[P2POp], *, group: Group | dist.ProcessGroup | None
         function = dist.isend if op.kind == "send" else dist.irecv
         torch_ops.append(dist.P2POp(function, op.tensor, group.global_rank(op.peer), group.process_group))
     received = [op.tensor for op in ops if op.kind == "recv"]
-    summary = ", ".join(f"{op.kind} {tuple(op.tensor.shape)} {'to' if op.kind == 'send' else 'from'} {op.peer}" for op in ops)
+    summary = ", ".join(
+        f"{op.kind} {tuple(op.tensor.shape)} {'to' if op.kind == 'send' else 'from'} {op.peer}" for op in ops
+    )
     return issue(
         "batch_send_recv",
         group,

@@ -118,9 +118,7 @@ class CommTracker:
         return "\n".join(lines)
 
 
-def record(
-    op: str, axis: str, group_size: int, dtype: str, volume: float, impl_volume: float, algorithm: str
-) -> None:
+def record(op: str, axis: str, group_size: int, dtype: str, volume: float, impl_volume: float, algorithm: str) -> None:
     """Add one call to every active tracker (a no-op when none is active)."""
     if not _active:
         return

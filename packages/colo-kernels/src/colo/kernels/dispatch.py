@@ -59,7 +59,9 @@ def resolve_backend(op: str, *tensors: torch.Tensor, backend: str | None = None)
     if requested == "auto":
         return "triton" if on_cuda and triton_available() else "torch"
     if not triton_available():
-        raise UnsupportedKernelInput(f"{op}: backend 'triton' was forced but triton is not installed; pip install triton")
+        raise UnsupportedKernelInput(
+            f"{op}: backend 'triton' was forced but triton is not installed; pip install triton"
+        )
     if not on_cuda and not interpreter_enabled():
         raise UnsupportedKernelInput(
             f"{op}: backend 'triton' was forced for CPU tensors; set TRITON_INTERPRET=1 before importing colo.kernels "

@@ -46,8 +46,14 @@ class RankPool:
             self.starts += 1
         return self._gang
 
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-            *, timeout: float = DEFAULT_TEST_TIMEOUT_S) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        *,
+        timeout: float = DEFAULT_TEST_TIMEOUT_S,
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank and return the results in rank order (see `RankGang.run`)."""
         with self._lock:
             return self._ensure().run(fn, args, kwargs, timeout=timeout)
