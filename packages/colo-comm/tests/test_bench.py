@@ -15,7 +15,7 @@ def _bench(argv):
 
 
 def test_bandwidth_table_covers_each_axis_op_and_size():
-    argv = ["--mesh", "dp=2,tp=2", "--min-bytes", "4K", "--max-bytes", "16K"]
+    argv = ["--mesh", "dp=2,tp=2", "--min-bytes", "4K", "--max-bytes", "16K", "--quick"]
     result = run_distributed(_bench, argv, world_size=4)[0]
     rows = result["bandwidth"]
     assert {(r["axis"], r["op"], r["bytes"]) for r in rows} == {
@@ -30,10 +30,12 @@ def test_bandwidth_table_covers_each_axis_op_and_size():
 
 
 def test_calibration_and_overhead_modes_produce_tables():
-    calibration = run_distributed(_bench, ["--calibrate", "unused.json", "--max-bytes", "4K"], world_size=2)[0]
+    calibration = run_distributed(_bench, ["--calibrate", "unused.json", "--max-bytes", "4K", "--quick"], world_size=2)[
+        0
+    ]
     assert set(calibration["table"]["gloo"]) == {"reduce_scatter", "all_gather"}
     overhead = run_distributed(
-        _bench, ["--vs-raw", "--max-bytes", "4K", "--rounds", "2", "--ops", "all_reduce"], world_size=2
+        _bench, ["--vs-raw", "--max-bytes", "4K", "--rounds", "2", "--ops", "all_reduce", "--quick"], world_size=2
     )[0]
     (row,) = overhead["overhead"]
     assert row["op"] == "all_reduce" and row["ratio"] > 0

@@ -93,7 +93,11 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def time_call(call: Callable[[], object], *, target_s: float = 0.05, max_iters: int = 200) -> float:
+TARGET_S = {"target_s": 0.05}
+"""Seconds each measurement aims to take (``--quick`` lowers it, for smoke tests)."""
+
+
+def time_call(call: Callable[[], object], *, target_s: float | None = None, max_iters: int = 200) -> float:
     """Mean seconds per call, the slowest rank's, over an iteration count every rank agrees on."""
     from .collectives import barrier
 
@@ -104,6 +108,7 @@ def time_call(call: Callable[[], object], *, target_s: float = 0.05, max_iters: 
     call()
     _sync_device()
     first = max(time.perf_counter() - start, 1e-6)
+    target_s = TARGET_S["target_s"] if target_s is None else min(target_s, TARGET_S["target_s"])
     iters = int(_world_max(min(max_iters, max(3, target_s / first))))
     barrier()
     start = time.perf_counter()
@@ -315,6 +320,8 @@ def run(args: argparse.Namespace) -> dict:
     """The benchmark on this rank (torch.distributed already initialised); returns the results on every rank."""
     from .mesh import Mesh
 
+    if args.quick:
+        TARGET_S["target_s"] = 0.002
     dtype = getattr(torch, args.dtype)
     sizes = size_range(parse_size(args.min_bytes), parse_size(args.max_bytes))
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -397,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vs-raw", action="store_true", help="compare colo's wrappers with raw torch.distributed")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds for --vs-raw (median ratio)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="few iterations per measurement (a smoke test)")
     return parser
 
 
