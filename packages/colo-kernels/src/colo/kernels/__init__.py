@@ -1,11 +1,54 @@
 """colo.kernels: Triton kernels with torch reference implementations and a dispatcher.
 
-Each op has a torch reference and a Triton implementation, both autograd-aware, behind one public function;
-`resolve_backend` picks Triton on CUDA and the reference elsewhere (``COLO_KERNELS=triton|torch|auto`` forces it).
+Each op has a torch reference (``<op>_reference``) and a Triton implementation, both autograd-aware, behind one
+public function; `resolve_backend` picks Triton on CUDA and the reference elsewhere, ``COLO_KERNELS=triton|torch|auto``
+or `use_backend` forces it. Kernels load, compute in fp32 and store in the tensor's dtype.
 """
 
+from .adamw import FusedAdamW, adamw_reference, fused_adamw
+from .cross_entropy import cross_entropy, cross_entropy_reference
 from .dispatch import UnsupportedKernelInput, resolve_backend, triton_available, use_backend
+from .flash_attention import (
+    attention_block_backward,
+    attention_block_forward,
+    flash_attention,
+    flash_attention_reference,
+)
+from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
+from .layer_norm import layer_norm, layer_norm_reference
+from .rms_norm import rms_norm, rms_norm_reference
+from .rotary import rotary, rotary_cos_sin, rotary_reference
+from .softmax import softmax, softmax_reference
+from .swiglu import swiglu, swiglu_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["UnsupportedKernelInput", "__version__", "resolve_backend", "triton_available", "use_backend"]
+__all__ = [
+    "FusedAdamW",
+    "UnsupportedKernelInput",
+    "__version__",
+    "adamw_reference",
+    "attention_block_backward",
+    "attention_block_forward",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "flash_attention",
+    "flash_attention_reference",
+    "fused_adamw",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "resolve_backend",
+    "rms_norm",
+    "rms_norm_reference",
+    "rotary",
+    "rotary_cos_sin",
+    "rotary_reference",
+    "softmax",
+    "softmax_reference",
+    "swiglu",
+    "swiglu_reference",
+    "triton_available",
+    "use_backend",
+]

@@ -1,0 +1,59 @@
+"""Row tiling shared by the row-wise Triton kernels (`rms_norm`, `layer_norm`, `softmax`).
+
+These kernels treat their input as ``(rows, hidden)``, hold a whole row in one block and process several rows per
+program; their backward kernels loop over row tiles and accumulate per-program partial parameter gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import UnsupportedKernelInput
+
+try:
+    import triton
+except ImportError:  # triton is a Linux-only dependency; the reference paths work without it
+    triton = None
+
+MAX_FUSED_COLS = 65536
+"""Widest row the row-wise Triton kernels hold in one block; wider inputs need ``backend="torch"``."""
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_triton_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raise `UnsupportedKernelInput` unless every given tensor is fp32, bf16 or fp16."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.dtype not in _TRITON_DTYPES:
+            raise UnsupportedKernelInput(
+                f"{op}: the Triton kernel takes float32, bfloat16 or float16; {name} is {tensor.dtype} "
+                "(cast it, or use backend='torch')"
+            )
+
+
+def _row_tiling(op: str, n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)`` for a kernel that holds whole rows of ``n_cols`` elements.
+
+    On a GPU a tile is about 2k+ elements (several short rows per program); in Triton's interpreter every tile
+    operation is one numpy call, so tiles are as large as 32k elements to keep CPU tests fast.
+    """
+    if n_cols > MAX_FUSED_COLS:
+        raise UnsupportedKernelInput(
+            f"{op}: rows of {n_cols} elements exceed the {MAX_FUSED_COLS} the Triton kernel holds in one block; "
+            "use backend='torch'"
+        )
+    block_n = triton.next_power_of_2(max(n_cols, 1))
+    if device.type == "cuda":
+        rows = max(1, min(16, 2048 // block_n))
+    else:
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 32768 // block_n))
+    num_warps = min(16, max(4, rows * block_n // 512))
+    return block_n, rows, num_warps
+
+
+def _backward_grid(num_tiles: int, device: torch.device) -> int:
+    """Programs for a backward kernel that loops over row tiles: a few per SM on a GPU; at most two in the
+    interpreter, so CPU tests exercise a program that accumulates over several tiles, as on a GPU."""
+    if device.type == "cuda":
+        return max(1, min(num_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(num_tiles, 2))

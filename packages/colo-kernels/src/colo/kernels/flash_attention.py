@@ -1,0 +1,640 @@
+"""Attention with online softmax (FlashAttention-2, Dao, 2023), grouped-query heads, and its ring-attention block step.
+
+Layout is ``(batch, seq, heads, head_dim)`` for q, k, v and the output. ``heads_q`` must be a multiple of
+``heads_kv``: query head ``h`` reads kv head ``h // (heads_q // heads_kv)`` (the ``repeat_interleave``
+convention of grouped-query attention). Causal masking is bottom-right aligned: query ``i`` sees key ``j`` when
+``j <= i + seq_k - seq_q``, so with ``seq_q > seq_k`` the first rows see no key at all; such rows give an output of 0
+and a logsumexp of ``-inf``.
+
+Triton kernels: the forward gives a program one block of queries of one head, streams key/value blocks with an
+online softmax and saves the output and the row logsumexp (LSE). The backward recomputes the probabilities from the
+LSE: a small kernel computes ``delta = rowsum(dout * out)``, one kernel accumulates dk/dv per key block (looping
+over the query heads that share the kv head, so grouped-query sums need no atomics), another accumulates dq per
+query block. Tiles are loaded in the input dtype and computed in fp32; on a GPU, 16-bit inputs feed ``tl.dot`` in
+their own dtype with fp32 accumulation, as FlashAttention does.
+
+`attention_block_forward` / `attention_block_backward` expose one block of a ring-attention step: the forward
+returns the block's ``(out, lse)`` for the caller to merge across blocks, and the backward takes the *merged*
+``out`` and global ``lse``, so summing its per-block results gives the gradients of the full attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispatch import UnsupportedKernelInput, interpreter_enabled, resolve_backend
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is a Linux-only dependency; the reference still works without it
+    triton = None
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Validate the (batch, seq, heads, head_dim) layout and grouped-query heads; return heads_q // heads_kv."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"{op}: q, k and v must be 4-D (batch, seq, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch (dim 0) and head_dim (dim 3)"
+        )
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"{op}: heads_q={heads_q} is not a multiple of heads_kv={heads_kv}; grouped-query attention needs "
+            "each kv head shared by the same number of query heads"
+        )
+    return heads_q // heads_kv
+
+
+def _check_triton_inputs(op: str, **tensors: torch.Tensor) -> None:
+    """Raise `UnsupportedKernelInput` for dtypes or head sizes the Triton kernels do not take."""
+    dtypes = {t.dtype for t in tensors.values()}
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _TRITON_DTYPES:
+            raise UnsupportedKernelInput(
+                f"{op}: the Triton kernel takes float32, bfloat16 or float16; {name} is {tensor.dtype} "
+                "(cast it, or use backend='torch')"
+            )
+    if len(dtypes) > 1:
+        raise UnsupportedKernelInput(
+            f"{op}: the Triton kernel needs one dtype for {', '.join(tensors)}; got "
+            + ", ".join(f"{name}={t.dtype}" for name, t in tensors.items())
+        )
+    head_dim = next(iter(tensors.values())).shape[-1]
+    if head_dim not in (16, 32, 64, 128):
+        raise UnsupportedKernelInput(
+            f"{op}: the Triton kernel supports head_dim 16, 32, 64 or 128; got head_dim={head_dim} "
+            "(pad the heads, or use backend='torch')"
+        )
+
+
+def _default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Torch implementations
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _causal_mask(seq_q: int, seq_k: int, device: torch.device) -> torch.Tensor:
+    """``(seq_q, seq_k)`` bool mask, True where query i may attend key j (bottom-right aligned)."""
+    rows = torch.arange(seq_q, device=device).unsqueeze(1)
+    cols = torch.arange(seq_k, device=device).unsqueeze(0)
+    return cols <= rows + (seq_k - seq_q)
+
+
+def _scores_fp32(q, k, group, causal, scale):
+    """fp32 ``(batch, heads_q, seq_q, seq_k)`` scaled scores and the causal mask (or None)."""
+    k32 = k.float().repeat_interleave(group, dim=2) if group > 1 else k.float()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k32) * scale
+    mask = _causal_mask(q.shape[1], k.shape[1], q.device) if causal else None
+    return scores, mask
+
+
+def flash_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None
+) -> torch.Tensor:
+    """Attention as an explicit ``softmax(q @ k.T * scale) @ v`` in fp32 (autograd-aware), cast back to q's dtype.
+
+    Args:
+        q (torch.Tensor): ``(batch, seq_q, heads_q, head_dim)`` queries.
+        k (torch.Tensor): ``(batch, seq_k, heads_kv, head_dim)`` keys; ``heads_q`` a multiple of ``heads_kv``.
+        v (torch.Tensor): values, shaped like ``k``.
+        causal (bool): bottom-right aligned causal mask. Default: False.
+        scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
+
+    Returns:
+        torch.Tensor: ``(batch, seq_q, heads_q, head_dim)``; rows that see no key are 0.
+    """
+    group = _check_shapes("flash_attention_reference", q, k, v)
+    scores, mask = _scores_fp32(q, k, group, causal, _default_scale(q, scale))
+    if mask is not None:
+        # finfo.min rather than -inf keeps fully masked rows finite (uniform, then zeroed by the mask), gradients too
+        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        probs = probs * mask
+    v32 = v.float().repeat_interleave(group, dim=2) if group > 1 else v.float()
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v32).to(q.dtype)
+
+
+def _block_forward_torch(q, k, v, causal, scale):
+    """Torch ``(out, lse)`` of one attention block, fp32 math; lse is ``-inf`` on rows that see no key."""
+    group = q.shape[2] // k.shape[2]
+    scores, mask = _scores_fp32(q, k, group, causal, scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a fully masked row
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    v32 = v.float().repeat_interleave(group, dim=2) if group > 1 else v.float()
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v32)
+    return out.to(q.dtype), lse
+
+
+def _block_backward_torch(dout, q, k, v, out, lse, causal, scale):
+    """Torch ``(dq, dk, dv)`` of one attention block given the (merged) ``out`` and (global) ``lse``."""
+    batch, seq_k, heads_kv, head_dim = k.shape
+    group = q.shape[2] // heads_kv
+    scores, mask = _scores_fp32(q, k, group, causal, scale)
+    # lse = -inf marks a row that sees no key anywhere: +inf makes its probabilities exactly 0
+    lse = torch.where(lse == float("-inf"), float("inf"), lse.float())
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    if mask is not None:
+        probs = probs.masked_fill(~mask, 0.0)
+    dout32, q32 = dout.float(), q.float()
+    k32 = k.float().repeat_interleave(group, dim=2) if group > 1 else k.float()
+    v32 = v.float().repeat_interleave(group, dim=2) if group > 1 else v.float()
+    delta = (dout32 * out.float()).sum(-1).transpose(1, 2)  # (batch, heads_q, seq_q)
+    dprobs = torch.einsum("bqhd,bkhd->bhqk", dout32, v32)
+    dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k32)
+    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q32)
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)
+    dk = dk.view(batch, seq_k, heads_kv, group, head_dim).sum(3)
+    dv = dv.view(batch, seq_k, heads_kv, group, head_dim).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, NATIVE_DOT: tl.constexpr):
+        """``a @ b`` with an fp32 result. ``b`` is always a tile loaded from memory (the input dtype).
+
+        NATIVE_DOT (GPU, 16-bit inputs): ``a`` is cast to ``b``'s dtype and the dot runs on tensor cores with fp32
+        accumulation. Otherwise both operands are fp32 and the dot is exact fp32 (the interpreter's 16-bit dot is
+        inaccurate, and fp32 inputs should not silently drop to tf32).
+        """
+        if NATIVE_DOT:
+            result = tl.dot(a.to(b.dtype), b)
+        else:
+            result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return result
+
+    @triton.jit
+    def _attention_forward_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        lse_ptr,
+        seq_q,
+        seq_k,
+        heads_q,
+        heads_kv,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NATIVE_DOT: tl.constexpr,
+    ):
+        """One block of BLOCK_M queries of one (batch, query head): online softmax over key blocks."""
+        start_m = tl.program_id(0) * BLOCK_M
+        batch_head = tl.program_id(1)
+        batch = (batch_head // heads_q).to(tl.int64)
+        head = batch_head % heads_q
+        kv_head = head // (heads_q // heads_kv)
+        # contiguous (batch, seq, heads, head_dim): a row of q is heads_q * HEAD_DIM apart from the next
+        q_base = q_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
+        out_base = out_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
+        k_base = k_ptr + (batch * seq_k * heads_kv + kv_head) * HEAD_DIM
+        v_base = v_ptr + (batch * seq_k * heads_kv + kv_head) * HEAD_DIM
+        q_row_stride = heads_q * HEAD_DIM
+        kv_row_stride = heads_kv * HEAD_DIM
+
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < seq_q
+        q = tl.load(q_base + offs_m[:, None] * q_row_stride + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+        row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max of scores, in log2 units
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        diagonal = seq_k - seq_q  # causal: key j is visible to query i when j <= i + diagonal
+        end_n = seq_k
+        if CAUSAL:
+            end_n = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + diagonal), 0)
+        for start_n in range(0, end_n, BLOCK_N):
+            cols = start_n + offs_n
+            col_ok = cols < seq_k
+            k = tl.load(k_base + cols[:, None] * kv_row_stride + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
+            visible = col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+            scores = tl.where(visible, scores, -float("inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # rows that have seen no visible key yet keep max -inf: subtract 0 instead so exp2 gives 0, not NaN
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            correction = tl.exp2(row_max - shift)
+            probs = tl.exp2(scores - shift[:, None])
+            row_sum = row_sum * correction + tl.sum(probs, axis=1)
+            v = tl.load(v_base + cols[:, None] * kv_row_stride + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            acc = acc * correction[:, None] + _dot(probs, v, NATIVE_DOT)
+            row_max = new_max
+
+        has_keys = row_sum > 0.0
+        safe_sum = tl.where(has_keys, row_sum, 1.0)
+        out = acc / safe_sum[:, None]
+        # back from log2 units to the natural log: lse = (max + log2(sum)) * ln(2)
+        lse = tl.where(has_keys, (row_max + tl.log2(safe_sum)) * 0.6931471805599453, -float("inf"))
+        tl.store(
+            out_base + offs_m[:, None] * q_row_stride + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+        tl.store(lse_ptr + (batch * heads_q + head) * seq_q + offs_m, lse, mask=row_ok)
+
+    @triton.jit
+    def _attention_backward_delta_kernel(
+        out_ptr, dout_ptr, delta_ptr, seq_q, heads_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr
+    ):
+        """``delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]`` in fp32."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        batch_head = tl.program_id(1)
+        batch = (batch_head // heads_q).to(tl.int64)
+        head = batch_head % heads_q
+        offs_d = tl.arange(0, HEAD_DIM)
+        offsets = (batch * seq_q * heads_q + head) * HEAD_DIM + offs_m[:, None] * heads_q * HEAD_DIM + offs_d[None, :]
+        row_ok = offs_m < seq_q
+        out = tl.load(out_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        dout = tl.load(dout_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(delta_ptr + (batch * heads_q + head) * seq_q + offs_m, tl.sum(out * dout, axis=1), mask=row_ok)
+
+    @triton.jit
+    def _attention_probs(q, k, lse_log2, rows, cols, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, NATIVE_DOT):
+        """Recomputed ``(BLOCK_M, BLOCK_N)`` fp32 probabilities ``exp(scores - lse)``, 0 where masked."""
+        scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
+        visible = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
+        return tl.where(visible, tl.exp2(scores - lse_log2[:, None]), 0.0)
+
+    @triton.jit
+    def _attention_backward_dkdv_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        dout_ptr,
+        lse_ptr,
+        delta_ptr,
+        dk_ptr,
+        dv_ptr,
+        seq_q,
+        seq_k,
+        heads_q,
+        heads_kv,
+        scale,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NATIVE_DOT: tl.constexpr,
+    ):
+        """dk, dv for one block of BLOCK_N keys of one (batch, kv head), summed over the query heads sharing it."""
+        start_n = tl.program_id(0) * BLOCK_N
+        batch_head = tl.program_id(1)
+        batch = (batch_head // heads_kv).to(tl.int64)
+        kv_head = batch_head % heads_kv
+        group = heads_q // heads_kv
+        q_row_stride = heads_q * HEAD_DIM
+        kv_row_stride = heads_kv * HEAD_DIM
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        col_ok = offs_n < seq_k
+        kv_offsets = (batch * seq_k * heads_kv + kv_head) * HEAD_DIM + offs_n[:, None] * kv_row_stride + offs_d[None, :]
+        k = tl.load(k_ptr + kv_offsets, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_offsets, mask=col_ok[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        diagonal = seq_k - seq_q
+        begin_m = 0
+        if CAUSAL:  # the first query that sees key start_n is start_n - diagonal
+            begin_m = (tl.maximum(start_n - diagonal, 0) // BLOCK_M) * BLOCK_M
+        for head in range(kv_head * group, kv_head * group + group):
+            q_base = q_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
+            dout_base = dout_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
+            row_base = (batch * heads_q + head) * seq_q
+            for start_m in range(begin_m, seq_q, BLOCK_M):
+                rows = start_m + offs_m
+                row_ok = rows < seq_q
+                q_offsets = rows[:, None] * q_row_stride + offs_d[None, :]
+                q = tl.load(q_base + q_offsets, mask=row_ok[:, None], other=0.0)
+                dout = tl.load(dout_base + q_offsets, mask=row_ok[:, None], other=0.0)
+                lse = tl.load(lse_ptr + row_base + rows, mask=row_ok, other=0.0)
+                # lse = -inf: the row sees no key anywhere; +inf makes its probabilities exactly 0
+                lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+                delta = tl.load(delta_ptr + row_base + rows, mask=row_ok, other=0.0)
+                probs = _attention_probs(
+                    q, k, lse_log2, rows, offs_n, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, NATIVE_DOT
+                )
+                dv += _dot(tl.trans(probs), dout, NATIVE_DOT)
+                dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
+                dscores = probs * (dprobs - delta[:, None])
+                dk += _dot(tl.trans(dscores), q, NATIVE_DOT)
+        tl.store(dk_ptr + kv_offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+
+    @triton.jit
+    def _attention_backward_dq_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        dout_ptr,
+        lse_ptr,
+        delta_ptr,
+        dq_ptr,
+        seq_q,
+        seq_k,
+        heads_q,
+        heads_kv,
+        scale,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NATIVE_DOT: tl.constexpr,
+    ):
+        """dq for one block of BLOCK_M queries of one (batch, query head)."""
+        start_m = tl.program_id(0) * BLOCK_M
+        batch_head = tl.program_id(1)
+        batch = (batch_head // heads_q).to(tl.int64)
+        head = batch_head % heads_q
+        kv_head = head // (heads_q // heads_kv)
+        q_row_stride = heads_q * HEAD_DIM
+        kv_row_stride = heads_kv * HEAD_DIM
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < seq_q
+        q_offsets = (batch * seq_q * heads_q + head) * HEAD_DIM + offs_m[:, None] * q_row_stride + offs_d[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        dout = tl.load(dout_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        row_base = (batch * heads_q + head) * seq_q
+        lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+        lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+        k_base = k_ptr + (batch * seq_k * heads_kv + kv_head) * HEAD_DIM
+        v_base = v_ptr + (batch * seq_k * heads_kv + kv_head) * HEAD_DIM
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        diagonal = seq_k - seq_q
+        end_n = seq_k
+        if CAUSAL:
+            end_n = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + diagonal), 0)
+        for start_n in range(0, end_n, BLOCK_N):
+            cols = start_n + offs_n
+            kv_offsets = cols[:, None] * kv_row_stride + offs_d[None, :]
+            k = tl.load(k_base + kv_offsets, mask=(cols < seq_k)[:, None], other=0.0)
+            v = tl.load(v_base + kv_offsets, mask=(cols < seq_k)[:, None], other=0.0)
+            probs = _attention_probs(
+                q, k, lse_log2, offs_m, cols, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, NATIVE_DOT
+            )
+            dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
+            dscores = probs * (dprobs - delta[:, None])
+            dq += _dot(dscores, k, NATIVE_DOT)
+        tl.store(dq_ptr + q_offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _launch_config(q: torch.Tensor) -> dict:
+    """Block sizes and flags for the Triton kernels on ``q``'s device and dtype.
+
+    In Triton's interpreter each tile operation is one numpy call, so blocks of 32 keep the number of programs
+    and loop iterations small for test shapes while still covering several blocks per sequence. On a GPU, 16-bit
+    inputs use 64 x 64 tiles and tensor-core dots; fp32 uses exact fp32 dots on 32 x 32 tiles (registers).
+    """
+    head_dim = q.shape[-1]
+    native = q.is_cuda and not interpreter_enabled() and q.dtype in (torch.bfloat16, torch.float16)
+    block = 64 if native else 32
+    num_warps = 8 if (native and head_dim >= 128) else 4
+    return {"BLOCK_M": block, "BLOCK_N": block, "NATIVE_DOT": native, "num_warps": num_warps}
+
+
+def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.contiguous() for t in tensors]
+
+
+def _block_forward_triton(q, k, v, causal, scale):
+    q, k, v = _contiguous(q, k, v)
+    batch, seq_q, heads_q, head_dim = q.shape
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads_q, seq_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    config = _launch_config(q)
+    grid = (triton.cdiv(seq_q, config["BLOCK_M"]), batch * heads_q)
+    _attention_forward_kernel[grid](
+        q, k, v, out, lse, seq_q, seq_k, heads_q, heads_kv, scale * _LOG2E,
+        CAUSAL=causal, HEAD_DIM=head_dim, **config,
+    )  # fmt: skip
+    return out, lse
+
+
+def _block_backward_triton(dout, q, k, v, out, lse, causal, scale):
+    dout, q, k, v, out = _contiguous(dout, q, k, v, out)
+    lse = lse.float().contiguous()
+    batch, seq_q, heads_q, head_dim = q.shape
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    config = _launch_config(q)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    delta = torch.empty(batch, heads_q, seq_q, dtype=torch.float32, device=q.device)
+    _attention_backward_delta_kernel[(triton.cdiv(seq_q, block_m), batch * heads_q)](
+        out, dout, delta, seq_q, heads_q, HEAD_DIM=head_dim, BLOCK_M=block_m
+    )
+    _attention_backward_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * heads_kv)](
+        q, k, v, dout, lse, delta, dk, dv, seq_q, seq_k, heads_q, heads_kv, scale, scale * _LOG2E,
+        CAUSAL=causal, HEAD_DIM=head_dim, **config,
+    )  # fmt: skip
+    _attention_backward_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads_q)](
+        q, k, v, dout, lse, delta, dq, seq_q, seq_k, heads_q, heads_kv, scale, scale * _LOG2E,
+        CAUSAL=causal, HEAD_DIM=head_dim, **config,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _FlashAttentionTriton(torch.autograd.Function):
+    """Forward: online-softmax kernel saving out and LSE. Backward: recompute probabilities from the LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = _block_forward_triton(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _block_backward_triton(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public ops
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with online softmax (FlashAttention-2, Dao, 2023) and grouped-query heads.
+
+    The Triton forward never materializes the ``(seq_q, seq_k)`` scores: it streams key blocks with an online
+    softmax and saves the output and the row logsumexp; the backward recomputes the probabilities from the
+    logsumexp. The torch backend is `flash_attention_reference` (explicit softmax in fp32).
+
+    Args:
+        q (torch.Tensor): ``(batch, seq_q, heads_q, head_dim)`` queries.
+        k (torch.Tensor): ``(batch, seq_k, heads_kv, head_dim)`` keys; ``heads_q`` must be a multiple of
+            ``heads_kv`` (query head ``h`` uses kv head ``h // (heads_q // heads_kv)``).
+        v (torch.Tensor): values, shaped like ``k``.
+        causal (bool): causal mask, bottom-right aligned: query ``i`` sees key ``j <= i + seq_k - seq_q``; a row
+            that sees no key outputs 0. Default: False.
+        scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
+        backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
+            ``COLO_KERNELS``. Default: None.
+
+    Returns:
+        torch.Tensor: ``(batch, seq_q, heads_q, head_dim)`` in q's dtype.
+
+    Raises:
+        ValueError: for mismatched shapes, or ``heads_q`` not a multiple of ``heads_kv``.
+        UnsupportedKernelInput: on the Triton path, for dtypes other than fp32/bf16/fp16 (one for all three) or a
+            head_dim other than 16, 32, 64 or 128.
+    """
+    _check_shapes("flash_attention", q, k, v)
+    if resolve_backend("flash_attention", q, k, v, backend=backend) == "torch":
+        return flash_attention_reference(q, k, v, causal=causal, scale=scale)
+    _check_triton_inputs("flash_attention", q=q, k=k, v=v)
+    return _FlashAttentionTriton.apply(q, k, v, causal, _default_scale(q, scale))
+
+
+def attention_block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one block of keys, returning the output and the row logsumexp (no autograd).
+
+    The block step of ring attention (Liu et al., 2023): a caller that sees the keys in several blocks merges
+    the block results with ``lse = logsumexp_i(lse_i)`` and ``out = sum_i exp(lse_i - lse) * out_i``, then calls
+    `attention_block_backward` for each block with the merged ``out`` and ``lse``. A row that sees no key of
+    this block (possible with ``causal``) gets ``out = 0`` and ``lse = -inf``, which the merge weights by 0 (a row
+    that sees no key in any block has a global ``lse = -inf``; the caller's merge must then keep its output 0
+    rather than compute ``exp(-inf - -inf)``).
+
+    Args:
+        q (torch.Tensor): ``(batch, seq_q, heads_q, head_dim)`` queries.
+        k (torch.Tensor): ``(batch, seq_k, heads_kv, head_dim)`` keys of this block.
+        v (torch.Tensor): values of this block, shaped like ``k``.
+        causal (bool): bottom-right aligned causal mask within the block (``j <= i + seq_k - seq_q``).
+            Default: False.
+        scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
+        backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
+            ``COLO_KERNELS``. Default: None.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``out`` ``(batch, seq_q, heads_q, head_dim)`` in q's dtype and
+        ``lse`` ``(batch, heads_q, seq_q)`` fp32, natural log of the sum of ``exp(scale * q.k)`` over visible keys.
+    """
+    _check_shapes("attention_block_forward", q, k, v)
+    scale = _default_scale(q, scale)
+    with torch.no_grad():
+        if resolve_backend("attention_block_forward", q, k, v, backend=backend) == "torch":
+            return _block_forward_torch(q, k, v, causal, scale)
+        _check_triton_inputs("attention_block_forward", q=q, k=k, v=v)
+        return _block_forward_triton(q, k, v, causal, scale)
+
+
+def attention_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention over one key block, given the attention output and logsumexp (no autograd).
+
+    Probabilities are recomputed as ``exp(scale * q.k - lse)``, and ``delta = rowsum(dout * out)``. Passing the
+    output and logsumexp *merged over all blocks* makes the results this block's share of the full attention's
+    gradients: sum ``dq`` over blocks; ``dk``/``dv`` belong to this block's keys. Rows with ``lse = -inf`` (no
+    visible key anywhere) get zero gradient.
+
+    Args:
+        dout (torch.Tensor): ``(batch, seq_q, heads_q, head_dim)`` gradient of the (merged) output.
+        q (torch.Tensor): ``(batch, seq_q, heads_q, head_dim)`` queries.
+        k (torch.Tensor): ``(batch, seq_k, heads_kv, head_dim)`` keys of this block.
+        v (torch.Tensor): values of this block, shaped like ``k``.
+        out (torch.Tensor): the attention output, shaped like ``q`` (merged over blocks for ring attention).
+        lse (torch.Tensor): ``(batch, heads_q, seq_q)`` logsumexp matching ``out`` (global for ring attention).
+        causal (bool): the mask used in the forward of this block. Default: False.
+        scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
+        backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
+            ``COLO_KERNELS``. Default: None.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``dq``, ``dk``, ``dv`` in the dtypes of q, k, v; grouped
+        query heads' contributions are summed into their kv head.
+    """
+    _check_shapes("attention_block_backward", q, k, v)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"attention_block_backward: dout {tuple(dout.shape)} and out {tuple(out.shape)} must be shaped like "
+            f"q {tuple(q.shape)}"
+        )
+    expected_lse = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != expected_lse:
+        raise ValueError(
+            f"attention_block_backward: lse must be (batch, heads_q, seq_q) = {expected_lse}, got {tuple(lse.shape)}"
+        )
+    scale = _default_scale(q, scale)
+    with torch.no_grad():
+        if resolve_backend("attention_block_backward", dout, q, k, v, out, backend=backend) == "torch":
+            return _block_backward_torch(dout, q, k, v, out, lse, causal, scale)
+        _check_triton_inputs("attention_block_backward", dout=dout, q=q, k=k, v=v, out=out)
+        return _block_backward_triton(dout, q, k, v, out, lse, causal, scale)

@@ -1,0 +1,63 @@
+"""`COLO_KERNELS`, `use_backend` and ``backend=`` choose which implementation of an op runs; ``auto`` picks the
+torch reference for CPU tensors; unknown names and impossible choices fail with a message."""
+
+import pytest
+import torch
+
+from colo.kernels.dispatch import UnsupportedKernelInput, resolve_backend, use_backend
+from colo.kernels.rms_norm import rms_norm
+from colo.kernels.swiglu import swiglu
+
+
+def _ran(output: torch.Tensor) -> str:
+    """Which implementation produced ``output``: the Triton ops are autograd Functions with their own grad_fn."""
+    return "triton" if "Function" in type(output.grad_fn).__name__ else "torch"
+
+
+def _rms_norm_backend(**kwargs) -> str:
+    x = torch.randn(2, 8, requires_grad=True)
+    return _ran(rms_norm(x, torch.ones(8), **kwargs))
+
+
+def test_auto_on_cpu_picks_the_reference(monkeypatch):
+    monkeypatch.delenv("COLO_KERNELS", raising=False)
+    assert resolve_backend("rms_norm", torch.zeros(1)) == "torch"
+    assert _rms_norm_backend() == "torch"
+    with use_backend("auto"):
+        assert _rms_norm_backend() == "torch"
+
+
+def test_environment_variable_selects_the_backend(monkeypatch):
+    monkeypatch.setenv("COLO_KERNELS", "triton")
+    assert _rms_norm_backend() == "triton"
+    monkeypatch.setenv("COLO_KERNELS", "torch")
+    assert _rms_norm_backend() == "torch"
+
+
+def test_use_backend_overrides_the_environment_and_backend_argument_overrides_both(monkeypatch):
+    monkeypatch.setenv("COLO_KERNELS", "torch")
+    with use_backend("triton"):
+        assert _rms_norm_backend() == "triton"
+        assert _ran(swiglu(torch.randn(4, requires_grad=True), torch.randn(4))) == "triton"
+        assert _rms_norm_backend(backend="torch") == "torch"
+        with use_backend("torch"):
+            assert _rms_norm_backend() == "torch"
+        assert _rms_norm_backend() == "triton"  # the inner block's choice ended with it
+    assert _rms_norm_backend() == "torch"
+    assert _rms_norm_backend(backend="triton") == "triton"
+
+
+def test_unknown_backend_names_raise(monkeypatch):
+    with pytest.raises(ValueError, match="unknown"):
+        rms_norm(torch.randn(2, 8), torch.ones(8), backend="cuda")
+    with pytest.raises(ValueError, match="unknown"), use_backend("tritonn"):
+        pass
+    monkeypatch.setenv("COLO_KERNELS", "fast")
+    with pytest.raises(ValueError, match="COLO_KERNELS"):
+        rms_norm(torch.randn(2, 8), torch.ones(8))
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UnsupportedKernelInput, match="TRITON_INTERPRET=1"):
+        rms_norm(torch.randn(2, 8), torch.ones(8), backend="triton")
