@@ -1,8 +1,58 @@
-"""colo.tensor: Layouts over a mesh, redistribution, autograd communication ops, tensor-parallel layers, sequence parallelism, `parallelize(model, plan)` and the sharded checkpoint format.
+"""colo.tensor: layouts over a mesh, redistribution, autograd communication ops and 1D tensor-parallel layers.
 
-The contents of this package arrive in their own issue; this is the package skeleton.
+A distributed tensor is a plain ``torch.Tensor`` holding this rank's piece, with a `Layout` attached: one
+placement (`Shard`, `Replicate`, `Partial`) per mesh axis and the global shape. `distribute`, `redistribute`
+and `gather` move between layouts with the cheapest planned collectives (`plan_redistribute` reports them and
+their volume); `to_dtensor` / `from_dtensor` convert to and from torch's DTensor. The parallel layers
+(`ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`) are
+built from the autograd communication steps in `colo.tensor.comm_ops`.
 """
+
+from .comm_ops import (
+    all_gather_reduce_scatter,
+    all_gather_split,
+    all_reduce_copy,
+    all_to_all_resplit,
+    copy_all_reduce,
+    reduce_scatter_all_gather,
+    split_all_gather,
+)
+from .dtensor import device_mesh_of, from_dtensor, to_dtensor
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .layout import Layout, distribute, layout_of, set_layout
+from .placement import Partial, Placement, Replicate, Shard
+from .redistribute import RedistributePlan, RedistributeStep, gather, plan_redistribute, redistribute
+from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "ColumnParallelLinear",
+    "Layout",
+    "Partial",
+    "Placement",
+    "RedistributePlan",
+    "RedistributeStep",
+    "Replicate",
+    "RowParallelLinear",
+    "Shard",
+    "VocabParallelEmbedding",
+    "__version__",
+    "all_gather_reduce_scatter",
+    "all_gather_split",
+    "all_reduce_copy",
+    "all_to_all_resplit",
+    "copy_all_reduce",
+    "device_mesh_of",
+    "distribute",
+    "from_dtensor",
+    "gather",
+    "layout_of",
+    "plan_redistribute",
+    "reduce_scatter_all_gather",
+    "redistribute",
+    "set_layout",
+    "split_all_gather",
+    "to_dtensor",
+    "vocab_parallel_cross_entropy",
+]

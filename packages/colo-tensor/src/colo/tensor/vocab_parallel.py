@@ -1,0 +1,238 @@
+"""Vocabulary-parallel embedding and cross-entropy (Megatron-LM): the vocabulary is split over a mesh axis.
+
+`VocabParallelEmbedding` holds a contiguous range of vocabulary rows per rank; each rank looks up the tokens
+it owns, zeros the others and one all-reduce assembles the embeddings. `vocab_parallel_cross_entropy` takes
+the logits of a column-parallel output layer (each rank holds a contiguous range of vocabulary columns) and
+computes the cross-entropy with two small all-reduces per token row, never gathering the full logits.
+
+A vocabulary that does not divide by the axis size is padded to ``tp * ceil(vocab / tp)`` rows; padding rows
+are zero, never looked up, and masked out of the cross-entropy by ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colo.comm import Group, Mesh, all_reduce
+
+from .comm_ops import all_reduce_copy
+from .layers import sharded_parameter, tp_size
+from .layout import layout_of, set_layout
+from .placement import chunk_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table whose rows (the vocabulary) are split over a mesh axis.
+
+    Rank ``r`` holds rows ``[r * rows, (r + 1) * rows)`` with ``rows = ceil(num_embeddings / tp)``; rows past
+    ``num_embeddings`` are zero padding. The weight's layout is ``Shard(0)`` on ``axis`` over the padded shape
+    ``(tp * rows, embedding_dim)``. Forward: a local lookup of the tokens in this rank's range (others give
+    zeros) and `all_reduce_copy` (forward all-reduce, backward identity).
+
+    Token ids must lie in ``[0, num_embeddings)``; ids outside every rank's range give a zero embedding instead
+    of an error.
+
+    Args:
+        num_embeddings: vocabulary size.
+        embedding_dim: size of each embedding vector.
+        mesh: the mesh; the weight is sharded on ``axis`` and replicated on its other axes.
+        axis: the tensor-parallel mesh axis. Default ``"tp"``.
+        padding_idx: as in ``torch.nn.Embedding``: that row starts at zero and gets no gradient. Default ``None``.
+        device: where to create the weight (``"meta"``: no memory, no initialisation).
+        dtype: weight dtype.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        mesh: Mesh,
+        axis: str = "tp",
+        padding_idx: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.tp = tp_size(mesh, axis, "VocabParallelEmbedding")
+        if num_embeddings < 1:
+            raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} must be at least 1")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"VocabParallelEmbedding: padding_idx={padding_idx} must be in "
+                    f"[-{num_embeddings}, {num_embeddings})"
+                )
+            padding_idx %= num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.mesh, self.axis, self.group = mesh, axis, mesh.group(axis)
+        rows = chunk_size(num_embeddings, self.tp)
+        self.num_embeddings_padded = rows * self.tp
+        self.vocab_start = mesh.rank(axis) * rows
+        self.vocab_end = min(self.vocab_start + rows, num_embeddings)
+        local = torch.empty(rows, embedding_dim, device=device, dtype=dtype)
+        self.weight = sharded_parameter(local, mesh, axis, 0, (self.num_embeddings_padded, embedding_dim))
+        self.reset_parameters()
+
+    @property
+    def local_padding_idx(self) -> int | None:
+        """``padding_idx`` as a row of this rank's shard, or ``None`` when another rank holds it."""
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            return self.padding_idx - self.vocab_start
+        return None
+
+    def reset_parameters(self) -> None:
+        """Draw the full table as ``nn.Embedding`` does (normal, padding row zero) and keep this rank's rows."""
+        if self.weight.is_meta:
+            return
+        full = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
+        nn.init.normal_(full)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                full[self.padding_idx].zero_()
+        self._load_full(full)
+
+    @torch.no_grad()
+    def _load_full(self, full: torch.Tensor) -> None:
+        rows = self.weight.shape[0]
+        shard = torch.zeros(rows, self.embedding_dim, device=full.device, dtype=full.dtype)
+        owned = self.vocab_end - self.vocab_start
+        if owned > 0:
+            shard[:owned] = full[self.vocab_start : self.vocab_end]
+        if self.weight.is_meta:
+            layout = layout_of(self.weight)
+            self.weight = set_layout(nn.Parameter(shard, requires_grad=self.weight.requires_grad), layout)
+        else:
+            self.weight.copy_(shard)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, *, mesh: Mesh, axis: str = "tp") -> VocabParallelEmbedding:
+        """The vocabulary-parallel layer holding this rank's rows of ``embedding``'s table."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"from_embedding: expected a torch.nn.Embedding, not {type(embedding).__name__}")
+        if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
+            raise ValueError("from_embedding: max_norm, sparse and scale_grad_by_freq are not supported")
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            mesh=mesh,
+            axis=axis,
+            padding_idx=embedding.padding_idx,
+            device="meta",
+            dtype=embedding.weight.dtype,
+        )
+        layer._load_full(embedding.weight.detach())
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``: integer tensor of any shape, the same on every rank. Returns ``(*ids.shape, embedding_dim)``."""
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, padding_idx=self.local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce_copy(out, group=self.group)
+
+    def extra_repr(self) -> str:
+        padded = ""
+        if self.num_embeddings_padded != self.num_embeddings:
+            padded = f" (padded to {self.num_embeddings_padded})"
+        return (
+            f"{self.num_embeddings}{padded}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+            f"axis={self.axis!r}, tp={self.tp}"
+        )
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocabulary-parallel logits.
+
+    Forward: all-reduce (max) of each row's largest logit, then one all-reduce (sum) of each row's target logit
+    and sum of exponentials. Backward: no communication (softmax minus the one-hot target, on this rank's
+    columns).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group: Group, ignore_index: int, vocab_size: int | None):
+        local_vocab = logits.shape[-1]
+        start = group.rank * local_vocab
+        rows = logits.reshape(-1, local_vocab).float()
+        target = target.reshape(-1)
+        if vocab_size is not None and start + local_vocab > vocab_size:
+            padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
+            rows = rows.masked_fill(padding, float("-inf"))
+        row_max = rows.max(dim=-1).values
+        all_reduce(row_max, "max", group=group)
+        shifted = rows - row_max.unsqueeze(-1)
+        owned = (target >= start) & (target < start + local_vocab)
+        local_target = (target - start).masked_fill(~owned, 0)
+        target_logit = shifted.gather(1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        exp = shifted.exp()
+        stats = torch.stack([target_logit, exp.sum(dim=-1)])
+        all_reduce(stats, "sum", group=group)
+        target_logit, sum_exp = stats
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, owned & ~ignored, ignored)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return loss.view(ctx.logits_shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, hit, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= hit.to(grad.dtype)
+        scale = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)
+        grad.mul_(scale.unsqueeze(-1))
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group: Group,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of logits split over the vocabulary, equal to ``F.cross_entropy`` of the gathered logits.
+
+    Rank ``r`` of ``group`` holds vocabulary columns ``[r * V, (r + 1) * V)`` with ``V = local_logits.shape[-1]``
+    (the same on every rank), as a `ColumnParallelLinear` output layer produces them. The full logits are never
+    gathered: per token row, one all-reduce (max) and one all-reduce (sum) of two numbers. Computed in float32.
+
+    Args:
+        local_logits: ``(..., V)`` this rank's columns of the logits.
+        target: ``(...)`` class indices in ``[0, vocab_size)``, or ``ignore_index``; the same on every rank.
+        group: the group the vocabulary is split over, e.g. ``mesh.group("tp")``.
+        ignore_index: target value that contributes neither loss nor gradient. Default ``-100``.
+        vocab_size: the true vocabulary size when the columns are padded (columns from ``vocab_size`` on are
+            excluded); ``None``: every column is a class. Default ``None``.
+        reduction: ``"mean"`` over the targets that are not ignored (NaN if all are), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The loss, in ``local_logits``' dtype: a scalar, or one value per target with ``reduction="none"``.
+    """
+    if not isinstance(group, Group):
+        raise TypeError(f"vocab_parallel_cross_entropy: group must be a colo.comm.Group, not {type(group).__name__}")
+    if local_logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: local_logits {tuple(local_logits.shape)} and target "
+            f"{tuple(target.shape)} must agree on every dimension but the last (the vocabulary)"
+        )
+    if local_logits.dim() == 0 or local_logits.shape[-1] == 0:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: local_logits of shape {tuple(local_logits.shape)} hold no vocabulary "
+            "columns; every rank needs at least one (pad the vocabulary to a multiple of the group size)"
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'")
+    losses = VocabParallelCrossEntropy.apply(local_logits, target, group, ignore_index, vocab_size)
+    if reduction == "none":
+        return losses.to(local_logits.dtype)
+    total = losses.sum()
+    if reduction == "mean":
+        total = total / (target != ignore_index).sum()
+    return total.to(local_logits.dtype)
