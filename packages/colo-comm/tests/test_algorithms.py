@@ -17,12 +17,11 @@ def _fresh_table():
     algorithms._table.clear()
 
 
-def test_gloo_switches_reduce_scatter_and_all_gather_to_all_reduce_at_the_measured_sizes():
+def test_gloo_switches_reduce_scatter_to_all_reduce_at_the_measured_size():
     assert choose_algorithm("reduce_scatter", "gloo", (1 << 20) - 1) == "native"
     assert choose_algorithm("reduce_scatter", "gloo", 1 << 20) == "all_reduce"
     assert choose_algorithm("reduce_scatter", "nccl", 1 << 30) == "native"
-    assert choose_algorithm("all_gather", "gloo", (4 << 20) - 1) == "native"
-    assert choose_algorithm("all_gather", "gloo", 4 << 20) == "all_reduce"
+    assert choose_algorithm("all_gather", "gloo", 1 << 30) == "native"
     assert choose_algorithm("all_reduce", "gloo", 1 << 30) == "native"
 
 

@@ -5,8 +5,10 @@ all_reduce from about 1 MB up (an all-reduce followed by a local slice is then f
 the bytes), and gloo has no uneven all-gather (colo pads). The table below maps ``backend -> op -> [(min_bytes,
 algorithm), ...]``: the last entry whose ``min_bytes`` does not exceed the message size wins.
 
-The built-in table holds the crossovers that ``python -m colo.comm.bench --calibrate`` measured on a 2-core
-CPU machine with 2 ranks; run the calibration on your own machine and point ``COLO_COMM_ALGORITHMS`` at the
+The built-in table holds the crossovers that ``python -m colo.comm.bench --calibrate --rounds 7`` measured on a
+2-core CPU machine with 2 ranks (``benchmarks/results/comm_algorithms_cpu.json``: reduce_scatter as all-reduce from
+1 MiB; gloo's own all-gather stays faster than the all-reduce form at every size up to 16 MiB); run the
+calibration on your own machine and point ``COLO_COMM_ALGORITHMS`` at the
 JSON file it writes (or call `load_algorithm_table`) to use your figures.
 """
 
@@ -27,7 +29,7 @@ ALTERNATIVES: dict[str, tuple[str, ...]] = {
 BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
     "gloo": {
         "reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")],
-        "all_gather": [(0, "native"), (4 << 20, "all_reduce")],
+        "all_gather": [(0, "native")],
     },
     "nccl": {"reduce_scatter": [(0, "native")], "all_gather": [(0, "native")]},
 }

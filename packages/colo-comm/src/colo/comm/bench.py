@@ -233,7 +233,7 @@ def bandwidth_rows(mesh, ops, sizes, dtype) -> list[dict]:
     return rows
 
 
-def calibration_rows(group, sizes, dtype) -> tuple[list[dict], dict]:
+def calibration_rows(group, sizes, dtype, rounds: int = 1) -> tuple[list[dict], dict]:
     """Time every implementation of each op with alternatives, per size; return the rows and the table.
 
     The table switches to the non-native implementation from the smallest size at which it is fastest for that
@@ -246,7 +246,12 @@ def calibration_rows(group, sizes, dtype) -> tuple[list[dict], dict]:
     for op, names in ALTERNATIVES.items():
         fastest = []
         for nbytes in sizes:
-            timings = {name: time_call(_colo_call(op, nbytes, group, dtype, name)) for name in names}
+            calls = {name: _colo_call(op, nbytes, group, dtype, name) for name in names}
+            samples: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(rounds):  # alternate the implementations, then take medians: robust to a noisy machine
+                for name, call in calls.items():
+                    samples[name].append(time_call(call))
+            timings = {name: statistics.median(values) for name, values in samples.items()}
             best = min(timings, key=timings.get)
             fastest.append((nbytes, best))
             rows.append(
@@ -334,7 +339,7 @@ def run(args: argparse.Namespace) -> dict:
     rank0 = dist.get_rank() == 0
     if args.calibrate:
         group = mesh.group(*mesh.axis_names)
-        rows, table = calibration_rows(group, sizes, dtype)
+        rows, table = calibration_rows(group, sizes, dtype, args.rounds)
         result.update(calibration=rows, table=table)
         if rank0:
             _print_table(
@@ -402,7 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--calibrate", metavar="PATH", help="time each op's implementations; write the table here")
     parser.add_argument("--vs-raw", action="store_true", help="compare colo's wrappers with raw torch.distributed")
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds for --vs-raw (median ratio)")
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="alternating rounds for --vs-raw and --calibrate (medians)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true", help="few iterations per measurement (a smoke test)")
     return parser

@@ -84,7 +84,7 @@ def all_reduce(
         raise ValueError("all_reduce: tensor must be contiguous (it is reduced in place); pass tensor.contiguous()")
     n = group.size
     volume = 2 * (n - 1) / n * _nbytes(tensor)
-    record("all_reduce", group.name, n, str(tensor.dtype), volume, volume, "native")
+    record("all_reduce", group.name, n, tensor.dtype, volume, volume, "native")
 
     def finish() -> torch.Tensor:
         if op == "avg":
@@ -97,7 +97,7 @@ def all_reduce(
         lambda: [dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group.process_group, async_op=True)],
         finish,
         async_op,
-        f"of {tuple(tensor.shape)} {tensor.dtype}",
+        lambda: f"of {tuple(tensor.shape)} {tensor.dtype}",
     )
 
 
@@ -114,14 +114,14 @@ def broadcast(
     _check_group_rank("broadcast", "src", src, group)
     if not tensor.is_contiguous():
         raise ValueError("broadcast: tensor must be contiguous (it is written in place); pass tensor.contiguous()")
-    record("broadcast", group.name, group.size, str(tensor.dtype), _nbytes(tensor), _nbytes(tensor), "native")
+    record("broadcast", group.name, group.size, tensor.dtype, _nbytes(tensor), _nbytes(tensor), "native")
     return issue(
         "broadcast",
         group,
         lambda: [dist.broadcast(tensor, src=group.global_rank(src), group=group.process_group, async_op=True)],
         lambda: tensor,
         async_op,
-        f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
+        lambda: f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
     )
 
 
@@ -185,6 +185,12 @@ def all_gather(
 
         def start() -> list:
             return [dist.all_reduce(flat, group=group.process_group, async_op=True)]
+    elif sizes is None and dim == 0:
+        # the common case: gather straight into the result, no reshaping afterwards
+        result = torch.empty((total, *piece.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+        def start() -> list:
+            return [_all_gather_flat(result, piece, group=group.process_group, async_op=True)]
     else:
         flat = torch.empty(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
 
@@ -194,9 +200,11 @@ def all_gather(
     padded_volume = (n - 1) * extent * row_bytes
     impl_volume = 2 * padded_volume if algorithm == "all_reduce" else padded_volume
     label = algorithm if sizes is None else f"padded_{algorithm}"
-    record("all_gather", group.name, n, str(tensor.dtype), volume, impl_volume, label)
+    record("all_gather", group.name, n, tensor.dtype, volume, impl_volume, label)
 
     def finish() -> torch.Tensor:
+        if algorithm != "all_reduce" and sizes is None and dim == 0:
+            return result
         stacked = flat.view(n, *piece.shape)
         if sizes is None and dim == 0:
             return stacked.view(total, *piece.shape[1:])
@@ -205,7 +213,7 @@ def all_gather(
             parts = [part.narrow(dim, 0, size) for part, size in zip(parts, sizes)]
         return torch.cat(parts, dim=dim)
 
-    return issue("all_gather", group, start, finish, async_op, f"of {tuple(tensor.shape)} {tensor.dtype}")
+    return issue("all_gather", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
 
 
 def _inner_numel(tensor: torch.Tensor, dim: int) -> int:
@@ -254,7 +262,7 @@ def reduce_scatter(
     algorithm = choose_algorithm("reduce_scatter", group.backend, _nbytes(full))
     volume = (n - 1) / n * _nbytes(full)
     impl_volume = 2 * volume if algorithm == "all_reduce" else volume
-    record("reduce_scatter", group.name, n, str(tensor.dtype), volume, impl_volume, algorithm)
+    record("reduce_scatter", group.name, n, tensor.dtype, volume, impl_volume, algorithm)
 
     if algorithm == "all_reduce":
         buffer = full.clone() if full is tensor else full
@@ -279,7 +287,7 @@ def reduce_scatter(
             result.div_(n)
         return result.movedim(0, dim) if dim else result
 
-    return issue("reduce_scatter", group, start, finish, async_op, f"of {tuple(tensor.shape)} {tensor.dtype}")
+    return issue("reduce_scatter", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
 
 
 def all_to_all(
@@ -333,7 +341,7 @@ def all_to_all(
     source = tensor.contiguous()
     row_bytes = tensor.element_size() * _inner_numel(tensor, 0)
     volume = (rows - input_splits[me]) * row_bytes
-    record("all_to_all", group.name, n, str(tensor.dtype), volume, volume, "native")
+    record("all_to_all", group.name, n, tensor.dtype, volume, volume, "native")
     output = torch.empty((sum(output_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     even = input_split_sizes is None
     return issue(
@@ -351,7 +359,7 @@ def all_to_all(
         ],
         lambda: output,
         async_op,
-        f"of {tuple(tensor.shape)} {tensor.dtype}",
+        lambda: f"of {tuple(tensor.shape)} {tensor.dtype}",
     )
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -12,27 +11,39 @@ import torch.distributed as dist
 from .errors import CommError, CommTimeoutError
 from .group import Group
 
+Detail = str | Callable[[], str]
+"""What the call was about, for error messages; a callable is only formatted when an error happens."""
 
-@contextlib.contextmanager
-def translate_errors(op: str, group: Group, detail: str = "") -> Iterator[None]:
-    """Re-raise a backend failure inside the block as `CommError` / `CommTimeoutError` naming op and group."""
-    start = time.monotonic()
-    try:
-        yield
-    except (CommError, ValueError, TypeError):
-        raise
-    except RuntimeError as error:
-        elapsed = time.monotonic() - start
+
+class translate_errors:  # noqa: N801 - used like a function: ``with translate_errors(op, group):``
+    """Re-raise a backend failure inside the block as `CommError` / `CommTimeoutError` naming op and group.
+
+    A class rather than a generator-based context manager: it wraps every collective, so it must be cheap.
+    """
+
+    __slots__ = ("op", "group", "detail", "start")
+
+    def __init__(self, op: str, group: Group, detail: Detail = "") -> None:
+        self.op, self.group, self.detail = op, group, detail
+
+    def __enter__(self) -> None:
+        self.start = time.monotonic()
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is None or not isinstance(error, RuntimeError) or isinstance(error, CommError):
+            return False
+        elapsed = time.monotonic() - self.start
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         lowered = str(error).lower()
         timed_out = "timed out" in lowered or "timeout" in lowered
-        kind = CommTimeoutError if timed_out else CommError
-        what = f"{op}{' ' + detail if detail else ''} on group {group.describe()}"
+        exception_type = CommTimeoutError if timed_out else CommError
+        detail = self.detail() if callable(self.detail) else self.detail
+        what = f"{self.op}{' ' + detail if detail else ''} on group {self.group.describe()}"
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        raise kind(
+        raise exception_type(
             f"{what} failed on rank {rank} after {elapsed:.1f}s: {text}. A peer rank probably died, hangs, or did "
             f"not call the same operation on this group; operations fail after the group's timeout of "
-            f"{group.timeout:.0f}s (set it with init_distributed(timeout=...))."
+            f"{self.group.timeout:.0f}s (set it with init_distributed(timeout=...))."
         ) from error
 
 
@@ -49,7 +60,7 @@ class Handle:
         group: Group,
         works: list[Any],
         finish: Callable[[], Any] | None = None,
-        detail: str = "",
+        detail: Detail = "",
     ) -> None:
         self._op = op
         self._group = group
@@ -81,7 +92,7 @@ def issue(
     start: Callable[[], list[Any]],
     finish: Callable[[], Any] | None,
     async_op: bool,
-    detail: str = "",
+    detail: Detail = "",
 ) -> Any:
     """Start an operation (``start`` returns its torch works) and return a `Handle` or, if synchronous, the result."""
     with translate_errors(op, group, detail):

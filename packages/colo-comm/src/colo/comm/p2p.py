@@ -54,14 +54,14 @@ def isend(tensor: torch.Tensor, *, dst: int, group: Group | dist.ProcessGroup | 
     """Start sending ``tensor`` to group rank ``dst``; returns a `Handle`."""
     group = _member_group(group, "send")
     _check_p2p("send", tensor, dst, "dst", group)
-    record("send", group.name, group.size, str(tensor.dtype), _nbytes(tensor), _nbytes(tensor), "native")
+    record("send", group.name, group.size, tensor.dtype, _nbytes(tensor), _nbytes(tensor), "native")
     return issue(
         "send",
         group,
         lambda: [dist.isend(tensor, dst=group.global_rank(dst), group=group.process_group)],
         None,
         True,
-        f"of {tuple(tensor.shape)} {tensor.dtype} to group rank {dst}",
+        lambda: f"of {tuple(tensor.shape)} {tensor.dtype} to group rank {dst}",
     )
 
 
@@ -69,14 +69,14 @@ def irecv(tensor: torch.Tensor, *, src: int, group: Group | dist.ProcessGroup | 
     """Start receiving into ``tensor`` from group rank ``src``; returns a `Handle` whose ``wait()`` returns it."""
     group = _member_group(group, "recv")
     _check_p2p("recv", tensor, src, "src", group)
-    record("recv", group.name, group.size, str(tensor.dtype), _nbytes(tensor), _nbytes(tensor), "native")
+    record("recv", group.name, group.size, tensor.dtype, _nbytes(tensor), _nbytes(tensor), "native")
     return issue(
         "recv",
         group,
         lambda: [dist.irecv(tensor, src=group.global_rank(src), group=group.process_group)],
         lambda: tensor,
         True,
-        f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
+        lambda: f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
     )
 
 
@@ -108,18 +108,21 @@ def batch_send_recv(ops: list[P2POp], *, group: Group | dist.ProcessGroup | None
             raise TypeError(f"batch_send_recv: ops must be P2POp.send(...) / P2POp.recv(...), got {op!r}")
         _check_p2p(op.kind, op.tensor, op.peer, "dst" if op.kind == "send" else "src", group)
         nbytes = _nbytes(op.tensor)
-        record(op.kind, group.name, group.size, str(op.tensor.dtype), nbytes, nbytes, "batched")
+        record(op.kind, group.name, group.size, op.tensor.dtype, nbytes, nbytes, "batched")
         function = dist.isend if op.kind == "send" else dist.irecv
         torch_ops.append(dist.P2POp(function, op.tensor, group.global_rank(op.peer), group.process_group))
     received = [op.tensor for op in ops if op.kind == "recv"]
-    summary = ", ".join(
-        f"{op.kind} {tuple(op.tensor.shape)} {'to' if op.kind == 'send' else 'from'} {op.peer}" for op in ops
-    )
+
+    def summary() -> str:
+        return ", ".join(
+            f"{op.kind} {tuple(op.tensor.shape)} {'to' if op.kind == 'send' else 'from'} {op.peer}" for op in ops
+        )
+
     return issue(
         "batch_send_recv",
         group,
         lambda: list(dist.batch_isend_irecv(torch_ops)),
         lambda: received,
         async_op,
-        f"[{summary}]",
+        lambda: f"[{summary()}]",
     )

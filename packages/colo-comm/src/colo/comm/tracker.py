@@ -118,11 +118,13 @@ class CommTracker:
         return "\n".join(lines)
 
 
-def record(op: str, axis: str, group_size: int, dtype: str, volume: float, impl_volume: float, algorithm: str) -> None:
+def record(
+    op: str, axis: str, group_size: int, dtype: object, volume: float, impl_volume: float, algorithm: str
+) -> None:
     """Add one call to every active tracker (a no-op when none is active)."""
     if not _active:
         return
-    entry = CommRecord(op, axis, group_size, dtype, float(volume), float(impl_volume), algorithm)
+    entry = CommRecord(op, axis, group_size, str(dtype), float(volume), float(impl_volume), algorithm)
     with _lock:
         for tracker in _active:
             tracker.records.append(entry)
