@@ -296,6 +296,7 @@ def overhead_rows(group, ops, sizes, dtype, rounds: int) -> list[dict]:
 
 
 def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    rows = _with_size_labels(rows)
     print(f"\n# {title}")
     print(
         "".join(
@@ -306,6 +307,20 @@ def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str
         print("".join(format(row[key], spec) for _, key, spec in columns))
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _with_size_labels(rows: list[dict]) -> list[dict]:
+    return [dict(row, size=format_size(row["bytes"])) for row in rows]
+
+
 def _environment() -> dict:
     return {
         "world_size": dist.get_world_size(),
@@ -314,9 +329,7 @@ def _environment() -> dict:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
-        "device": torch.cuda.get_device_name()
-        if dist.get_backend() == "nccl"
-        else f"cpu ({platform.processor() or 'unknown'})",
+        "device": torch.cuda.get_device_name() if dist.get_backend() == "nccl" else f"cpu ({_cpu_model()})",
         "omp_threads": torch.get_num_threads(),
     }
 
@@ -347,7 +360,7 @@ def run(args: argparse.Namespace) -> dict:
                 rows,
                 [
                     ("op", "op", ">16"),
-                    ("size", "bytes", ">12"),
+                    ("size", "size", ">12"),
                     *[(f"{k}", f"{k}_us", ">14.1f") for k in ("native", "all_reduce")],
                     ("fastest", "fastest", ">12"),
                 ],
@@ -364,7 +377,7 @@ def run(args: argparse.Namespace) -> dict:
                 rows,
                 [
                     ("op", "op", ">16"),
-                    ("size", "bytes", ">12"),
+                    ("size", "size", ">12"),
                     ("raw us", "raw_us", ">12.1f"),
                     ("colo us", "colo_us", ">12.1f"),
                     ("colo/raw", "ratio", ">10.3f"),
@@ -381,7 +394,7 @@ def run(args: argparse.Namespace) -> dict:
                 [
                     ("axis", "axis", ">8"),
                     ("op", "op", ">16"),
-                    ("size", "bytes", ">11"),
+                    ("size", "size", ">11"),
                     ("dtype", "dtype", ">9"),
                     ("algorithm", "algorithm", ">12"),
                     ("time(us)", "time_us", ">12.1f"),
