@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colo.comm import Mesh, all_reduce
+from colo.comm import Mesh, all_reduce, new_group
 from colo.comm.testing import run_distributed
 
 
@@ -147,3 +147,23 @@ def _repeated_meshes():
 
 def test_meshes_of_the_same_shape_share_groups():
     assert run_distributed(_repeated_meshes, world_size=2) == [True, True]
+
+
+def _local_groups_after_uneven_histories():
+    """Ranks 0 and 1 create a group the others never see; a later group of ranks 0 and 3 must still form.
+
+    torch's own naming of locally synchronised groups counts the groups each process knows, which now differs
+    between rank 0 and rank 3: without colo's member-agreed names the two would wait on different keys and hang.
+    """
+    rank = dist.get_rank()
+    results = {}
+    if rank in (0, 1):
+        results["first"] = all_reduce(torch.ones(1), group=new_group([0, 1], name="pair", local_synchronization=True))
+    if rank in (0, 3):
+        results["second"] = all_reduce(torch.ones(1), group=new_group([0, 3], name="ends", local_synchronization=True))
+    return {key: value.item() for key, value in results.items()}
+
+
+def test_locally_synchronised_groups_form_whatever_each_rank_created_before():
+    results = run_distributed(_local_groups_after_uneven_histories, world_size=4)
+    assert results == [{"first": 2.0, "second": 2.0}, {"first": 2.0}, {}, {"second": 2.0}]

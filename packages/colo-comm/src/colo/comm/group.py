@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 # Groups created by colo, keyed so that every rank takes the same path through the cache: eager groups are
@@ -114,15 +118,42 @@ def new_group(ranks, *, name: str, timeout: float | None = None, local_synchroni
     if key not in cache:
         if local_synchronization and dist.get_rank() not in ranks:
             raise ValueError(f"rank {dist.get_rank()} is not in group {list(ranks)}; only members create it")
-        cache[key] = dist.new_group(
-            list(ranks),
-            timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=local_synchronization,
-        )
+        with _member_agreed_name(ranks, timeout) if local_synchronization else contextlib.nullcontext():
+            cache[key] = dist.new_group(
+                list(ranks),
+                timeout=datetime.timedelta(seconds=timeout),
+                use_local_synchronization=local_synchronization,
+            )
     process_group = cache[key]
     if process_group in (None, dist.GroupMember.NON_GROUP_MEMBER):
         process_group = None
     return Group(name, process_group, ranks, timeout)
+
+
+@contextlib.contextmanager
+def _member_agreed_name(ranks: tuple[int, ...], timeout: float) -> Iterator[None]:
+    """Name a locally synchronised group from its ranks alone, so every member derives the same name.
+
+    torch names such a group by hashing its ranks together with how many groups *this process* knows, and that
+    count differs between ranks as soon as some ranks created a group the others did not (which is what local
+    synchronisation is for): two members would then wait on different rendezvous keys and hang. colo creates each
+    (ranks, timeout) group once per process (the cache), so the ranks and the timeout identify it among members.
+    """
+    c10d = torch.distributed.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:  # a torch without the hook: keep its own naming
+        yield
+        return
+    digest = hashlib.sha1(f"colo|{'_'.join(map(str, ranks))}|{timeout}".encode(), usedforsecurity=False).hexdigest()
+
+    def agreed_name(group_ranks, use_hashed_name):
+        return digest if use_hashed_name else original(group_ranks, use_hashed_name)
+
+    c10d._process_group_name = agreed_name
+    try:
+        yield
+    finally:
+        c10d._process_group_name = original
 
 
 def clear_group_cache() -> None:
