@@ -1,9 +1,43 @@
-"""colo.zero: ZeRO stages 1/2/3 over a data-parallel axis: chunks, mixed precision and loss scaling, clipping,
-accumulation and optimizer-state offload.
+"""colo.zero: ZeRO stages 1/2/3 over the fused data-parallel axes of a mesh, on flat padded chunks.
 
-The contents of this package arrive in their own issue; this is the package skeleton.
+Example::
+
+    from colo.zero import ZeroOptimizer
+
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh=mesh, stage=2)
+    zero.backward(loss)
+    zero.clip_grad_norm_(1.0)
+    zero.step()
+    zero.zero_grad()
 """
+
+from .amp import DynamicLossScaler, MixedPrecision
+from .chunk import BUFFER_NAMES, TIERS, Chunk, ChunkBuffer, ChunkPlan, ParamSlot, plan_chunks
+from .clip import clip_coefficient, global_grad_norm
+from .memory import MemoryEstimate, MemoryReport, estimate_memory, memory_report
+from .stage3 import ChunkGatherer
+from .zero_optimizer import ZeroConfig, ZeroOptimizer
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "BUFFER_NAMES",
+    "TIERS",
+    "Chunk",
+    "ChunkBuffer",
+    "ChunkGatherer",
+    "ChunkPlan",
+    "DynamicLossScaler",
+    "MemoryEstimate",
+    "MemoryReport",
+    "MixedPrecision",
+    "ParamSlot",
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "__version__",
+    "clip_coefficient",
+    "estimate_memory",
+    "global_grad_norm",
+    "memory_report",
+    "plan_chunks",
+]

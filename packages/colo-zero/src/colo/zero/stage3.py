@@ -1,0 +1,149 @@
+"""ZeRO-3 parameter gathering: all-gather a chunk before the modules that use it, free it after, prefetch the next.
+
+Hooks, installed on every module that owns parameters directly:
+
+- forward pre-hook: gather the module's chunks (waiting on a prefetch in flight), then start the async
+  all-gather of the chunk after them in packing order;
+- forward hook: once every module owning parameters of a chunk has run, free the chunk's full copy; wrap the
+  module's outputs in `_RegatherInBackward`, whose backward gathers the chunks again before the module's own
+  backward needs them. The chunk is freed again once all its gradients have been reduce-scattered (done by
+  `ZeroOptimizer`'s gradient hooks).
+
+Parameters keep their identity: gathering sets ``param.data`` to a view of the chunk's full buffer, freeing
+sets it to an empty tensor. Limits: the next chunk is prefetched in forward only (backward gathers
+synchronously); a parameter used by a module that does not own it (``F.linear(x, other.weight)``) must be
+registered on that module too (tie it as ``lm_head.weight = embed.weight``); a module called twice per
+forward makes its chunks be gathered twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo.comm import Group, Handle, all_gather
+
+from .chunk import Chunk
+
+
+class ChunkGatherer:
+    """Gathers and frees the full compute copy of ZeRO-3 chunks; see the module docstring.
+
+    Args:
+        chunks: all chunks, in packing order.
+        group: the data-parallel group the shards are spread over.
+    """
+
+    def __init__(self, chunks: list[Chunk], *, group: Group) -> None:
+        self.chunks = chunks
+        self.group = group
+        self.in_flight: dict[int, Handle] = {}
+        self.users: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
+        self.finished: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
+        self.module_chunks: dict[int, list[Chunk]] = {}
+        self.handles: list = []
+
+    # --- gathering --------------------------------------------------------------------------------------------
+
+    def is_gathered(self, chunk: Chunk) -> bool:
+        """Whether the chunk's full compute copy is present."""
+        return chunk.has_buffer("param")
+
+    def prefetch(self, chunk: Chunk) -> None:
+        """Start the all-gather of ``chunk`` unless it is gathered or already in flight."""
+        if self.is_gathered(chunk) or chunk.index in self.in_flight:
+            return
+        self.in_flight[chunk.index] = all_gather(chunk.buffer("param_shard"), group=self.group, async_op=True)
+
+    def gather(self, chunk: Chunk) -> None:
+        """Make the chunk's parameters views of its full compute copy (all-gathering it if needed)."""
+        if self.is_gathered(chunk):
+            return
+        self.prefetch(chunk)
+        full = self.in_flight.pop(chunk.index).wait()
+        chunk.set_buffer("param", full)
+        chunk.bind_params(full)
+
+    def release(self, chunk: Chunk) -> None:
+        """Free the chunk's full compute copy."""
+        if chunk.index in self.in_flight:  # a prefetch nobody used: finish it so the collective order holds
+            self.in_flight.pop(chunk.index).wait()
+        if self.is_gathered(chunk):
+            chunk.unbind_params()
+            chunk.drop_buffer("param")
+        self.finished[chunk.index].clear()
+
+    def release_all(self) -> None:
+        """Free every chunk (after the optimizer step, the full copies are stale)."""
+        for chunk in self.chunks:
+            self.release(chunk)
+
+    # --- hooks ------------------------------------------------------------------------------------------------
+
+    def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> None:
+        """Register the forward hooks on every module that owns parameters of the chunks."""
+        for module in model.modules():
+            owned = []
+            for param in module.parameters(recurse=False):
+                chunk = chunk_of.get(id(param))
+                if chunk is not None and chunk not in owned:
+                    owned.append(chunk)
+            if not owned:
+                continue
+            self.module_chunks[id(module)] = owned
+            for chunk in owned:
+                self.users[chunk.index].add(id(module))
+            self.handles.append(module.register_forward_pre_hook(self._before_forward))
+            self.handles.append(module.register_forward_hook(self._after_forward))
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        owned = self.module_chunks[id(module)]
+        for chunk in owned:
+            self.gather(chunk)
+        following = max(chunk.index for chunk in owned) + 1
+        if following < len(self.chunks):
+            self.prefetch(self.chunks[following])
+
+    def _after_forward(self, module: torch.nn.Module, args, output):
+        owned = self.module_chunks[id(module)]
+        for chunk in owned:
+            done = self.finished[chunk.index]
+            done.add(id(module))
+            if done >= self.users[chunk.index]:
+                self.release(chunk)
+        if not torch.is_grad_enabled():
+            return output
+        return _wrap_outputs(output, self, owned)
+
+
+def _wrap_outputs(output, gatherer: ChunkGatherer, chunks: list[Chunk]):
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad:
+            return _RegatherInBackward.apply(gatherer, chunks, output)
+        return output
+    if isinstance(output, tuple):
+        return tuple(_wrap_outputs(item, gatherer, chunks) for item in output)
+    if isinstance(output, list):
+        return [_wrap_outputs(item, gatherer, chunks) for item in output]
+    return output
+
+
+class _RegatherInBackward(torch.autograd.Function):
+    """Forward: identity (no communication). Backward: all-gather the module's chunks, pass the gradient on."""
+
+    @staticmethod
+    def forward(ctx, gatherer: ChunkGatherer, chunks: list[Chunk], tensor: torch.Tensor) -> torch.Tensor:
+        ctx.gatherer = gatherer
+        ctx.chunks = chunks
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        for chunk in ctx.chunks:
+            ctx.gatherer.gather(chunk)
+        return None, None, grad

@@ -1,0 +1,349 @@
+"""ZeRO-1/2/3 match a single-process AdamW run step by step: loss, gathered gradients and parameters.
+
+Tolerances: the reference averages the gradient over the whole batch at once, ZeRO sums per-rank averages
+across ranks and divides by the rank count, so fp32 results differ in the last bits (reduction order), and
+AdamW's normalisation can amplify those bits a little in the parameters; hence rtol/atol of 1e-5, not zero.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colo.comm import CommTracker, Mesh
+from colo.comm.testing import run_distributed
+from colo.zero import DynamicLossScaler, MixedPrecision, ZeroOptimizer, estimate_memory
+
+VOCAB, DIM, HIDDEN = 11, 6, 10
+"""A tiny language model with uneven, tied, frozen and no-decay parameters, and its single-process reference."""
+
+
+class TinyLM(nn.Module):
+    """Embedding -> (frozen linear) -> MLP block -> lm_head tied to the embedding."""
+
+    def __init__(self, *, frozen: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.frozen = nn.Linear(DIM, DIM) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.frozen is not None:
+            h = torch.tanh(self.frozen(h))
+        h = h + self.down(F.gelu(self.norm(self.up(h))))
+        logits = self.lm_head(h)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weights decay at 0.1 with lr 1e-2; biases and norms do not decay and use lr 2e-2."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-2}]
+
+
+def make_models(*, frozen: bool = True, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """The same initial model twice: one to shard, one as the single-process reference."""
+    torch.manual_seed(seed)
+    model = TinyLM(frozen=frozen)
+    return model, copy.deepcopy(model)
+
+
+def batch(step: int, *, rows: int, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (identical on every rank)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (rows, seq), generator=generator)
+    targets = torch.randint(0, VOCAB, (rows, seq), generator=generator)
+    return tokens, targets
+
+
+ROWS_PER_RANK = 4
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _train_against_reference(stage, *, num_steps=5, num_microsteps=1, max_norm=None, chunk_numel=48):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    n, rank = mesh.size("dp"), mesh.rank("dp")
+    model, reference = make_models()
+    zero = ZeroOptimizer(
+        model, torch.optim.AdamW(param_groups(model), lr=1e-2), mesh=mesh, stage=stage, chunk_numel=chunk_numel
+    )
+    reference_optimizer = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    names = [name for name, p in reference.named_parameters() if p.requires_grad]
+    losses = []
+    for step in range(num_steps):
+        tokens, targets = batch(step, rows=n * ROWS_PER_RANK)
+        reference_loss = reference(tokens, targets)
+        reference_loss.backward()
+        mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        local_loss = 0.0
+        for micro_tokens, micro_targets in zip(tokens[mine].chunk(num_microsteps), targets[mine].chunk(num_microsteps)):
+            loss = model(micro_tokens, micro_targets) / num_microsteps
+            zero.backward(loss)
+            local_loss += loss.item()
+        losses.append(local_loss)
+        grads = zero.full_grads()
+        reference_grads = dict(reference.named_parameters())
+        for name in names:
+            torch.testing.assert_close(grads[name], reference_grads[name].grad, **FP32, msg=f"grad {name} {step}")
+        if max_norm is not None:
+            norm = zero.clip_grad_norm_(max_norm)
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+            torch.testing.assert_close(torch.tensor(norm, dtype=torch.float32), reference_norm, **FP32)
+        zero.step()
+        zero.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        params = zero.full_params()
+        for name in names:
+            torch.testing.assert_close(params[name], reference_grads[name].detach(), **FP32, msg=f"{name} {step}")
+    # after the step, the compute copies the model runs with equal the reference too
+    zero.release_params()
+    tokens, targets = batch(99, rows=ROWS_PER_RANK)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, targets), reference(tokens, targets), **FP32)
+    return losses, len(zero.chunks)
+
+
+def _reference_losses(num_steps, n):
+    # the losses of the reference run, recomputed here without sharding for the test process
+    _, reference = make_models()
+    optimizer = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    losses = []
+    for step in range(num_steps):
+        tokens, targets = batch(step, rows=n * ROWS_PER_RANK)
+        loss = reference(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_matches_single_process_adamw_on_two_ranks(stage):
+    results = run_distributed(_train_against_reference, stage, world_size=2)
+    per_rank_losses = [losses for losses, _ in results]
+    assert results[0][1] > 2  # several chunks, so bucketing and prefetch are exercised
+    mean_losses = [sum(step) / len(step) for step in zip(*per_rank_losses)]
+    assert mean_losses == pytest.approx(_reference_losses(5, 2), rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stage_matches_on_four_ranks(stage):
+    results = run_distributed(_train_against_reference, stage, num_steps=5, world_size=4)
+    mean_losses = [sum(step) / len(step) for step in zip(*[losses for losses, _ in results])]
+    assert mean_losses == pytest.approx(_reference_losses(5, 4), rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulation_over_four_microsteps_equals_one_big_batch(stage):
+    run_distributed(_train_against_reference, stage, num_microsteps=4, world_size=2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_equals_clip_grad_norm_on_the_full_model(stage):
+    run_distributed(_train_against_reference, stage, max_norm=0.05, world_size=2)
+
+
+def _volume_per_step(stage):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    n = mesh.size("dp")
+    model, _ = make_models(frozen=False)
+    zero = ZeroOptimizer(model, torch.optim.AdamW(param_groups(model), lr=1e-2), mesh=mesh, stage=stage, chunk_numel=48)
+    tokens, targets = batch(0, rows=ROWS_PER_RANK)
+    with CommTracker() as tracker:
+        zero.backward(model(tokens, targets))
+        zero.step()
+        zero.zero_grad()
+    chunk_bytes = sum(chunk.numel * 4 for chunk in zero.trainable_chunks)
+    ddp_all_reduce = 2 * (n - 1) / n * chunk_bytes  # DDP all-reduces the same (fp32, padded) gradient bytes
+    return tracker.bytes(axis="dp"), ddp_all_reduce, tracker.bytes("reduce_scatter"), tracker.bytes("all_gather")
+
+
+@pytest.mark.parametrize("stage, ratio", [(1, 1.0), (2, 1.0), (3, 1.5)])
+def test_communication_volume_per_step(stage, ratio):
+    for total, ddp, reduce_scattered, gathered in run_distributed(_volume_per_step, stage, world_size=2):
+        assert total == pytest.approx(ratio * ddp)
+        assert reduce_scattered == pytest.approx(ddp / 2)  # gradients: one reduce-scatter of every chunk
+        assert gathered == pytest.approx((ratio - 0.5) * ddp)  # stage 3 gathers in forward and in backward
+
+
+def _bad_input():
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    errors = {}
+    model, _ = make_models()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, build in {
+        "stage": lambda: ZeroOptimizer(model, mesh=mesh, stage=4),
+        "axes": lambda: ZeroOptimizer(model, mesh=mesh, data_axes=("dp", "sp")),
+        "state": lambda: ZeroOptimizer(model, optimizer, mesh=mesh, stage=2),
+        "missing": lambda: ZeroOptimizer(model, torch.optim.AdamW([model.up.weight]), mesh=mesh, stage=1),
+    }.items():
+        try:
+            build()
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def test_bad_input_gets_a_clear_error_before_any_collective():
+    errors = run_distributed(_bad_input, world_size=2)[0]
+    assert "ZeroConfig.stage=4" in errors["stage"]
+    assert "not axes of the mesh" in errors["axes"]
+    assert "already holds state" in errors["state"]
+    assert "is in no optimizer param group" in errors["missing"]
+
+
+# --- mixed precision ---------------------------------------------------------------------------------------------
+
+
+def _fp16_overflow_is_skipped_everywhere(stage):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    rank = mesh.rank("dp")
+    model, _ = make_models()
+    zero = ZeroOptimizer(
+        model,
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        mesh=mesh,
+        stage=stage,
+        chunk_numel=48,
+        mixed_precision=MixedPrecision(param_dtype=torch.float16, comm_dtype=torch.float32),
+        loss_scaler=DynamicLossScaler(group=mesh.group("dp"), init_scale=2.0**8),
+    )
+    skipped, scales = [], []
+    for step in range(4):
+        tokens, targets = batch(step, rows=ROWS_PER_RANK)
+        before = zero.full_params()
+        loss = model(tokens, targets)
+        if step == 2 and rank == 0:  # overflow on one rank only
+            loss = loss * float("inf")
+        zero.backward(loss)
+        skipped.append(zero.step())
+        zero.zero_grad()
+        scales.append(zero.loss_scaler.scale)
+        after = zero.full_params()
+        if skipped[-1]:
+            for name in before:
+                torch.testing.assert_close(after[name], before[name], rtol=0, atol=0)
+        assert all(torch.isfinite(t).all() for t in after.values())
+    return skipped, scales
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflow_step_is_skipped_on_every_rank(stage):
+    for skipped, scales in run_distributed(_fp16_overflow_is_skipped_everywhere, stage, world_size=2):
+        assert skipped == [False, False, True, False]
+        assert scales == [2.0**8, 2.0**8, 2.0**7, 2.0**7]
+
+
+def _bf16_against_fp32_reference(stage):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    n, rank = mesh.size("dp"), mesh.rank("dp")
+    model, reference = make_models()
+    zero = ZeroOptimizer(
+        model,
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        mesh=mesh,
+        stage=stage,
+        chunk_numel=48,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    )
+    reference_optimizer = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    for step in range(5):
+        tokens, targets = batch(step, rows=n * ROWS_PER_RANK)
+        reference(tokens, targets).backward()
+        mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        zero.backward(model(tokens[mine], targets[mine]))
+        zero.step()
+        zero.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    params = zero.full_params()
+    for name, p in reference.named_parameters():
+        if p.requires_grad:
+            # bf16 compute (8 mantissa bits) and bf16 gradient reduction; five steps of lr 1e-2 keep the fp32
+            # masters within a few bf16 ulps of the fp32 run
+            torch.testing.assert_close(params[name], p.detach(), rtol=2e-2, atol=2e-2)
+    return zero.chunks[0].buffer("master").dtype, next(model.up.parameters()).dtype
+
+
+def test_bf16_compute_with_fp32_masters_tracks_the_fp32_run():
+    for master_dtype, compute_dtype in run_distributed(_bf16_against_fp32_reference, 2, world_size=2):
+        assert (master_dtype, compute_dtype) == (torch.float32, torch.bfloat16)
+
+
+# --- memory ------------------------------------------------------------------------------------------------------
+
+
+def _memory(stage, mixed):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    model, _ = make_models(frozen=False)
+    mp = MixedPrecision(param_dtype=torch.bfloat16) if mixed else None
+    zero = ZeroOptimizer(
+        model,
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        mesh=mesh,
+        stage=stage,
+        chunk_numel=48,
+        mixed_precision=mp,
+    )
+    tokens, targets = batch(0, rows=ROWS_PER_RANK)
+    zero.backward(model(tokens, targets))
+    zero.step()
+    zero.release_params()
+    report = zero.memory_report()
+    # independent count: unique storages reachable from the model, the optimizer and its parameters' grads
+    storages = {}
+    for tensor in [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]:
+        if tensor.numel():
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    for group in zero.optimizer.param_groups:
+        for master in group["params"]:
+            for tensor in [master, master.grad, *zero.optimizer.state[master].values()]:
+                if isinstance(tensor, torch.Tensor):
+                    storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    for chunk in zero.chunks:  # stage 3 compute shards are reachable only through the chunks
+        if chunk.has_buffer("param_shard"):
+            shard = chunk.buffer("param_shard")
+            storages[shard.untyped_storage().data_ptr()] = shard.untyped_storage().nbytes()
+    psi = sum(chunk.numel for chunk in zero.chunks)  # padded parameter count
+    return report, sum(storages.values()), psi, mesh.size("dp")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_report_agrees_with_an_independent_count_and_the_formula(stage):
+    for report, independent, psi, n in run_distributed(_memory, stage, True, world_size=2):
+        step_scalars = 2 * 2 * 4  # AdamW's fp32 ``step`` scalar per master (two chunks' worth of slack)
+        assert report.total == pytest.approx(independent, rel=0.02)
+        # mixed precision (bf16 compute): 2Ψ params, 2Ψ grads, 12Ψ fp32 master + Adam; our gradient shard is
+        # fp32 (4Ψ/N, not 2Ψ/N), so stage 2/3 hold 2Ψ/N more than the paper's formula, and stage 1 keeps
+        # full bf16 gradients plus the fp32 shard
+        expected = {1: 2 * psi + 2 * psi + 16 * psi / n, 2: 2 * psi + 16 * psi / n, 3: 18 * psi / n}[stage]
+        assert report.total == pytest.approx(expected, rel=0.02, abs=step_scalars * 8)
+
+
+def test_estimate_memory_follows_the_zero_formulas():
+    psi, n = 1_000_000, 4
+    assert estimate_memory(psi, stage=0, dp=n).device == 16 * psi
+    assert estimate_memory(psi, stage=1, dp=n).device == 4 * psi + 12 * psi / n
+    assert estimate_memory(psi, stage=2, dp=n).device == 2 * psi + 14 * psi / n
+    assert estimate_memory(psi, stage=3, dp=n).device == 16 * psi / n
+    offloaded = estimate_memory(psi, stage=2, dp=n, offload=True)
+    assert (offloaded.device, offloaded.host) == (2 * psi + 2 * psi / n, 12 * psi / n)
+    with pytest.raises(ValueError, match="stage=5"):
+        estimate_memory(psi, stage=5, dp=n)
