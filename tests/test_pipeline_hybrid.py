@@ -25,6 +25,9 @@ gradients and parameters (gathered to full size where sharded) by the reference'
   API.) So the step runs under ``ddp.no_sync()`` and the sync goes through the callback; what DDP contributes
   is its construction: the dp rank-0 weights broadcast to the other replica, which the test proves by
   perturbing rank 1's weights before wrapping.
+- pp=2 x dp=2 with ZeRO-1 (`colo.zero.ZeroOptimizer(stage=1)`) over dp: the callback is
+  ``zero.reduce_gradients``, which reduce-scatters each chunk's accumulated gradients inside the pipeline step
+  (asserted with a `CommTracker`); the optimizer steps only this rank's shard of the masters.
 
 Tolerances: float32 throughout, rtol=1e-5, atol=1e-6 on loss, gradients and parameters (observed differences
 are ~1e-7). Not bit-identical: microbatching sums per-microbatch mean gradients scaled by 1/m instead of one
@@ -43,10 +46,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from colo.comm import Mesh, all_reduce
+from colo.comm import CommTracker, Mesh, all_reduce
 from colo.comm.testing import run_distributed
 from colo.pipeline import PipelineExecutor, build_stages, make_schedule, partition_uniform
 from colo.tensor import Colwise, Rowwise, gather, layout_of, parallelize, set_layout
+from colo.zero import ZeroOptimizer
 
 VOCAB, DIM, NUM_HEADS, HIDDEN, SEQ, NUM_BLOCKS = 16, 8, 2, 16, 4, 2
 BATCH, NUM_MICROBATCHES, STEPS, SEED, LR = 8, 4, 3, 0, 0.1
@@ -241,6 +245,30 @@ def _pipeline_dp(schedule_name: str, use_ddp: bool):
     return _train(executor, stage, names, batches, step_context=step_context)
 
 
+def _pipeline_zero1(schedule_name: str):
+    """pp=2 x dp=2 with ZeRO-1 over dp: the executor's callback reduces gradients, the optimizer state is sharded."""
+    mesh = Mesh(pp=2, dp=2)
+    schedule = make_schedule(schedule_name, mesh.size("pp"), NUM_MICROBATCHES)
+    stage, names = _stage(schedule, mesh.rank("pp"))
+    zero = ZeroOptimizer(stage, _optimizer, mesh=mesh, stage=1, data_axes=("dp",))
+    executor = PipelineExecutor(
+        stage, schedule=schedule, mesh=mesh, loss_fn=_loss, axis="pp", on_backward_end=zero.reduce_gradients
+    )
+    losses, grads, params = [], [], []
+    for step in range(STEPS):
+        ids, targets = _dp_shard(step, mesh.rank("dp"), mesh.size("dp"))
+        with CommTracker() as tracker:
+            result = executor.step(ids, targets)
+        # the gradients were reduced inside the step, by the callback: one reduce-scatter per trainable chunk
+        assert tracker.calls("reduce_scatter", axis="dp") == len(zero.trainable_chunks) > 0
+        grads.append({_reference_name(n, names): g for n, g in zero.full_grads().items()})
+        zero.step()
+        zero.zero_grad()
+        losses.append(result.loss)
+        params.append({_reference_name(n, names): p for n, p in zero.full_params().items()})
+    return {"losses": losses, "grads": grads, "params": params}
+
+
 # --- the claims ------------------------------------------------------------------------------------------------
 
 
@@ -290,3 +318,13 @@ def test_pp2_dp2_matches_single_process_on_the_full_batch(schedule_name, use_ddp
         for step in range(STEPS):
             for name, value in results[first]["params"][step].items():
                 torch.testing.assert_close(results[second]["params"][step][name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("schedule_name", ["1f1b", "zero_bubble_h1"])
+def test_pp2_dp2_with_zero1_through_the_callback_matches_single_process(schedule_name):
+    results = run_distributed(_pipeline_zero1, schedule_name, world_size=4)
+
+    def full_batch_loss(results, step):  # dp ranks 0 and 1 of pp rank 0 each report their half-batch mean
+        return torch.stack([results[0]["losses"][step], results[1]["losses"][step]]).mean()
+
+    _assert_matches(results, _reference_run(2 * BATCH), losses_of=full_batch_loss)

@@ -302,6 +302,19 @@ class ZeroOptimizer:
             loss = self.loss_scaler.scale_loss(loss)
         loss.backward()
 
+    def reduce_gradients(self) -> bool:
+        """Reduce this step's gradients over the data axes now (``step()`` does it otherwise).
+
+        The hook for a pipeline executor's ``on_backward_end`` callback: a pipeline's weight-gradient (W) steps
+        accumulate outside autograd's hooks, so the sync must be driven explicitly after the step's last backward.
+        Stage 1 handles gradients however they were accumulated into ``.grad``; stages 2/3 rely on the
+        post-accumulate-grad hooks during backward. Idempotent within a step.
+
+        Returns:
+            Whether the step will be skipped (an fp16 overflow).
+        """
+        return self._prepare_grads()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip gradients by their global norm over all shards, like ``torch.nn.utils.clip_grad_norm_``.
 
