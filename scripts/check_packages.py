@@ -37,9 +37,20 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, check=True, **kwargs)
 
 
+def closure(name: str) -> list[str]:
+    """``name``'s colo dependencies, direct and transitive (colo-pipeline needs colo-kernels through colo-tensor)."""
+    found: list[str] = []
+    for dep in DEPENDENCIES[name]:
+        for item in [*closure(dep), dep]:
+            if item not in found:
+                found.append(item)
+    return found
+
+
 def check(name: str, torch_pin: str) -> float:
     start = time.monotonic()
-    print(f"\n== colo-{name} (with {DEPENDENCIES[name] or 'no other colo package'})", flush=True)
+    deps = closure(name)
+    print(f"\n== colo-{name} (with {deps or 'no other colo package'})", flush=True)
     with tempfile.TemporaryDirectory(prefix=f"colo-{name}-") as tmp:
         venv = Path(tmp) / "venv"
         _run([sys.executable, "-m", "venv", str(venv)])
@@ -49,9 +60,9 @@ def check(name: str, torch_pin: str) -> float:
         pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(constraints)]
         _run(pip + ["torch", *TEST_TOOLS])
         # the package and its colo dependencies from this checkout, in one resolve (never from an index)
-        local = [str(ROOT / "packages" / f"colo-{dep}") for dep in [*DEPENDENCIES[name], name]]
+        local = [str(ROOT / "packages" / f"colo-{dep}") for dep in [*deps, name]]
         _run(pip + local)
-        others = sorted(set(DEPENDENCIES) - set(DEPENDENCIES[name]) - {name})
+        others = sorted(set(DEPENDENCIES) - set(deps) - {name})
         probe = (
             "import importlib.util, sys; "
             f"present = [n for n in {others!r} if importlib.util.find_spec('colo.' + n)]; "

@@ -12,6 +12,14 @@ them to a model from outside, by a plan of module-name patterns and styles (`Col
 """
 
 from .activations import convert_activation
+from .checkpoint import (
+    CheckpointError,
+    FlatShard,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from .comm_ops import (
     all_gather_reduce_scatter,
     all_gather_split,
@@ -45,6 +53,12 @@ from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "FlatShard",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
     "ColumnParallelLinear",
     "Colwise",
     "FusedQKV",
