@@ -18,18 +18,6 @@ except ImportError:  # triton is a Linux-only dependency; the reference paths wo
 MAX_FUSED_COLS = 65536
 """Widest row the row-wise Triton kernels hold in one block; wider inputs need ``backend="torch"``."""
 
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_triton_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
-    """Raise `UnsupportedKernelInput` unless every given tensor is fp32, bf16 or fp16."""
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.dtype not in _TRITON_DTYPES:
-            raise UnsupportedKernelInput(
-                f"{op}: the Triton kernel takes float32, bfloat16 or float16; {name} is {tensor.dtype} "
-                "(cast it, or use backend='torch')"
-            )
-
 
 def _row_tiling(op: str, n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCK_N, ROWS, num_warps)`` for a kernel that holds whole rows of ``n_cols`` elements.

@@ -18,16 +18,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, resolve_backend
+from .dispatch import TRITON_DTYPES, UnsupportedKernelInput, resolve_backend
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # triton is a Linux-only dependency; the reference still works without it
     triton = None
-
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 if triton is not None:
 
@@ -132,7 +129,7 @@ def _check_lists(
 
 def _check_triton_inputs(params, grads, exp_avgs, exp_avg_sqs) -> None:
     for index, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        if p.dtype not in _PARAM_DTYPES or g.dtype not in _PARAM_DTYPES:
+        if p.dtype not in TRITON_DTYPES or g.dtype not in TRITON_DTYPES:
             raise UnsupportedKernelInput(
                 f"fused_adamw: tensor {index}: the Triton kernel takes fp32/bf16/fp16 params and grads, got "
                 f"{p.dtype} and {g.dtype}; use backend='torch'"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, resolve_backend
+from .dispatch import UnsupportedKernelInput, check_triton_dtypes, resolve_backend
 
 try:
     import triton
@@ -22,8 +22,6 @@ except ImportError:  # triton is a Linux-only dependency; the reference still wo
     triton = None
 
 REDUCTIONS = ("mean", "sum", "none")
-
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_inputs(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> None:
@@ -43,11 +41,7 @@ def _check_inputs(logits: torch.Tensor, target: torch.Tensor, reduction: str) ->
 
 def _check_triton_inputs(op: str, scores: torch.Tensor, target: torch.Tensor, name: str = "logits") -> None:
     """Raise `UnsupportedKernelInput` for dtypes the Triton kernels do not take (``name`` names ``scores``)."""
-    if scores.dtype not in _TRITON_DTYPES:
-        raise UnsupportedKernelInput(
-            f"{op}: the Triton kernel takes float32, bfloat16 or float16 {name}; {name} is {scores.dtype} "
-            "(cast it, or use backend='torch')"
-        )
+    check_triton_dtypes(op, **{name: scores})
     if target.dtype not in (torch.int64, torch.int32):
         raise UnsupportedKernelInput(f"{op}: target must be int64 or int32, got {target.dtype}")
 

@@ -16,11 +16,24 @@ import torch
 
 BACKENDS = ("auto", "triton", "torch")
 
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes every Triton kernel here loads (and computes on in fp32)."""
+
 _override: list[str] = []
 
 
 class UnsupportedKernelInput(ValueError):
     """The chosen backend cannot run this op on these inputs (shape, dtype or device); the message says which."""
+
+
+def check_triton_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raise `UnsupportedKernelInput` unless every given tensor (``None`` skipped) is fp32, bf16 or fp16."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.dtype not in TRITON_DTYPES:
+            raise UnsupportedKernelInput(
+                f"{op}: the Triton kernel takes float32, bfloat16 or float16; {name} is {tensor.dtype} "
+                "(cast it, or use backend='torch')"
+            )
 
 
 @functools.cache

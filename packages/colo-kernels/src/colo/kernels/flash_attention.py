@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, interpreter_enabled, resolve_backend
+from .dispatch import UnsupportedKernelInput, check_triton_dtypes, interpreter_enabled, resolve_backend
 
 try:
     import triton
@@ -32,7 +32,6 @@ try:
 except ImportError:  # triton is a Linux-only dependency; the reference still works without it
     triton = None
 
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
 
@@ -66,12 +65,7 @@ def _check_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 def _check_triton_inputs(op: str, **tensors: torch.Tensor) -> None:
     """Raise `UnsupportedKernelInput` for dtypes or head sizes the Triton kernels do not take."""
     dtypes = {t.dtype for t in tensors.values()}
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _TRITON_DTYPES:
-            raise UnsupportedKernelInput(
-                f"{op}: the Triton kernel takes float32, bfloat16 or float16; {name} is {tensor.dtype} "
-                "(cast it, or use backend='torch')"
-            )
+    check_triton_dtypes(op, **tensors)
     if len(dtypes) > 1:
         raise UnsupportedKernelInput(
             f"{op}: the Triton kernel needs one dtype for {', '.join(tensors)}; got "

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._rows import _backward_grid, _check_triton_dtypes, _row_tiling
-from .dispatch import resolve_backend
+from ._rows import _backward_grid, _row_tiling
+from .dispatch import check_triton_dtypes, resolve_backend
 
 try:
     import triton
@@ -253,5 +253,5 @@ def layer_norm(
     tensors = [t for t in (x, weight, bias, residual) if t is not None]
     if resolve_backend("layer_norm", *tensors, backend=backend) == "torch":
         return layer_norm_reference(x, weight, bias, eps, residual=residual)
-    _check_triton_dtypes("layer_norm", x=x, weight=weight, bias=bias)
+    check_triton_dtypes("layer_norm", x=x, weight=weight, bias=bias)
     return _LayerNormFunction.apply(x, weight, bias, residual, eps)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._rows import _backward_grid, _check_triton_dtypes, _row_tiling
-from .dispatch import resolve_backend
+from ._rows import _backward_grid, _row_tiling
+from .dispatch import check_triton_dtypes, resolve_backend
 
 try:
     import triton
@@ -202,5 +202,5 @@ def rms_norm(
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if resolve_backend("rms_norm", *tensors, backend=backend) == "torch":
         return rms_norm_reference(x, weight, eps, residual=residual)
-    _check_triton_dtypes("rms_norm", x=x, weight=weight)
+    check_triton_dtypes("rms_norm", x=x, weight=weight)
     return _RMSNormFunction.apply(x, weight, residual, eps)

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, resolve_backend
+from .dispatch import check_triton_dtypes, resolve_backend
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # triton is a Linux-only dependency; the reference still works without it
     triton = None
-
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 if triton is not None:
 
@@ -205,10 +202,5 @@ def rotary(
         )
     if resolve_backend("rotary", q, k, cos, sin, backend=backend) == "torch":
         return rotary_reference(q, k, cos, sin, position_offset=position_offset)
-    for name, tensor in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if tensor.dtype not in _TRITON_DTYPES:
-            raise UnsupportedKernelInput(
-                f"rotary: the Triton kernel takes float32, bfloat16 or float16; {name} is {tensor.dtype} "
-                "(cast it, or use backend='torch')"
-            )
+    check_triton_dtypes("rotary", q=q, k=k, cos=cos, sin=sin)
     return _RotaryFunction.apply(q, k, cos, sin, int(position_offset))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ._rows import _backward_grid, _check_triton_dtypes, _row_tiling
-from .dispatch import resolve_backend
+from ._rows import _backward_grid, _row_tiling
+from .dispatch import check_triton_dtypes, resolve_backend
 
 try:
     import triton
@@ -193,5 +193,5 @@ def softmax(
     tensors = (x,) if mask is None else (x, mask)
     if resolve_backend("softmax", *tensors, backend=backend) == "torch":
         return softmax_reference(x, causal=causal, mask=mask, scale=scale)
-    _check_triton_dtypes("softmax", x=x)
+    check_triton_dtypes("softmax", x=x)
     return _SoftmaxFunction.apply(x, mask, bool(causal), float(scale))

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, resolve_backend
+from .dispatch import check_triton_dtypes, resolve_backend
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # triton is a Linux-only dependency; the reference still works without it
     triton = None
-
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 if triton is not None:
 
@@ -117,9 +114,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
         )
     if resolve_backend("swiglu", gate, up, backend=backend) == "torch":
         return swiglu_reference(gate, up)
-    if gate.dtype not in _TRITON_DTYPES:
-        raise UnsupportedKernelInput(
-            f"swiglu: the Triton kernel takes float32, bfloat16 or float16, not {gate.dtype} "
-            "(cast it, or use backend='torch')"
-        )
+    check_triton_dtypes("swiglu", gate=gate)
     return _SwiGLUFunction.apply(gate, up)
