@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .collectives import _check_group_rank, _member_group
 from .group import Group
 from .handle import translate_errors
-from .tracker import record
+from .tracker import record, tracking
 
 
 def _pickled_size(obj: Any) -> int:
@@ -24,8 +24,9 @@ def broadcast_object(obj: Any, *, src: int, group: Group | dist.ProcessGroup | N
     box = [obj if group.rank == src else None]
     with translate_errors("broadcast_object", group):
         dist.broadcast_object_list(box, src=group.global_rank(src), group=group.process_group)
-    size = _pickled_size(box[0])
-    record("broadcast_object", group.name, group.size, "object", size, size, "native")
+    if tracking():  # pickling again only to count bytes: skip it when nobody records them
+        size = _pickled_size(box[0])
+        record("broadcast_object", group.name, group.size, "object", size, size, "native")
     return box[0]
 
 
@@ -35,8 +36,9 @@ def all_gather_object(obj: Any, *, group: Group | dist.ProcessGroup | None = Non
     gathered: list[Any] = [None] * group.size
     with translate_errors("all_gather_object", group):
         dist.all_gather_object(gathered, obj, group=group.process_group)
-    size = sum(_pickled_size(item) for i, item in enumerate(gathered) if i != group.rank)
-    record("all_gather_object", group.name, group.size, "object", size, size, "native")
+    if tracking():
+        size = sum(_pickled_size(item) for i, item in enumerate(gathered) if i != group.rank)
+        record("all_gather_object", group.name, group.size, "object", size, size, "native")
     return gathered
 
 
@@ -48,6 +50,7 @@ def gather_object(obj: Any, *, dst: int, group: Group | dist.ProcessGroup | None
     gathered: list[Any] | None = [None] * group.size if is_dst else None
     with translate_errors("gather_object", group):
         dist.gather_object(obj, gathered, dst=group.global_rank(dst), group=group.process_group)
-    size = _pickled_size(obj)
-    record("gather_object", group.name, group.size, "object", size, size, "native")
+    if tracking():
+        size = _pickled_size(obj)
+        record("gather_object", group.name, group.size, "object", size, size, "native")
     return gathered

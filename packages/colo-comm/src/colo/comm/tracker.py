@@ -130,6 +130,11 @@ def record(
             tracker.records.append(entry)
 
 
+def tracking() -> bool:
+    """Whether any tracker is active (so callers can skip computing a volume nobody records)."""
+    return bool(_active)
+
+
 def reset_active_trackers() -> None:
     """Deactivate every tracker (the test harness calls this between tests)."""
     with _lock:
