@@ -7,66 +7,34 @@ AdamW's normalisation can amplify those bits a little in the parameters; hence r
 
 from __future__ import annotations
 
-import copy
+import importlib.util
+import pathlib
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from colo.comm import CommTracker, Mesh
 from colo.comm.testing import run_distributed
 from colo.zero import DynamicLossScaler, MixedPrecision, ZeroOptimizer, estimate_memory
 
-VOCAB, DIM, HIDDEN = 11, 6, 10
-"""A tiny language model with uneven, tied, frozen and no-decay parameters, and its single-process reference."""
+
+def _load_models():
+    """The shared tiny model module (``_models.py`` beside this file), loaded by path."""
+    path = pathlib.Path(__file__).with_name("_models.py")
+    spec = importlib.util.spec_from_file_location("colo_zero_test_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class TinyLM(nn.Module):
-    """Embedding -> (frozen linear) -> MLP block -> lm_head tied to the embedding."""
-
-    def __init__(self, *, frozen: bool = True) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.frozen = nn.Linear(DIM, DIM) if frozen else None
-        if self.frozen is not None:
-            self.frozen.requires_grad_(False)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-        self.lm_head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        if self.frozen is not None:
-            h = torch.tanh(self.frozen(h))
-        h = h + self.down(F.gelu(self.norm(self.up(h))))
-        logits = self.lm_head(h)
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def param_groups(model: nn.Module) -> list[dict]:
-    """Weights decay at 0.1 with lr 1e-2; biases and norms do not decay and use lr 2e-2."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-2}]
-
-
-def make_models(*, frozen: bool = True, seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    """The same initial model twice: one to shard, one as the single-process reference."""
-    torch.manual_seed(seed)
-    model = TinyLM(frozen=frozen)
-    return model, copy.deepcopy(model)
-
-
-def batch(step: int, *, rows: int, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step`` (identical on every rank)."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (rows, seq), generator=generator)
-    targets = torch.randint(0, VOCAB, (rows, seq), generator=generator)
-    return tokens, targets
-
+_models = _load_models()
+TinyLM, param_groups, make_models, batch, VOCAB = (
+    _models.TinyLM,
+    _models.param_groups,
+    _models.make_models,
+    _models.batch,
+    _models.VOCAB,
+)
 
 ROWS_PER_RANK = 4
 FP32 = {"rtol": 1e-5, "atol": 1e-5}

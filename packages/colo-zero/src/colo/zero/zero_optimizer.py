@@ -28,6 +28,7 @@ from .amp import DynamicLossScaler, MixedPrecision
 from .chunk import Chunk, plan_chunks
 from .clip import clip_coefficient, global_grad_norm
 from .stage3 import ChunkGatherer
+from .state import checkpoint_state, load_state, save_state
 
 STAGES = (1, 2, 3)
 
@@ -403,6 +404,34 @@ class ZeroOptimizer:
         """The reduced fp32 gradients of every trainable parameter, gathered (a collective; after backward)."""
         self._prepare_grads()
         return self._gather_named("grad_shard")
+
+    def checkpoint_state(self):
+        """``(tensors, metadata)`` for `colo.tensor.checkpoint.save_checkpoint`: this rank's flat ranges of every
+        parameter (fp32 masters as the weights) and optimizer state, plus JSON metadata (see `colo.zero.state`)."""
+        return checkpoint_state(self)
+
+    def save(self, path, *, metadata: dict | None = None, group=None) -> None:
+        """Save parameters and optimizer state to the new checkpoint directory ``path`` (every rank calls it).
+
+        Args:
+            path: the checkpoint directory to create.
+            metadata: more JSON-serialisable state (step, data position, RNG) to store beside the tensors.
+            group: the ranks saving together (default: the world).
+        """
+        save_state(self, path, metadata=metadata, group=group)
+
+    def load(self, path) -> dict:
+        """Load a checkpoint written by `save` at any data-parallel size; returns its metadata (every rank calls it)."""
+        return load_state(self, path)
+
+    def full_optimizer_states(self) -> dict[str, torch.Tensor]:
+        """Every per-element optimizer state, gathered, keyed ``<param name>/<state>`` (a collective)."""
+        keys = sorted({name.removeprefix("optim/") for c in self.trainable_chunks for name in c.buffers if "/" in name})
+        result = {}
+        for key in keys:
+            for name, tensor in self._gather_named(f"optim/{key}").items():
+                result[f"{name}/{key}"] = tensor
+        return result
 
     def memory_report(self):
         """Bytes of parameters, gradients, masters, optimizer state and padding held on this rank."""

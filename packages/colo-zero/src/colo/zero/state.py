@@ -1,0 +1,266 @@
+"""ZeRO state through the common checkpoint format (`colo.tensor.checkpoint`), loadable at any data-parallel size.
+
+Every parameter is saved under its model name as the flat range of it that this rank's chunk shard holds (a
+`FlatShard` piece): the fp32 master for trainable parameters (with mixed precision the masters, not the bf16
+compute copies, are the weights), the compute copy for frozen ones. Optimizer state tensors the size of the
+master are saved the same way as ``optim/<name>/<state>`` (``optim/layers.0.w.weight/exp_avg``); optimizer
+scalars (AdamW's ``step``), the param groups' hyperparameters and the loss scaler go into the JSON metadata.
+Nothing is pickled.
+
+Loading reads, on each rank, only the flat ranges its own chunks hold, so a run saved at dp=4 loads at dp=2
+(or one process) and the other way round, whatever the chunk sizes. A same-layout load restores every byte
+of masters and optimizer state, so resuming reproduces the uninterrupted run bit for bit in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from colo.comm import all_gather
+from colo.tensor.checkpoint import (
+    CheckpointError,
+    FlatShard,
+    load_checkpoint,
+    read_index,
+    save_checkpoint,
+)
+
+from .chunk import Chunk, ParamSlot
+
+if TYPE_CHECKING:
+    from .zero_optimizer import ZeroOptimizer
+
+OPTIM_PREFIX = "optim/"
+METADATA_KEY = "zero"
+"""The key of the JSON metadata `checkpoint_state` adds (optimizer scalars, param groups, loss scaler)."""
+
+
+def _slot_range(chunk: Chunk, slot: ParamSlot) -> tuple[int, int, int] | None:
+    """``(start, end, flat_start)``: the part of ``slot`` inside this rank's shard, in shard coordinates, and
+    where it starts in the parameter's own flattening; ``None`` when the shard holds none of it."""
+    begin = max(slot.offset, chunk.shard_offset)
+    end = min(slot.offset + slot.numel, chunk.shard_offset + chunk.shard_numel)
+    if begin >= end:
+        return None
+    return begin - chunk.shard_offset, end - chunk.shard_offset, begin - slot.offset
+
+
+def _check_no_tensor_parallel(zero: ZeroOptimizer) -> None:
+    from colo.tensor import Shard, layout_of
+
+    for chunk in zero.chunks:
+        for slot in chunk.slots:
+            layout = layout_of(slot.param)
+            if layout is not None and any(isinstance(p, Shard) for p in layout.placements):
+                raise NotImplementedError(
+                    f"parameter {slot.name!r} is tensor-parallel ({layout}); ZeRO checkpoints of tensor-parallel "
+                    "parameters need pieces that are flat ranges of a rectangle, which FlatShard cannot express yet: "
+                    "save with tp=1, or gather the tensor-parallel parameters first"
+                )
+
+
+def _value_shard(zero: ZeroOptimizer, chunk: Chunk) -> torch.Tensor:
+    """This rank's shard of the tensor saved as the chunk's weights: the fp32 master, or the frozen compute copy."""
+    if chunk.trainable:
+        return chunk.buffer("master")
+    if chunk.has_buffer("param_shard"):
+        return chunk.buffer("param_shard")
+    return chunk.shard_of(chunk.buffer("param"))
+
+
+def _optimizer_tensors(zero: ZeroOptimizer, chunk: Chunk) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """The chunk master's optimizer state split into per-element tensors and JSON scalars ``[value, dtype]``."""
+    tensors, scalars = {}, {}
+    master = chunk.buffer("master")
+    for key, value in zero.optimizer.state.get(master, {}).items():
+        if isinstance(value, torch.Tensor) and value.shape == master.shape:
+            tensors[key] = value
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            scalars[key] = [value.item(), str(value.dtype).removeprefix("torch.")]
+        elif isinstance(value, (int, float, bool)):
+            scalars[key] = [value, None]
+        else:
+            raise TypeError(
+                f"optimizer state {key!r} of {type(zero.optimizer).__name__} is a {type(value).__name__}; ZeRO "
+                "checkpoints hold per-element tensors and scalars only"
+            )
+    return tensors, scalars
+
+
+def _json_safe(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
+    """The tensors and the JSON metadata to pass to `save_checkpoint` (no collective, no copy).
+
+    Returns:
+        ``(tensors, metadata)``: name -> `FlatShard` of this rank's part of every parameter and optimizer
+        state, and ``{"zero": {...}}`` with optimizer scalars, param-group hyperparameters and loss scaler.
+    """
+    _check_no_tensor_parallel(zero)
+    tensors: dict[str, FlatShard] = {}
+    scalars: dict[str, dict] = {}
+    for chunk in zero.chunks:
+        value = _value_shard(zero, chunk)
+        states, chunk_scalars = _optimizer_tensors(zero, chunk) if chunk.trainable else ({}, {})
+        for slot in chunk.slots:
+            if chunk_scalars:
+                scalars[slot.name] = chunk_scalars
+            where = _slot_range(chunk, slot)
+            if where is None:
+                continue
+            start, end, flat_start = where
+            tensors[slot.name] = FlatShard(value[start:end], tuple(slot.shape), flat_start)
+            for key, state in states.items():
+                tensors[f"{OPTIM_PREFIX}{slot.name}/{key}"] = FlatShard(state[start:end], tuple(slot.shape), flat_start)
+    groups = [
+        {key: _json_safe(value) for key, value in group.items() if key != "params"}
+        for group in zero.optimizer.param_groups
+    ]
+    scaler = zero.loss_scaler
+    metadata = {
+        METADATA_KEY: {
+            "stage": zero.config.stage,
+            "optimizer": type(zero.optimizer).__name__,
+            "param_groups": groups,
+            "scalars": scalars,
+            "loss_scaler": None
+            if scaler is None
+            else {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "num_skipped": scaler.num_skipped},
+        }
+    }
+    return tensors, metadata
+
+
+def save_state(zero: ZeroOptimizer, path: str | os.PathLike, *, metadata: dict | None = None, group=None) -> None:
+    """Save ``zero``'s parameters and optimizer state to the checkpoint directory ``path`` (every rank calls it).
+
+    Args:
+        zero: the optimizer to save.
+        path: a new checkpoint directory.
+        metadata: more JSON-serialisable state to store (step, data position, RNG ...).
+        group: the ranks saving together; default the world (every rank's pieces go into one checkpoint).
+    """
+    tensors, own = checkpoint_state(zero)
+    save_checkpoint(path, tensors, metadata={**(metadata or {}), **own}, group=group)
+
+
+def _restore_scalars(zero: ZeroOptimizer, chunk: Chunk, saved: dict) -> None:
+    if not chunk.trainable:
+        return
+    first = chunk.slots[0].name
+    if first not in saved:
+        return
+    state = zero.optimizer.state[chunk.buffer("master")]
+    for key, (value, dtype) in saved[first].items():
+        if dtype is None:
+            state[key] = value
+        else:
+            state[key] = torch.tensor(value, dtype=getattr(torch, dtype), device=chunk.buffer("master").device)
+
+
+def _restore_param_groups(zero: ZeroOptimizer, groups: list[dict], where: str) -> None:
+    if len(groups) != len(zero.optimizer.param_groups):
+        raise CheckpointError(
+            f"{where}: the checkpoint has {len(groups)} optimizer param groups, this optimizer "
+            f"{len(zero.optimizer.param_groups)}; build the optimizer with the same param groups"
+        )
+    for group, saved in zip(zero.optimizer.param_groups, groups):
+        for key, value in saved.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+
+@torch.no_grad()
+def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
+    """Load parameters and optimizer state saved by `save_state` (at any data-parallel size) into ``zero``.
+
+    Every rank reads only the flat ranges its chunk shards hold; the compute copies are then rebuilt from the
+    loaded masters (an all-gather per chunk at stages 1/2). Call it on every rank, before or between steps.
+
+    Returns:
+        The checkpoint's metadata (including what was passed to `save_state`).
+
+    Raises:
+        CheckpointError: a parameter or state is missing or mismatched, or the optimizer differs.
+    """
+    _check_no_tensor_parallel(zero)
+    directory = os.fspath(path)
+    index = read_index(directory)
+    saved = index.metadata.get(METADATA_KEY)
+    if saved is None:
+        raise CheckpointError(f"{directory}: no ZeRO metadata ({METADATA_KEY!r}); it was not saved by colo.zero")
+    if saved["optimizer"] != type(zero.optimizer).__name__:
+        raise CheckpointError(
+            f"{directory}: saved with a {saved['optimizer']} optimizer, loading into {type(zero.optimizer).__name__}"
+        )
+    _check_same_parameters(zero, index.tensors, directory)
+    targets: dict[str, FlatShard] = {}
+    for chunk in zero.chunks:
+        value = _value_shard(zero, chunk)
+        if chunk.trainable:
+            master = chunk.buffer("master")
+            state = zero.optimizer.state.setdefault(master, {})
+            keys = sorted(
+                {name.rsplit("/", 1)[1] for slot in chunk.slots for name in index.tensors if _is_state_of(name, slot)}
+            )
+            for key in keys:
+                if not (isinstance(state.get(key), torch.Tensor) and state[key].shape == master.shape):
+                    state[key] = torch.zeros_like(master)
+        for slot in chunk.slots:
+            where = _slot_range(chunk, slot)
+            if where is None:
+                continue
+            start, end, flat_start = where
+            targets[slot.name] = FlatShard(value[start:end], tuple(slot.shape), flat_start)
+            if chunk.trainable:
+                for key, state_tensor in zero.optimizer.state[chunk.buffer("master")].items():
+                    if isinstance(state_tensor, torch.Tensor) and state_tensor.shape == value.shape:
+                        shard = FlatShard(state_tensor[start:end], tuple(slot.shape), flat_start)
+                        targets[f"{OPTIM_PREFIX}{slot.name}/{key}"] = shard
+    metadata, _ = load_checkpoint(directory, targets, strict=False)
+    for chunk in zero.chunks:
+        _restore_scalars(zero, chunk, saved["scalars"])
+    _restore_param_groups(zero, saved["param_groups"], directory)
+    if zero.loss_scaler is not None and saved["loss_scaler"] is not None:
+        for key, value in saved["loss_scaler"].items():
+            setattr(zero.loss_scaler, key, value)
+    zero._register_optimizer_state()
+    _rebuild_compute_copies(zero)
+    return metadata
+
+
+def _check_same_parameters(zero: ZeroOptimizer, names, where: str) -> None:
+    """The checkpoint must hold exactly the model's parameters (optimizer states may be absent: before step 1)."""
+    model_names = {slot.name for chunk in zero.chunks for slot in chunk.slots}
+    saved = {_parameter_of(name) for name in names}
+    unexpected, missing = sorted(saved - model_names), sorted(model_names - saved)
+    if unexpected or missing:
+        raise CheckpointError(
+            f"{where}: the checkpoint does not match the model: unexpected {unexpected[:3]} ({len(unexpected)}), "
+            f"missing {missing[:3]} ({len(missing)}); load it into the model it was saved from"
+        )
+
+
+def _parameter_of(name: str) -> str:
+    """The parameter a checkpoint tensor belongs to (``optim/<name>/<state>`` -> ``<name>``)."""
+    return name.removeprefix(OPTIM_PREFIX).rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name
+
+
+def _is_state_of(name: str, slot: ParamSlot) -> bool:
+    prefix = f"{OPTIM_PREFIX}{slot.name}/"
+    return name.startswith(prefix) and "/" not in name[len(prefix) :]
+
+
+def _rebuild_compute_copies(zero: ZeroOptimizer) -> None:
+    """Refresh the compute copies from the loaded shards (frozen chunks at stages 1/2 are gathered too)."""
+    zero._refresh_params()
+    if zero.config.stage == 3:
+        return
+    for chunk in zero.chunks:
+        if not chunk.trainable:
+            param = chunk.buffer("param")
+            param.copy_(all_gather(chunk.shard_of(param).clone(), group=zero.group))
