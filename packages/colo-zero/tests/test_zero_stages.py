@@ -285,24 +285,26 @@ def _memory(stage, mixed):
             for tensor in [master, master.grad, *zero.optimizer.state[master].values()]:
                 if isinstance(tensor, torch.Tensor):
                     storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    for chunk in zero.chunks:  # stage 3 compute shards are reachable only through the chunks
-        if chunk.has_buffer("param_shard"):
-            shard = chunk.buffer("param_shard")
-            storages[shard.untyped_storage().data_ptr()] = shard.untyped_storage().nbytes()
+    for chunk in zero.chunks:  # stage 3 compute shards and the gradient shards are reachable only through chunks
+        for name in ("param_shard", "grad_shard"):
+            if chunk.has_buffer(name):
+                shard = chunk.buffer(name)
+                storages[shard.untyped_storage().data_ptr()] = shard.untyped_storage().nbytes()
     psi = sum(chunk.numel for chunk in zero.chunks)  # padded parameter count
     return report, sum(storages.values()), psi, mesh.size("dp")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_report_agrees_with_an_independent_count_and_the_formula(stage):
     for report, independent, psi, n in run_distributed(_memory, stage, True, world_size=2):
         step_scalars = 2 * 2 * 4  # AdamW's fp32 ``step`` scalar per master (two chunks' worth of slack)
         assert report.total == pytest.approx(independent, rel=0.02)
-        # mixed precision (bf16 compute): 2Ψ params, 2Ψ grads, 12Ψ fp32 master + Adam; our gradient shard is
-        # fp32 (4Ψ/N, not 2Ψ/N), so stage 2/3 hold 2Ψ/N more than the paper's formula, and stage 1 keeps
-        # full bf16 gradients plus the fp32 shard
-        expected = {1: 2 * psi + 2 * psi + 16 * psi / n, 2: 2 * psi + 16 * psi / n, 3: 18 * psi / n}[stage]
+        # the ZeRO paper's mixed-precision formulas over the padded parameter count Ψ: bf16 compute copy and
+        # gradients (2Ψ each), fp32 master + Adam moments (12Ψ); the gradient shards are kept in bf16 (the
+        # reduce dtype), and stage 1's shard is the own region of its full gradient buffer
+        expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
         assert report.total == pytest.approx(expected, rel=0.02, abs=step_scalars * 8)
+        assert report.total == pytest.approx(estimate_memory(psi, stage=stage, dp=n).device, abs=step_scalars * 8)
 
 
 def test_estimate_memory_follows_the_zero_formulas():

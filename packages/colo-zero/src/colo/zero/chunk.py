@@ -24,7 +24,7 @@ BUFFER_NAMES = {
     "param_shard": "this rank's slice of the compute copy (ZeRO-3 only, where the full copy is transient)",
     "master": "this rank's fp32 master slice, the tensor the torch optimizer steps",
     "grad": "full gradients of the chunk in the compute dtype (stage 1: persistent; stages 2/3: a transient bucket)",
-    "grad_shard": "this rank's fp32 gradient slice, the master's ``.grad``",
+    "grad_shard": "this rank's reduced gradient slice in the reduce dtype (fp32 copy as the master's ``.grad``)",
     "optim/<state>": "the optimizer's state for the master (``optim/exp_avg`` ...), registered after the first step",
 }
 

@@ -9,7 +9,7 @@ import torch
 from colo.comm import Group, all_reduce
 
 
-def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group, norm_type: float = 2.0) -> float:
+def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group | None, norm_type: float = 2.0) -> float:
     """The norm of the full gradient, from each rank's disjoint flat shards.
 
     Shards of one chunk are disjoint and padding is zero, so summing ``|g|^p`` over shards and ranks counts
@@ -18,7 +18,7 @@ def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group, norm_type
 
     Args:
         grad_shards: this rank's fp32 gradient shards.
-        group: the group the shards are spread over.
+        group: the group the shards are spread over; ``None``: they are all here (no communication).
         norm_type: p of the p-norm, or ``math.inf``.
     """
     device = grad_shards[0].device if grad_shards else torch.device("cpu")
@@ -26,12 +26,14 @@ def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group, norm_type
         local = torch.zeros(1, device=device, dtype=torch.float32)
         for shard in grad_shards:
             local = torch.maximum(local, shard.abs().max().reshape(1).float())
-        all_reduce(local, op="max", group=group)
+        if group is not None:
+            all_reduce(local, op="max", group=group)
         return float(local.item())
     local = torch.zeros(1, device=device, dtype=torch.float64)
     for shard in grad_shards:
         local += shard.double().abs().pow(norm_type).sum()
-    all_reduce(local, op="sum", group=group)
+    if group is not None:
+        all_reduce(local, op="sum", group=group)
     return float(local.item() ** (1.0 / norm_type))
 
 

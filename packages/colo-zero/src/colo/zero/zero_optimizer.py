@@ -1,7 +1,11 @@
-"""`ZeroOptimizer`: ZeRO stages 1, 2 and 3 over the fused data-parallel axes of a mesh, on top of chunks.
+"""`ZeroOptimizer`: ZeRO stages 0, 1, 2 and 3 over the fused data-parallel axes of a mesh, on top of chunks.
 
-Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020; the optimizer
+offload follows Ren et al., "ZeRO-Offload", 2021.
 
+- Stage 0 shards nothing: each chunk's gradient is all-reduced during backward (DDP's bucketed all-reduce) and
+  every rank steps full fp32 masters; it is how data or pipeline parallelism gets `colo.zero.amp`'s mixed
+  precision and loss scaling without sharding.
 - Stage 1 shards optimizer state: gradients accumulate locally in a full flat buffer per chunk; at the step
   each chunk is reduce-scattered, the owner steps its fp32 master shard, and the chunk is all-gathered back.
 - Stage 2 also shards gradients: a post-accumulate-grad hook copies each gradient into its chunk's bucket and,
@@ -16,13 +20,14 @@ a chunk never mixes groups.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from colo.comm import Mesh, all_gather, reduce_scatter
+from colo.comm import Mesh, all_gather, all_reduce, reduce_scatter
 
 from .amp import DynamicLossScaler, MixedPrecision
 from .chunk import Chunk, plan_chunks
@@ -30,7 +35,7 @@ from .clip import clip_coefficient, global_grad_norm
 from .stage3 import ChunkGatherer
 from .state import checkpoint_state, load_state, save_state
 
-STAGES = (1, 2, 3)
+STAGES = (0, 1, 2, 3)
 
 
 @dataclass(kw_only=True)
@@ -38,7 +43,7 @@ class ZeroConfig:
     """Settings of `ZeroOptimizer`."""
 
     stage: int = 2
-    """ZeRO stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)."""
+    """ZeRO stage: 0 (nothing sharded), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)."""
     data_axes: tuple[str, ...] = ("dp",)
     """Mesh axes the shards are spread over, fused (``("dp", "sp")`` when sequence parallelism replicates weights)."""
     chunk_numel: int | None = None
@@ -47,6 +52,14 @@ class ZeroConfig:
     """Largest capacity the search tries."""
     mixed_precision: MixedPrecision | None = None
     """Compute / communication dtypes; ``None``: compute in the model's dtype, masters alias fp32 parameters."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: keep fp32 masters, gradient shards and optimizer state in host memory (pinned with CUDA) and
+    run the optimizer step there (torch's fused CPU AdamW by default); the device keeps only the compute copies."""
+    tensor_parallel_axes: tuple[str, ...] = ()
+    """Mesh axes the model is tensor-parallel over. Gradient clipping sums the norm over them, counting a
+    parameter sharded over an axis (its colo layout says `Shard`) on every rank of it and a replicated one once."""
+    pipeline_axis: str | None = None
+    """The mesh axis of pipeline stages, whose parameters are disjoint: the gradient norm sums over it too."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -60,6 +73,20 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.chunk_numel={self.chunk_numel} must be positive, or None to search")
         if self.max_chunk_numel < 1:
             raise ValueError(f"ZeroConfig.max_chunk_numel={self.max_chunk_numel} must be positive")
+        if isinstance(self.tensor_parallel_axes, str):
+            self.tensor_parallel_axes = (self.tensor_parallel_axes,)
+        self.tensor_parallel_axes = tuple(self.tensor_parallel_axes)
+        overlap = set(self.data_axes) & ({*self.tensor_parallel_axes, self.pipeline_axis} - {None})
+        if overlap:
+            raise ValueError(
+                f"ZeroConfig: axes {sorted(overlap)} are named both as data axes and as model-parallel axes; "
+                "an axis is one or the other"
+            )
+
+    @property
+    def model_parallel_axes(self) -> tuple[str, ...]:
+        """The tensor-parallel axes and the pipeline axis, the ones the model itself is split over."""
+        return self.tensor_parallel_axes + ((self.pipeline_axis,) if self.pipeline_axis else ())
 
 
 OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
@@ -67,6 +94,38 @@ OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], tor
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, fused=True)
+
+
+class _Done:
+    """A finished `Handle` look-alike (a reduction over a group of one is the tensor itself)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
+
+
+def _to_state_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; host copies of device tensors are pinned when CUDA is present (fast, async copies)."""
+    if tensor.device == device:
+        return tensor
+    moved = tensor.to(device)
+    return moved.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else moved
+
+
+def _ordered(params: dict[str, torch.nn.Parameter], order: list[str] | None) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters in ``order`` (names from `execution_order`), then any the order does not name, in registration
+    order."""
+    if order is None:
+        return list(params.items())
+    unknown = [name for name in order if name not in params]
+    if unknown:
+        raise ValueError(f"param_order names {unknown[:3]} that are not parameters of the model; use its names")
+    named = set(order)
+    return [(name, params[name]) for name in dict.fromkeys(order)] + [
+        (name, p) for name, p in params.items() if name not in named
+    ]
 
 
 class ZeroOptimizer:
@@ -100,6 +159,7 @@ class ZeroOptimizer:
         mesh: Mesh,
         config: ZeroConfig | None = None,
         loss_scaler: DynamicLossScaler | None = None,
+        param_order: list[str] | None = None,
         **config_fields,
     ) -> None:
         if config is not None and config_fields:
@@ -107,10 +167,11 @@ class ZeroOptimizer:
         self.config = config if config is not None else ZeroConfig(**config_fields)
         self.model = model
         self.mesh = mesh
-        unknown = [axis for axis in self.config.data_axes if axis not in mesh.axis_names]
+        named_axes = self.config.data_axes + self.config.model_parallel_axes
+        unknown = [axis for axis in named_axes if axis not in mesh.axis_names]
         if unknown:
             raise ValueError(
-                f"ZeroConfig.data_axes names {unknown}, not axes of the mesh {mesh.axis_names}; pick from those"
+                f"ZeroConfig names axes {unknown} that are not axes of the mesh {mesh.axis_names}; pick from those"
             )
         params = dict(model.named_parameters())
         devices = {p.device for p in params.values()}
@@ -120,6 +181,8 @@ class ZeroOptimizer:
                 "to one device (model.to(device)) before ZeroOptimizer"
             )
         self.device = devices.pop() if devices else torch.device("cpu")
+        self.offload = self.config.offload_optimizer
+        self.state_device = torch.device("cpu") if self.offload else self.device
         self.optimizer = self._resolve_optimizer(optimizer, list(params.values()))
         group_of = self._param_group_index(params)
 
@@ -128,31 +191,38 @@ class ZeroOptimizer:
         self.reduce_dtype = mp.reduce_dtype if mp is not None else None
         self.loss_scaler = loss_scaler
         self.group = mesh.group(*self.config.data_axes)
-        self.num_shards = self.group.size
+        self.num_shards = 1 if self.config.stage == 0 else self.group.size
         if loss_scaler is None and self.param_dtype == torch.float16:
-            self.loss_scaler = DynamicLossScaler(group=self.group)
+            self.loss_scaler = DynamicLossScaler(group=mesh.group(*named_axes))
 
-        entries = [(name, p, group_of.get(id(p), -1)) for name, p in params.items()]
+        entries = [(name, p, group_of.get(id(p), -1)) for name, p in _ordered(params, param_order)]
         plans = plan_chunks(
             entries,
             num_shards=self.num_shards,
             chunk_numel=self.config.chunk_numel,
             max_chunk_numel=self.config.max_chunk_numel,
         )
+        shard_rank = 0 if self.config.stage == 0 else self.group.rank
         self.chunks = [
-            Chunk(i, plan, num_shards=self.num_shards, shard_rank=self.group.rank) for i, plan in enumerate(plans)
+            Chunk(i, plan, num_shards=self.num_shards, shard_rank=shard_rank) for i, plan in enumerate(plans)
         ]
         self.chunk_of: dict[int, Chunk] = {id(slot.param): c for c in self.chunks for slot in c.slots}
+        self._norm_ranges = self._counted_ranges()
+        # the gradient norm sums over the shards (not at stage 0: every data rank holds the whole gradient) and over
+        # the model-parallel axes; the group is created here, by every rank, not lazily at the first clip
+        norm_axes = (self.config.data_axes if self.config.stage else ()) + self.config.model_parallel_axes
+        self.norm_group = mesh.group(*norm_axes) if norm_axes else None
         self._build_buffers()
         self._swap_optimizer_params()
         self._ready: dict[int, int] = {chunk.index: 0 for chunk in self.chunks}
         self._pending: list = []
         self._grads_prepared = False
+        self._sync_enabled = True
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._hooks = []
         self.gatherer: ChunkGatherer | None = None
-        if self.config.stage >= 2:
+        if self.config.stage != 1:
             for chunk in self.trainable_chunks:
                 for slot in chunk.slots:
                     hook = functools.partial(self._on_grad_ready, chunk, slot)
@@ -205,7 +275,7 @@ class ZeroOptimizer:
             compute_dtype = self.param_dtype or chunk.dtype
             full = chunk.pack(compute_dtype, self.device)
             fp32_full = full if full.dtype == torch.float32 else chunk.pack(torch.float32, self.device)
-            alias = self.param_dtype is None and chunk.dtype == torch.float32
+            alias = self.param_dtype is None and chunk.dtype == torch.float32 and not self.offload
             if stage == 3:
                 shard = chunk.shard_of(full).clone()
                 chunk.set_buffer("param_shard", shard)
@@ -216,13 +286,51 @@ class ZeroOptimizer:
                 shard = chunk.shard_of(full)
             if not chunk.trainable:
                 continue
+            tier = "host" if self.offload else "device"
             if alias:  # fp32 without mixed precision: the master is the compute shard itself
                 chunk.set_buffer("master", shard, aliases="param_shard" if stage == 3 else "param")
             else:
-                master = chunk.shard_of(fp32_full).clone()
-                chunk.set_buffer("master", master)
-            chunk.set_buffer("grad_shard", torch.zeros(chunk.shard_numel, dtype=torch.float32, device=self.device))
-            chunk.buffer("master").grad = chunk.buffer("grad_shard")
+                master = _to_state_device(chunk.shard_of(fp32_full).clone(), self.state_device)
+                chunk.set_buffer("master", master, tier=tier)
+            if stage == 1:  # the persistent full gradient; the reduced shard lands in its own region when it can
+                chunk.set_buffer("grad", torch.zeros(chunk.numel, dtype=compute_dtype, device=self.device))
+                if compute_dtype == self.grad_dtype and not self.offload:
+                    chunk.set_buffer("grad_shard", chunk.shard_of(chunk.buffer("grad")), aliases="grad")
+                    continue
+            grad_shard = torch.zeros(chunk.shard_numel, dtype=self.grad_dtype, device=self.device)
+            chunk.set_buffer("grad_shard", _to_state_device(grad_shard, self.state_device), tier=tier)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of the persistent gradient shards: the dtype gradients are reduced in (fp32 without mixed
+        precision). They are converted to fp32 for unscaling, clipping and the step, transiently."""
+        return self.reduce_dtype or torch.float32
+
+    def _counted_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Per chunk, the ranges of this rank's shard whose squares the global gradient norm counts here: all of
+        them without tensor parallelism; with it, a parameter replicated over a tensor-parallel axis counts only
+        at coordinate 0 of that axis (so it is counted once), a sharded one everywhere."""
+        from colo.tensor import Shard, layout_of
+
+        tp_axes = self.config.tensor_parallel_axes
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for chunk in self.chunks:
+            counted = []
+            for slot in chunk.slots:
+                layout = layout_of(slot.param)
+                sharded_over = set()
+                if layout is not None:
+                    sharded_over = {
+                        a for a, p in zip(layout.mesh.axis_names, layout.placements) if isinstance(p, Shard)
+                    }
+                if any(axis not in sharded_over and self.mesh.rank(axis) != 0 for axis in tp_axes):
+                    continue
+                begin = max(slot.offset, chunk.shard_offset)
+                end = min(slot.offset + slot.numel, chunk.shard_offset + chunk.shard_numel)
+                if begin < end:
+                    counted.append((begin - chunk.shard_offset, end - chunk.shard_offset))
+            ranges[chunk.index] = counted
+        return ranges
 
     def _swap_optimizer_params(self) -> None:
         for index, group in enumerate(self.optimizer.param_groups):
@@ -236,30 +344,39 @@ class ZeroOptimizer:
     # --- gradients --------------------------------------------------------------------------------------------
 
     def _on_grad_ready(self, chunk: Chunk, slot, param: torch.Tensor) -> None:
-        """Stages 2/3: move the gradient into its chunk's bucket; reduce-scatter the bucket once it is complete."""
+        """Stages 0/2/3: add the gradient into its chunk's bucket; reduce the bucket once it is complete."""
         if not chunk.has_buffer("grad"):
             chunk.set_buffer("grad", torch.zeros(chunk.numel, dtype=param.grad.dtype, device=self.device))
-        chunk.slot_view(chunk.buffer("grad"), slot).copy_(param.grad)
+        chunk.slot_view(chunk.buffer("grad"), slot).add_(param.grad)  # add: ``no_sync`` accumulates in the bucket
         param.grad = None
         self._ready[chunk.index] += 1
-        if self._ready[chunk.index] == len(chunk.slots):
-            self._reduce_scatter_grads(chunk)
+        if self._ready[chunk.index] < len(chunk.slots):
+            return
+        self._ready[chunk.index] = 0
+        if self._sync_enabled:
+            self._reduce_grads(chunk)
+        elif self.gatherer is not None:
+            self.gatherer.release(chunk)
 
-    def _reduce_scatter_grads(self, chunk: Chunk) -> None:
-        """Start the reduce-scatter of the chunk's full gradient into its shard; drop the bucket (stages 2/3)."""
+    def _reduce_grads(self, chunk: Chunk) -> None:
+        """Start reducing the chunk's full gradient bucket: all-reduce at stage 0, reduce-scatter into the shard
+        otherwise; stages 0/2/3 then drop the bucket (stage 1 keeps its persistent full buffer)."""
         bucket = chunk.buffer("grad")
         if self.reduce_dtype is not None and bucket.dtype != self.reduce_dtype:
             bucket = bucket.to(self.reduce_dtype)
-        handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True)
+        if self.config.stage == 0:
+            handle = all_reduce(bucket, group=self.group, async_op=True) if self.group.size > 1 else _Done(bucket)
+        else:
+            handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True)
         self._pending.append((chunk, handle))
         self._ready[chunk.index] = 0
-        if self.config.stage >= 2:
+        if self.config.stage != 1:
             chunk.drop_buffer("grad")
         if self.gatherer is not None:
             self.gatherer.release(chunk)
 
     def _finish_grad_sync(self) -> None:
-        """Reduce whatever is not reduced yet and wait for every reduce-scatter to land in the grad shards."""
+        """Reduce whatever is not reduced yet and wait for every reduction to land in the gradient shards."""
         if self.config.stage == 1:
             for chunk in self.trainable_chunks:
                 grad = chunk.buffer("grad")
@@ -269,31 +386,59 @@ class ZeroOptimizer:
                         region.zero_()
                     elif slot.param.grad.data_ptr() != region.data_ptr():
                         region.copy_(slot.param.grad)
-                self._reduce_scatter_grads(chunk)
-        else:  # chunks with unused parameters never completed during backward; every rank flushes them here
+                self._reduce_grads(chunk)
+        else:  # chunks with unused parameters, or accumulated under no_sync, still hold a bucket: every rank flushes
             for chunk in self.trainable_chunks:
-                if self._ready[chunk.index]:
-                    self._reduce_scatter_grads(chunk)
+                if chunk.has_buffer("grad"):
+                    self._reduce_grads(chunk)
         for chunk, handle in self._pending:
-            chunk.buffer("grad_shard").add_(handle.wait().float(), alpha=1.0 / self.num_shards)
+            reduced = handle.wait().to(self.state_device, non_blocking=True)
+            shard = chunk.buffer("grad_shard")
+            if self.config.stage == 1:  # reduced once per step, from the accumulated full buffer
+                torch.mul(reduced, 1.0 / self.group.size, out=reduced)
+                shard.copy_(reduced)
+            else:  # stages 0/2/3 reduce every micro-step into the shard
+                shard.add_(reduced.to(shard.dtype), alpha=1.0 / self.group.size)
         self._pending.clear()
+        if self.offload and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies into host memory
 
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return [chunk.buffer("grad_shard") for chunk in self.trainable_chunks]
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [chunk.buffer("master").grad for chunk in self.trainable_chunks]
 
     def _prepare_grads(self) -> bool:
-        """Sync, check for overflow and unscale once per step; returns whether the step must be skipped."""
+        """Sync, give the masters fp32 gradients, check for overflow and unscale once per step; returns whether the
+        step must be skipped."""
         if self._grads_prepared:
             return self.last_step_skipped
         self._finish_grad_sync()
+        for chunk in self.trainable_chunks:
+            shard = chunk.buffer("grad_shard")
+            chunk.buffer("master").grad = shard if shard.dtype == torch.float32 else shard.float()
         self.last_step_skipped = False
         if self.loss_scaler is not None:
-            self.last_step_skipped = self.loss_scaler.found_inf(self._grad_shards())
+            self.last_step_skipped = self.loss_scaler.found_inf(self._master_grads())
             if not self.last_step_skipped:
-                for shard in self._grad_shards():
-                    shard.div_(self.loss_scaler.scale)
+                for grad in self._master_grads():
+                    grad.div_(self.loss_scaler.scale)
         self._grads_prepared = True
         return self.last_step_skipped
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without communication, for the backward passes inside the context.
+
+        The next backward outside it (or `step`) reduces the sum. Stage 1 always accumulates locally, so this
+        changes nothing there. At stages 0/2/3 every trainable chunk keeps a full gradient bucket in the compute
+        dtype while accumulating: 2Ψ bytes (bf16) or 4Ψ (fp32) on every rank, the memory stages 2/3 otherwise
+        save; use it to trade that memory for fewer reductions (one per accumulation window instead of one per
+        micro-step).
+        """
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
 
     # --- the training-loop API --------------------------------------------------------------------------------
 
@@ -324,11 +469,22 @@ class ZeroOptimizer:
         """
         if self._prepare_grads():
             return float("inf")
-        total = global_grad_norm(self._grad_shards(), group=self.group, norm_type=norm_type)
+        total = self.grad_norm(norm_type)
         coefficient = clip_coefficient(total, max_norm)
         if coefficient < 1.0:
-            for shard in self._grad_shards():
-                shard.mul_(coefficient)
+            for grad in self._master_grads():
+                grad.mul_(coefficient)
+        return total
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The global norm of this step's (unscaled) gradients over every shard and model-parallel rank."""
+        if self._prepare_grads():
+            return float("inf")
+        counted = []
+        for chunk in self.trainable_chunks:
+            grad = chunk.buffer("master").grad
+            counted.extend(grad[start:end] for start, end in self._norm_ranges[chunk.index])
+        total = global_grad_norm(counted, group=self.norm_group, norm_type=norm_type)
         self.last_grad_norm = total
         return total
 
@@ -341,6 +497,8 @@ class ZeroOptimizer:
             self.optimizer.step()
             self._register_optimizer_state()
             self._refresh_params()
+        for chunk in self.trainable_chunks:  # the fp32 gradients are transient unless they are the shards
+            chunk.buffer("master").grad = None
         self._grads_prepared = False
         return skipped
 
@@ -349,10 +507,6 @@ class ZeroOptimizer:
         for chunk in self.trainable_chunks:
             chunk.buffer("grad_shard").zero_()
             if self.config.stage == 1:
-                if not chunk.has_buffer("grad"):
-                    chunk.set_buffer(
-                        "grad", torch.zeros(chunk.numel, dtype=chunk.buffer("param").dtype, device=self.device)
-                    )
                 grad = chunk.buffer("grad").zero_()
                 for slot in chunk.slots:
                     slot.param.grad = chunk.slot_view(grad, slot)
@@ -371,27 +525,38 @@ class ZeroOptimizer:
     def _refresh_params(self) -> None:
         for chunk in self.trainable_chunks:
             master = chunk.buffer("master")
+            aliased = chunk.buffers["master"].aliases is not None
             if self.config.stage == 3:
-                if chunk.buffers["master"].aliases is None:
-                    chunk.buffer("param_shard").copy_(master)
+                if not aliased:
+                    chunk.buffer("param_shard").copy_(master, non_blocking=True)
                 continue
-            piece = master if chunk.buffers["master"].aliases else master.to(chunk.buffer("param").dtype)
-            chunk.buffer("param").copy_(all_gather(piece, group=self.group))
+            param = chunk.buffer("param")
+            if self.config.stage == 0:
+                if not aliased:
+                    param.copy_(master, non_blocking=True)
+                continue
+            piece = master if aliased else master.to(self.device, param.dtype, non_blocking=True)
+            param.copy_(all_gather(piece, group=self.group))
         if self.gatherer is not None:
             self.gatherer.release_all()
 
     def release_params(self) -> None:
-        """Stage 3: free every gathered chunk (after an evaluation forward, say). A no-op at stages 1/2."""
+        """Stage 3: free every gathered chunk (after an evaluation forward, say). A no-op at stages 0/1/2."""
         if self.gatherer is not None:
             self.gatherer.release_all()
 
     # --- inspection -------------------------------------------------------------------------------------------
 
     def _gather_named(self, buffer_name: str) -> dict[str, torch.Tensor]:
-        """Full tensors per parameter name from a sharded fp32 buffer (collective: every rank must call it)."""
+        """Full tensors per parameter name from a sharded buffer (collective: every rank must call it)."""
         result = {}
         for chunk in self.trainable_chunks:
-            full = all_gather(chunk.buffer(buffer_name).contiguous(), group=self.group)
+            if buffer_name == "master.grad":
+                shard = chunk.buffer("master").grad
+            else:
+                shard = chunk.buffer(buffer_name)
+            shard = shard.to(self.device).contiguous()
+            full = shard if self.num_shards == 1 else all_gather(shard, group=self.group)
             for slot in chunk.slots:
                 result[slot.name] = chunk.slot_view(full, slot).clone()
         return result
@@ -401,9 +566,10 @@ class ZeroOptimizer:
         return self._gather_named("master")
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """The reduced fp32 gradients of every trainable parameter, gathered (a collective; after backward)."""
+        """The reduced, unscaled fp32 gradients of every trainable parameter, gathered (a collective; after
+        backward, before `step`)."""
         self._prepare_grads()
-        return self._gather_named("grad_shard")
+        return self._gather_named("master.grad")
 
     def checkpoint_state(self):
         """``(tensors, metadata)`` for `colo.tensor.checkpoint.save_checkpoint`: this rank's flat ranges of every
