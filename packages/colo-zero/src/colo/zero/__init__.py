@@ -1,4 +1,5 @@
-"""colo.zero: ZeRO stages 1/2/3 over the fused data-parallel axes of a mesh, on flat padded chunks.
+"""colo.zero: ZeRO stages 0/1/2/3 over the fused data-parallel axes of a mesh, on flat padded chunks, with mixed
+precision, optimizer offload and checkpoints in the common format.
 
 Example::
 
@@ -12,7 +13,7 @@ Example::
 """
 
 from .amp import DynamicLossScaler, MixedPrecision
-from .chunk import BUFFER_NAMES, TIERS, Chunk, ChunkBuffer, ChunkPlan, ParamSlot, plan_chunks
+from .chunk import BUFFER_NAMES, TIERS, Chunk, ChunkBuffer, ChunkPlan, ParamSlot, execution_order, plan_chunks
 from .clip import clip_coefficient, global_grad_norm
 from .memory import MemoryEstimate, MemoryReport, estimate_memory, memory_report
 from .stage3 import ChunkGatherer
@@ -37,6 +38,7 @@ __all__ = [
     "__version__",
     "clip_coefficient",
     "estimate_memory",
+    "execution_order",
     "global_grad_norm",
     "memory_report",
     "plan_chunks",

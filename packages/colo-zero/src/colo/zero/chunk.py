@@ -6,8 +6,9 @@ Its capacity is a multiple of the number of data-parallel shards, so every rank 
 tagged with a tier (``"device"``, ``"host"`` or ``"disk"``), so a placement policy (Gemini) can move each one
 independently. The buffer names used by `colo.zero` are listed in `BUFFER_NAMES`.
 
-Packing order is the order parameters are handed in. `colo.zero` hands them in registration order
-(``model.named_parameters()``), a first approximation of execution order that holds for sequential models.
+Packing order is the order parameters are handed in: registration order (``model.named_parameters()``) by
+default, or the order a forward pass first uses them (`execution_order`), which is what ZeRO-3's prefetch and
+the gradient buckets' completion follow.
 """
 
 from __future__ import annotations
@@ -159,6 +160,31 @@ class Chunk:
             f"Chunk({self.index}, numel={self.numel}, used={self.used_numel}, dtype={self.dtype}, "
             f"group={self.group_index}, trainable={self.trainable}, params={names})"
         )
+
+
+def execution_order(model: torch.nn.Module, *args, **kwargs) -> list[str]:
+    """The model's parameter names in the order a forward pass first uses the modules that own them.
+
+    Runs one forward (without autograd) on ``args``/``kwargs``, with pre-hooks recording each module's own
+    parameters the first time it is called; parameters the pass never reaches follow in registration order.
+    Pass the result as ``ZeroOptimizer(..., param_order=...)``.
+    """
+    names = {id(param): name for name, param in model.named_parameters()}
+    order: dict[str, None] = {}
+
+    def record(module: torch.nn.Module, _inputs) -> None:
+        for param in module.parameters(recurse=False):
+            if id(param) in names:
+                order.setdefault(names[id(param)])
+
+    handles = [module.register_forward_pre_hook(record) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(order) + [name for name in names.values() if name not in order]
 
 
 def _pack(entries, *, num_shards: int, capacity: int) -> list[ChunkPlan]:

@@ -23,6 +23,8 @@ class MemoryReport:
     """The optimizer's state tensors for the masters."""
     padding: int
     """Bytes, among the above, that hold chunk padding rather than parameters."""
+    host: int = 0
+    """Bytes, among the above, on the host tier (ZeRO-Offload: masters, gradient shards, optimizer state)."""
 
     @property
     def total(self) -> int:
@@ -34,7 +36,7 @@ def memory_report(zero) -> MemoryReport:
     """Count the chunk buffers and optimizer state of ``zero`` (a `ZeroOptimizer`) on this rank."""
     seen: set[int] = set()
     totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
-    padding = 0
+    padding = host = 0
     kind_of = {"param": "params", "param_shard": "params", "grad": "grads", "grad_shard": "grads", "master": "masters"}
 
     def count(kind: str, tensor: torch.Tensor) -> int:
@@ -51,6 +53,7 @@ def memory_report(zero) -> MemoryReport:
                 continue
             kind = "optimizer_states" if name.startswith("optim/") else kind_of[name]
             nbytes = count(kind, buffer.tensor)
+            host += nbytes if buffer.tier == "host" else 0
             if nbytes:
                 full = name in ("param", "grad")
                 pad_elements = chunk.padding_numel if full else _shard_padding(chunk)
@@ -58,8 +61,9 @@ def memory_report(zero) -> MemoryReport:
     for state in zero.optimizer.state.values():  # scalars such as ``step`` that are not chunk buffers
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                count("optimizer_states", value)
-    return MemoryReport(padding=padding, **totals)
+                nbytes = count("optimizer_states", value)
+                host += nbytes if zero.offload else 0  # they live beside the masters
+    return MemoryReport(padding=padding, host=host, **totals)
 
 
 def _shard_padding(chunk) -> int:

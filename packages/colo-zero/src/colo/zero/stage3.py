@@ -6,14 +6,15 @@ Hooks, installed on every module that owns parameters directly:
   all-gather of the chunk after them in packing order;
 - forward hook: once every module owning parameters of a chunk has run, free the chunk's full copy; wrap the
   module's outputs in `_RegatherInBackward`, whose backward gathers the chunks again before the module's own
-  backward needs them. The chunk is freed again once all its gradients have been reduce-scattered (done by
-  `ZeroOptimizer`'s gradient hooks).
+  backward needs them and starts the all-gather of the chunk that backward needs next (the nearest earlier one
+  whose outputs were wrapped in this forward). The chunk is freed again once all its gradients have been
+  reduce-scattered (done by `ZeroOptimizer`'s gradient hooks).
 
 Parameters keep their identity: gathering sets ``param.data`` to a view of the chunk's full buffer, freeing
-sets it to an empty tensor. Limits: the next chunk is prefetched in forward only (backward gathers
-synchronously); a parameter used by a module that does not own it (``F.linear(x, other.weight)``) must be
-registered on that module too (tie it as ``lm_head.weight = embed.weight``); a module called twice per
-forward makes its chunks be gathered twice.
+sets it to an empty tensor. Limits: prefetch follows packing order (pack in execution order with
+``param_order=execution_order(...)`` when registration order differs); a parameter used by a module that does
+not own it (``F.linear(x, other.weight)``) must be registered on that module too (tie it as
+``lm_head.weight = embed.weight``); a module called twice per forward makes its chunks be gathered twice.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ class ChunkGatherer:
         self.users: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
         self.finished: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
         self.module_chunks: dict[int, list[Chunk]] = {}
+        self.needed_in_backward: set[int] = set()
         self.handles: list = []
+        self.num_gathers = 0
+        """Chunks gathered for use (forward and backward), since construction."""
+        self.num_prefetch_hits = 0
+        """Of those, how many were already in flight (prefetched) when needed."""
 
     # --- gathering --------------------------------------------------------------------------------------------
 
@@ -58,6 +64,8 @@ class ChunkGatherer:
         """Make the chunk's parameters views of its full compute copy (all-gathering it if needed)."""
         if self.is_gathered(chunk):
             return
+        self.num_gathers += 1
+        self.num_prefetch_hits += chunk.index in self.in_flight
         self.prefetch(chunk)
         full = self.in_flight.pop(chunk.index).wait()
         chunk.set_buffer("param", full)
@@ -71,11 +79,21 @@ class ChunkGatherer:
             chunk.unbind_params()
             chunk.drop_buffer("param")
         self.finished[chunk.index].clear()
+        # released in backward once its gradients are reduced: not to be prefetched again this step (a forward
+        # release is followed, in the same hook, by marking the chunk needed again)
+        self.needed_in_backward.discard(chunk.index)
 
     def release_all(self) -> None:
         """Free every chunk (after the optimizer step, the full copies are stale)."""
         for chunk in self.chunks:
             self.release(chunk)
+        self.needed_in_backward.clear()
+
+    def prefetch_for_backward(self, chunks: list[Chunk]) -> None:
+        """Start gathering the chunk backward reaches after ``chunks``: the nearest earlier one it will regather."""
+        earlier = [index for index in self.needed_in_backward if index < min(chunk.index for chunk in chunks)]
+        if earlier:
+            self.prefetch(self.chunks[max(earlier)])
 
     # --- hooks ------------------------------------------------------------------------------------------------
 
@@ -118,23 +136,29 @@ class ChunkGatherer:
                 self.release(chunk)
         if not torch.is_grad_enabled():
             return output
-        return _wrap_outputs(output, self, owned)
+        wrapped = _wrap_outputs(output, self, owned)
+        if wrapped is not output:
+            self.needed_in_backward.update(chunk.index for chunk in owned)
+        return wrapped
 
 
 def _wrap_outputs(output, gatherer: ChunkGatherer, chunks: list[Chunk]):
+    """``output`` with every tensor that requires grad wrapped (the same object when none does)."""
     if isinstance(output, torch.Tensor):
         if output.requires_grad:
             return _RegatherInBackward.apply(gatherer, chunks, output)
         return output
-    if isinstance(output, tuple):
-        return tuple(_wrap_outputs(item, gatherer, chunks) for item in output)
-    if isinstance(output, list):
-        return [_wrap_outputs(item, gatherer, chunks) for item in output]
+    if isinstance(output, (tuple, list)):
+        items = [_wrap_outputs(item, gatherer, chunks) for item in output]
+        if all(new is old for new, old in zip(items, output)):
+            return output
+        return tuple(items) if isinstance(output, tuple) else items
     return output
 
 
 class _RegatherInBackward(torch.autograd.Function):
-    """Forward: identity (no communication). Backward: all-gather the module's chunks, pass the gradient on."""
+    """Forward: identity (no communication). Backward: all-gather the module's chunks (and prefetch the next
+    one backward needs), pass the gradient on."""
 
     @staticmethod
     def forward(ctx, gatherer: ChunkGatherer, chunks: list[Chunk], tensor: torch.Tensor) -> torch.Tensor:
@@ -146,4 +170,5 @@ class _RegatherInBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         for chunk in ctx.chunks:
             ctx.gatherer.gather(chunk)
+        ctx.gatherer.prefetch_for_backward(ctx.chunks)
         return None, None, grad

@@ -519,7 +519,7 @@ class ZeroOptimizer:
         for chunk in self.trainable_chunks:
             for key, value in self.optimizer.state.get(chunk.buffer("master"), {}).items():
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    chunk.set_buffer(f"optim/{key}", value)
+                    chunk.set_buffer(f"optim/{key}", value, tier="host" if self.offload else "device")
 
     @torch.no_grad()
     def _refresh_params(self) -> None:
