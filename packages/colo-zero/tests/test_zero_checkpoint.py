@@ -140,7 +140,7 @@ def test_the_checkpoint_is_the_common_format_with_flat_pieces(tmp_path):
     pieces = [piece for entry in index.tensors.values() for piece in entry.pieces]
     assert any(piece.flat_range is not None for piece in pieces)
     assert {piece.file for piece in pieces} == {"rank-00000.safetensors", "rank-00001.safetensors"}
-    assert index.metadata["zero"]["param_groups"][1]["lr"] == 2e-2
+    assert index.metadata["optimizer"]["param_groups"][1]["lr"] == 2e-2
 
 
 def _load_into_another_model(path):

@@ -34,8 +34,11 @@ if TYPE_CHECKING:
     from .zero_optimizer import ZeroOptimizer
 
 OPTIM_PREFIX = "optim/"
+OPTIMIZER_KEY = "optimizer"
+"""The metadata key of the optimizer's type, param groups and scalars (shared with unsharded checkpoints, so a
+DDP checkpoint loads under ZeRO and back)."""
 METADATA_KEY = "zero"
-"""The key of the JSON metadata `checkpoint_state` adds (optimizer scalars, param groups, loss scaler)."""
+"""The metadata key of ZeRO's own state (stage, loss scaler)."""
 
 
 def _slot_range(chunk: Chunk, slot: ParamSlot) -> tuple[int, int, int] | None:
@@ -99,7 +102,7 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
 
     Returns:
         ``(tensors, metadata)``: name -> `FlatShard` of this rank's part of every parameter and optimizer
-        state, and ``{"zero": {...}}`` with optimizer scalars, param-group hyperparameters and loss scaler.
+        state, and ``{"optimizer": {type, param_groups, scalars}, "zero": {stage, loss_scaler}}``.
     """
     _check_no_tensor_parallel(zero)
     tensors: dict[str, FlatShard] = {}
@@ -123,15 +126,13 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
     ]
     scaler = zero.loss_scaler
     metadata = {
+        OPTIMIZER_KEY: {"type": type(zero.optimizer).__name__, "param_groups": groups, "scalars": scalars},
         METADATA_KEY: {
             "stage": zero.config.stage,
-            "optimizer": type(zero.optimizer).__name__,
-            "param_groups": groups,
-            "scalars": scalars,
             "loss_scaler": None
             if scaler is None
             else {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "num_skipped": scaler.num_skipped},
-        }
+        },
     }
     return tensors, metadata
 
@@ -190,13 +191,14 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
     _check_no_tensor_parallel(zero)
     directory = os.fspath(path)
     index = read_index(directory)
-    saved = index.metadata.get(METADATA_KEY)
+    saved = index.metadata.get(OPTIMIZER_KEY)
     if saved is None:
-        raise CheckpointError(f"{directory}: no ZeRO metadata ({METADATA_KEY!r}); it was not saved by colo.zero")
-    if saved["optimizer"] != type(zero.optimizer).__name__:
+        raise CheckpointError(f"{directory}: no optimizer metadata ({OPTIMIZER_KEY!r}); it holds no training state")
+    if saved["type"] != type(zero.optimizer).__name__:
         raise CheckpointError(
-            f"{directory}: saved with a {saved['optimizer']} optimizer, loading into {type(zero.optimizer).__name__}"
+            f"{directory}: saved with a {saved['type']} optimizer, loading into {type(zero.optimizer).__name__}"
         )
+    zero_state = index.metadata.get(METADATA_KEY) or {}
     _check_same_parameters(zero, index.tensors, directory)
     targets: dict[str, FlatShard] = {}
     for chunk in zero.chunks:
@@ -225,8 +227,8 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
     for chunk in zero.chunks:
         _restore_scalars(zero, chunk, saved["scalars"])
     _restore_param_groups(zero, saved["param_groups"], directory)
-    if zero.loss_scaler is not None and saved["loss_scaler"] is not None:
-        for key, value in saved["loss_scaler"].items():
+    if zero.loss_scaler is not None and zero_state.get("loss_scaler") is not None:
+        for key, value in zero_state["loss_scaler"].items():
             setattr(zero.loss_scaler, key, value)
     zero._register_optimizer_state()
     _rebuild_compute_copies(zero)

@@ -1,0 +1,126 @@
+"""`Booster`: one object that applies a plugin's parallelism to a model and runs whole training steps."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+
+from colo.tensor.checkpoint import save_checkpoint
+
+from .plugins.base import Engine, Plugin, StepResult
+
+BOOSTER_KEY = "booster"
+
+
+class Booster:
+    """Applies a plugin (`DDP`, `Zero`, `HybridParallel`, ...) to a model and optimizer and runs training steps.
+
+    Args:
+        plugin: the parallelism and precision settings.
+
+    Example::
+
+        booster = Booster(Zero(stage=2, precision="bf16", max_grad_norm=1.0))
+        model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+        for batch in batches:                      # dicts of tensors: {"input_ids": ..., "labels": ...}
+            result = booster.train_step(batch)     # StepResult(loss, grad_norm, skipped, lr, num_microbatches)
+        booster.save("checkpoints/step-100")
+    """
+
+    def __init__(self, plugin: Plugin) -> None:
+        if not isinstance(plugin, Plugin):
+            raise TypeError(f"Booster(plugin=...) needs a colo.apps plugin (DDP, Zero, ...), not {type(plugin)}")
+        self.plugin = plugin
+        self.engine: Engine | None = None
+        self.lr_scheduler = None
+        self.step_count = 0
+
+    def boost(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        criterion: Callable | None = None,
+        dataloader=None,
+        lr_scheduler=None,
+    ):
+        """Wrap ``model`` and ``optimizer`` for the plugin.
+
+        Args:
+            model: the model, built identically (same seed) on every rank.
+            optimizer: a fresh torch optimizer over the model's parameters.
+            criterion: ``criterion(output, batch) -> loss``; ``None`` when the model returns its loss.
+            dataloader: returned as is (build one with ``plugin.prepare_dataloader`` to shard the data).
+            lr_scheduler: stepped after every optimizer step that was not skipped.
+
+        Returns:
+            ``(model, optimizer, criterion, dataloader, lr_scheduler)``, wrapped where the plugin wraps them (the
+            optimizer may be a `ZeroOptimizer` around the torch one).
+        """
+        if self.engine is not None:
+            raise RuntimeError("this Booster already boosted a model; make one Booster per model")
+        self.engine = self.plugin.configure(model, optimizer, criterion=criterion)
+        self.lr_scheduler = lr_scheduler
+        return self.engine.model, self.engine.optimizer, criterion, dataloader, lr_scheduler
+
+    def _require_engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("call booster.boost(model, optimizer, ...) first")
+        return self.engine
+
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
+        """Run one whole training step on ``batch`` (a dict of tensors split into microbatches on dim 0)."""
+        engine = self._require_engine()
+        loss, grad_norm, skipped = engine.train_step(batch)
+        if not skipped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step_count += 1
+        groups = engine.torch_optimizer.param_groups
+        lr = float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+        return StepResult(
+            loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, num_microbatches=self.plugin.num_microbatches
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the plugin (loss scaling, gradient hooks) for a hand-written loop without pipelines."""
+        self._require_engine().backward(loss)
+
+    def no_sync(self):
+        """A context in which backward accumulates gradients without communication."""
+        return self._require_engine().no_sync()
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike, *, metadata: dict | None = None) -> None:
+        """Save model, optimizer, LR scheduler and step count to the new checkpoint directory ``path``.
+
+        Every rank calls it; each writes only what it owns (colo.tensor.checkpoint's format), so the checkpoint
+        loads under another plugin or layout.
+        """
+        engine = self._require_engine()
+        tensors, own = engine.checkpoint_state()
+        booster_state = {"step": self.step_count, "plugin": type(self.plugin).__name__}
+        if self.lr_scheduler is not None:
+            state = self.lr_scheduler.state_dict()
+            try:
+                json.dumps(state)
+            except (TypeError, ValueError) as error:
+                raise TypeError(
+                    f"the LR scheduler's state_dict is not JSON ({error}); colo checkpoints hold no pickle: use a "
+                    "scheduler whose state is numbers and lists (LambdaLR with plain functions drops them)"
+                ) from None
+            booster_state["lr_scheduler"] = state
+        save_checkpoint(path, tensors, metadata={**(metadata or {}), **own, BOOSTER_KEY: booster_state})
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Load a checkpoint written by `save` (under any plugin or layout); returns its metadata."""
+        engine = self._require_engine()
+        metadata = engine.load(os.fspath(path))
+        booster_state = metadata.get(BOOSTER_KEY, {})
+        self.step_count = booster_state.get("step", 0)
+        if self.lr_scheduler is not None and "lr_scheduler" in booster_state:
+            self.lr_scheduler.load_state_dict(booster_state["lr_scheduler"])
+        return metadata

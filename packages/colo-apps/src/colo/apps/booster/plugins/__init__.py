@@ -1,0 +1,1 @@
+"""Booster plugins: one module per plugin."""

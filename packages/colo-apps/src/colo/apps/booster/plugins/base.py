@@ -1,0 +1,170 @@
+"""What every plugin shares: its common settings, and the `Engine` it builds to run steps for the `Booster`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from colo.comm import Group, Mesh, all_reduce, init_distributed
+
+from ..microbatch import loss_of, split_batch
+from ..precision import check_precision
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `Booster.train_step` did.
+
+    Attributes:
+        loss: the step's loss: the mean over microbatches and data-parallel ranks.
+        grad_norm: the global gradient norm before clipping (``inf`` when the step overflowed).
+        skipped: whether the optimizer step was skipped (an fp16 overflow); the LR scheduler did not step either.
+        lr: the learning rate of the first param group after the step.
+        num_microbatches: how many microbatches the batch was split into.
+    """
+
+    loss: float
+    grad_norm: float | None
+    skipped: bool
+    lr: float | None
+    num_microbatches: int
+
+
+@dataclass(kw_only=True)
+class Plugin:
+    """Settings every plugin has; subclasses add their own and build an `Engine` in `configure`."""
+
+    precision: str = "fp32"
+    """Compute precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 with dynamic loss scaling)."""
+    num_microbatches: int = 1
+    """Microbatches per `Booster.train_step`: gradient accumulation, or the pipeline's microbatches."""
+    max_grad_norm: float | None = None
+    """Clip gradients to this global norm (``None``: no clipping; the norm is still reported)."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        self.compute_dtype = check_precision(name, self.precision)
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"{name}.num_microbatches={self.num_microbatches!r} must be a positive integer")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"{name}.max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
+
+    def mesh_shape(self, world_size: int) -> dict[str, int]:
+        """The mesh axes and sizes this plugin runs on (validated against ``world_size`` before any collective)."""
+        return {"dp": world_size}
+
+    def build_mesh(self) -> Mesh:
+        """Initialise torch.distributed if needed and build the plugin's mesh."""
+        init_distributed()
+        return Mesh(**self.mesh_shape(dist.get_world_size()))
+
+    def configure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, criterion=None) -> Engine:
+        """Wrap ``model`` and ``optimizer`` for this plugin; returns the engine that runs steps."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure()")
+
+    def prepare_dataloader(self, dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0, **kwargs):
+        """A `DataLoader` whose `DistributedSampler` gives each data-parallel rank its own part of ``dataset``."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        mesh = self.build_mesh()
+        axes = self.data_axes(mesh)
+        group = mesh.group(*axes)
+        sampler = DistributedSampler(
+            dataset, num_replicas=group.size, rank=group.rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
+
+    def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The mesh axes over which ranks see different data."""
+        return ("dp",)
+
+
+class Engine:
+    """Runs steps for one plugin: forward, backward, gradient sync, clipping and the optimizer step.
+
+    Subclasses implement `backward`, `no_sync`, `step`, `zero_grad`, `checkpoint_state` and `load`; the default
+    `train_step` splits the batch into microbatches and accumulates over them (a pipeline overrides it).
+    """
+
+    def __init__(
+        self,
+        plugin: Plugin,
+        *,
+        model: torch.nn.Module,
+        optimizer,
+        mesh: Mesh,
+        criterion: Callable | None,
+        sync_every_microbatch: bool,
+    ) -> None:
+        self.plugin = plugin
+        self.model = model
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.criterion = criterion
+        self.sync_every_microbatch = sync_every_microbatch
+        self.data_group: Group = mesh.group(*plugin.data_axes(mesh))
+
+    # --- per plugin ---------------------------------------------------------------------------------------------
+
+    def forward(self, micro: Mapping[str, torch.Tensor]):
+        """Call the model on one microbatch (``model(**micro)``)."""
+        return self.model(**micro)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def no_sync(self):
+        raise NotImplementedError
+
+    def step(self) -> tuple[float | None, bool]:
+        """Sync what is left, clip to ``plugin.max_grad_norm``, step; returns ``(grad norm, skipped)``."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        raise NotImplementedError
+
+    def load(self, path: str) -> dict:
+        raise NotImplementedError
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose param groups carry the learning rates."""
+        return self.optimizer
+
+    # --- shared -------------------------------------------------------------------------------------------------
+
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> tuple[float, float | None, bool]:
+        """One optimizer step over ``batch``; returns ``(mean loss over data ranks, grad norm, skipped)``."""
+        micro_batches = split_batch(batch, self.plugin.num_microbatches)
+        count = len(micro_batches)
+        total = torch.zeros((), dtype=torch.float64)
+        for index, micro in enumerate(micro_batches):
+            last = index == count - 1
+            context = contextlib.nullcontext() if last or self.sync_every_microbatch else self.no_sync()
+            with context:
+                loss = loss_of(self.forward(micro), micro, self.criterion) / count
+                self.backward(loss)
+            total += loss.detach().double().cpu()
+        grad_norm, skipped = self.step()
+        self.zero_grad()
+        return self.mean_over_data_ranks(total), grad_norm, skipped
+
+    def mean_over_data_ranks(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over the data-parallel ranks (one tiny all-reduce)."""
+        if self.data_group.size == 1:
+            return float(value)
+        reduced = value.reshape(1).to(_comm_device(self.data_group))
+        all_reduce(reduced, group=self.data_group)
+        return float(reduced.item()) / self.data_group.size
+
+
+def _comm_device(group: Group) -> torch.device:
+    backend = dist.get_backend(group.process_group) if dist.is_initialized() else "gloo"
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -1,0 +1,98 @@
+"""The `Zero` plugin: colo.zero's `ZeroOptimizer` (stages 0-3) over every rank, with fp32 masters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from colo.zero import MixedPrecision, ZeroOptimizer
+
+from .base import Engine, Plugin
+
+
+@dataclass(kw_only=True)
+class Zero(Plugin):
+    """ZeRO data parallelism over every rank (`colo.zero.ZeroOptimizer`).
+
+    ``precision="bf16"``/``"fp16"`` keeps bf16/fp16 compute copies and gradients with fp32 masters (fp16 with
+    dynamic loss scaling over every rank). Stages 2/3 reduce-scatter every microbatch (the memory bound they
+    exist for); set ``accumulate_without_sync=True`` to accumulate full gradients locally instead.
+    """
+
+    stage: int = 2
+    """ZeRO stage: 0 (nothing sharded), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: masters, gradient shards and optimizer state in host memory, the step on the host."""
+    chunk_numel: int | None = None
+    """Chunk capacity in elements (``None``: searched for the least padding)."""
+    comm_dtype: str | None = None
+    """Gradient reduction precision (``None``: the compute precision)."""
+    accumulate_without_sync: bool = False
+    """Accumulate gradients over microbatches without communication (`ZeroOptimizer.no_sync`): one full gradient
+    buffer per chunk is held meanwhile."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"Zero.stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.comm_dtype is not None and self.comm_dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"Zero.comm_dtype={self.comm_dtype!r} is not supported; use fp32, bf16, fp16 or None")
+
+    def mixed_precision(self) -> MixedPrecision | None:
+        """The `MixedPrecision` for this plugin's precision (``None`` for fp32 with fp32 communication)."""
+        from ..precision import PRECISIONS
+
+        comm = PRECISIONS[self.comm_dtype] if self.comm_dtype else None
+        if self.precision == "fp32" and comm in (None, torch.float32):
+            return None
+        return MixedPrecision(param_dtype=self.compute_dtype, comm_dtype=comm)
+
+    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+        mesh = self.build_mesh()
+        zero = ZeroOptimizer(
+            model,
+            optimizer,
+            mesh=mesh,
+            stage=self.stage,
+            chunk_numel=self.chunk_numel,
+            mixed_precision=self.mixed_precision(),
+            offload_optimizer=self.offload_optimizer,
+        )
+        return ZeroEngine(self, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
+
+
+class ZeroEngine(Engine):
+    """Runs steps for `Zero` (and for the data-parallel part of `HybridParallel` without a pipeline)."""
+
+    def __init__(self, plugin, *, model, optimizer: ZeroOptimizer, mesh, criterion) -> None:
+        sync_every = plugin.stage != 1 and not getattr(plugin, "accumulate_without_sync", False)
+        super().__init__(
+            plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion, sync_every_microbatch=sync_every
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.optimizer.backward(loss)
+
+    def no_sync(self):
+        return self.optimizer.no_sync()
+
+    def step(self) -> tuple[float | None, bool]:
+        zero = self.optimizer
+        max_norm = self.plugin.max_grad_norm
+        norm = zero.clip_grad_norm_(max_norm) if max_norm is not None else zero.grad_norm()
+        skipped = zero.step()
+        return norm, skipped
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        return self.optimizer.checkpoint_state()
+
+    def load(self, path: str) -> dict:
+        return self.optimizer.load(path)
