@@ -227,3 +227,19 @@ def test_index_is_json_and_bad_requests_are_explained(tmp_path):
         load_checkpoint(path, {"y": torch.ones(3)})
     with pytest.raises(CheckpointError, match=r"'x'.*\(4,\)"):
         load_checkpoint(path, {"x": torch.ones(4)})
+
+
+@pytest.mark.parametrize("saved_as", ["whole", "flat"])
+def test_flat_targets_read_one_run_of_a_piece_in_the_same_rectangle(tmp_path, saved_as):
+    full = torch.randn(9, 7, generator=torch.Generator().manual_seed(1))
+    value = full if saved_as == "whole" else FlatShard(full.reshape(-1).clone(), (9, 7), 0)
+    save_checkpoint(tmp_path / "c", {"w": value})
+    for start, end in [(0, 63), (3, 4), (6, 15), (14, 21), (20, 63), (62, 63)]:
+        target = FlatShard(torch.full((end - start,), -1.0), (9, 7), start)
+        _, stats = load_checkpoint(tmp_path / "c", {"w": target})
+        assert torch.equal(target.tensor, full.reshape(-1)[start:end]), (start, end)
+        rows = (end - 1) // 7 - start // 7 + 1  # at most the rows that hold the run are read
+        assert stats.elements_read["w"] <= (end - start if saved_as == "flat" else rows * 7)
+    whole = torch.zeros(9, 7)
+    load_checkpoint(tmp_path / "c", {"w": whole})
+    assert torch.equal(whole, full)

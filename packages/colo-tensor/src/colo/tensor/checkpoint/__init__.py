@@ -2,15 +2,23 @@
 
 Each rank writes the pieces it owns to ``rank-NNNNN.safetensors``; ``index.json`` maps every tensor name to its
 global shape, dtype and pieces (rectangles of the global tensor, optionally narrowed to a flat range, each with
-a CRC-32). Saves are committed by a rename; loads read only the parts of the pieces each rank needs, so any
-layout loads into any other. No pickle anywhere.
+a CRC-32). Saves are committed by a rename, in the foreground (`save_checkpoint`) or in a background thread
+(`AsyncCheckpointer`); loads read only the parts of the pieces each rank needs, so any layout loads into any
+other; `export_hf` writes consolidated Hugging Face safetensors. No pickle on any load path. The command line
+``python -m colo.tensor.checkpoint {info,verify,export}`` inspects, checks and exports checkpoints.
 
 Example::
 
-    save_checkpoint(f"{root}/step-{step:08d}", state, metadata={"step": step}, group=mesh.group())
+    checkpointer = AsyncCheckpointer(group=mesh.group("dp", "tp"))
+    checkpointer.save(f"{root}/step-{step:08d}", state, metadata={"step": step})  # returns after a copy
+    ...
+    checkpointer.close()
     metadata, _ = load_checkpoint(latest_checkpoint(root), targets)
+    export_hf(latest_checkpoint(root), "hf-model", dtype=torch.bfloat16)
 """
 
+from .background import AsyncCheckpointer, SaveHandle
+from .export import ExportReport, export_hf
 from .index import INDEX_FILE, CheckpointError, CheckpointIndex, Piece, TensorEntry, read_index
 from .integrity import VerifyReport, latest_checkpoint, verify_checkpoint
 from .load import LoadStats, load_checkpoint
@@ -19,13 +27,17 @@ from .save import save_checkpoint
 
 __all__ = [
     "INDEX_FILE",
+    "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointIndex",
+    "ExportReport",
     "FlatShard",
     "LoadStats",
     "Piece",
+    "SaveHandle",
     "TensorEntry",
     "VerifyReport",
+    "export_hf",
     "latest_checkpoint",
     "load_checkpoint",
     "read_index",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ import torch
 
 from ..layout import layout_of
 from .files import PieceReader
-from .index import CheckpointError, CheckpointIndex, Piece, read_index
+from .index import CheckpointError, CheckpointIndex, Piece, TensorEntry, read_index
 from .regions import FlatShard, Region, intersect, local_flat_index
 
 
@@ -65,6 +66,31 @@ def _read_overlap(
     return out, mask
 
 
+def _copy_flat_overlap(
+    reader: PieceReader, name: str, dtype: torch.dtype, piece: Piece, region: Region, out: torch.Tensor
+) -> int:
+    """Copy what ``piece`` holds of ``region`` when both lie in the same rectangle (ZeRO flat shards of one tensor,
+    saved and loaded at any data-parallel size): the overlap is one run of the rectangle's row-major elements, so
+    it is read as a slice and copied, with no per-element index. Returns the number of elements copied."""
+    numel = math.prod(piece.shape)
+    piece_start, piece_end = piece.flat_range if piece.flat_range is not None else (0, numel)
+    region_start, region_end = region.flat_range if region.flat_range is not None else (0, numel)
+    low, high = max(piece_start, region_start), min(piece_end, region_end)
+    if high <= low:
+        return 0
+    if piece.flat_range is not None:
+        values = reader.read(piece, name, dtype, (slice(low - piece_start, high - piece_start),))
+    else:  # a whole rectangle: read the rows that hold the run (a contiguous block of its row-major elements)
+        box_offsets, box_shape = Region(piece.offsets, piece.shape, (low, high)).bounding_box()
+        index = tuple(slice(o - p, o - p + size) for o, p, size in zip(box_offsets, piece.offsets, box_shape))
+        box_start = sum(
+            (o - p) * math.prod(piece.shape[d + 1 :]) for d, (o, p) in enumerate(zip(box_offsets, piece.offsets))
+        )
+        values = reader.read(piece, name, dtype, index).reshape(-1)[low - box_start : high - box_start]
+    out.view(-1)[low - region_start : high - region_start].copy_(values)
+    return high - low
+
+
 def _fill(reader: PieceReader, name: str, entry, region: Region, out: torch.Tensor, stats: LoadStats) -> None:
     """Fill ``out`` (the tensor of ``region``) from every piece of ``entry`` that overlaps it."""
     written = 0
@@ -76,6 +102,10 @@ def _fill(reader: PieceReader, name: str, entry, region: Region, out: torch.Tens
         if box is None or region.numel == 0:
             continue
         stats.pieces_read[name] = stats.pieces_read.get(name, 0) + 1
+        same_rectangle = (piece.offsets, piece.shape) == (region.offsets, region.shape)
+        if same_rectangle and (piece.flat_range, region.flat_range) != (None, None) and out.is_contiguous():
+            written += _copy_flat_overlap(reader, name, entry.dtype, piece, region, out)
+            continue
         values, mask = _read_overlap(reader, name, entry.dtype, piece, box)
         if region.flat_range is None:
             view = out
@@ -101,6 +131,44 @@ def _fill(reader: PieceReader, name: str, entry, region: Region, out: torch.Tens
             f"{reader.directory}: tensor {name!r}: the pieces cover {written} of the {region.numel} elements this "
             f"rank needs (region {region}); the checkpoint is incomplete"
         )
+
+
+def read_whole_tensor(reader: PieceReader, name: str, entry: TensorEntry) -> torch.Tensor:
+    """Tensor ``name`` assembled whole from its pieces, each read whole (so every CRC is checked).
+
+    Raises:
+        CheckpointError: a piece is unreadable or corrupt, or the pieces do not cover the tensor.
+    """
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    flat_out = out.view(-1)
+    whole = Region((0,) * len(entry.shape), entry.shape)
+    written = 0
+    for piece in entry.pieces:
+        if len(piece.offsets) != len(entry.shape) or any(
+            o < 0 or o + s > extent for o, s, extent in zip(piece.offsets, piece.shape, entry.shape)
+        ):
+            raise CheckpointError(
+                f"{reader.directory}: tensor {name!r}: piece {piece.offsets}+{piece.shape} in {piece.file} lies "
+                f"outside the tensor's shape {entry.shape}"
+            )
+        values = reader.read(piece, name, entry.dtype)
+        if piece.flat_range is None:
+            view = out
+            for dim, (offset, size) in enumerate(zip(piece.offsets, piece.shape)):
+                view = view.narrow(dim, offset, size)
+            view.copy_(values)
+        elif piece.shape == entry.shape:  # a flat range of the whole tensor (ZeRO): one contiguous run
+            flat_out[piece.flat_range[0] : piece.flat_range[1]].copy_(values)
+        else:  # a flat range of a rectangle (ZeRO over a tensor-parallel shard)
+            flat = local_flat_index((piece.offsets, piece.shape), whole).reshape(-1)
+            flat_out[flat[piece.flat_range[0] : piece.flat_range[1]]] = values
+        written += values.numel()
+    if written != entry.numel:
+        raise CheckpointError(
+            f"{reader.directory}: tensor {name!r}: its pieces hold {written} elements but its shape {entry.shape} "
+            f"has {entry.numel}; the index is inconsistent (run verify)"
+        )
+    return out
 
 
 def load_checkpoint(

@@ -1,4 +1,12 @@
-"""`save_checkpoint`: every rank writes the pieces it owns; rank 0 writes the index and commits by one rename."""
+"""`save_checkpoint`: every rank writes the pieces it owns; rank 0 writes the index and commits by one rename.
+
+A save has three phases, shared by the foreground `save_checkpoint` and the background `AsyncCheckpointer`:
+
+1. `begin_save` (collective): rank 0 checks the path and creates ``path.tmp-<id>``, every rank learns its name;
+2. `owned_pieces` + `write_pieces` (local): this rank's pieces and their CRCs, written to its safetensors file;
+3. `finish_save` (collective): rank 0 gathers every rank's piece list (or failure), writes the index and renames
+   the temporary directory into place; every rank learns the outcome and raises the same error on failure.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,14 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from colo.comm import as_group, broadcast_object, gather_object
+from colo.comm import Group, as_group, broadcast_object, gather_object
 
 from ..layout import layout_of
 from ..placement import Shard
@@ -22,19 +31,31 @@ from .index import INDEX_FILE, CheckpointError, CheckpointIndex, Piece, TensorEn
 from .regions import FlatShard
 
 
-def _owned_piece(name: str, value: torch.Tensor | FlatShard, rank: int):
-    """``(global shape, dtype, offsets, shape, flat_range, data)`` this rank writes for ``name``, or ``None``."""
+@dataclass(frozen=True)
+class OwnedPiece:
+    """A piece this rank writes: where it sits in tensor ``name`` and the data to write."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat_range: tuple[int, int] | None
+    data: torch.Tensor
+
+
+def _owned_piece(name: str, value: torch.Tensor | FlatShard, rank: int) -> OwnedPiece | None:
+    """The piece this rank writes for ``name`` (``data`` is still the caller's tensor), or ``None``."""
     if isinstance(value, FlatShard):
         if value.tensor.numel() == 0:
             return None
         shape = value.global_shape
-        return shape, value.tensor.dtype, (0,) * len(shape), shape, (value.flat_start, value.flat_end), value.tensor
+        return OwnedPiece(name, shape, (0,) * len(shape), shape, (value.flat_start, value.flat_end), value.tensor)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"save_checkpoint: tensors[{name!r}] must be a torch.Tensor or FlatShard, not {type(value)}")
     layout = layout_of(value)
     if layout is None:  # a plain tensor: replicated over the group, written by rank 0
         shape = tuple(value.shape)
-        return (shape, value.dtype, (0,) * len(shape), shape, None, value) if rank == 0 else None
+        return OwnedPiece(name, shape, (0,) * len(shape), shape, None, value) if rank == 0 else None
     if layout.partial_axes:
         raise ValueError(
             f"save_checkpoint: tensors[{name!r}] is Partial over {layout.partial_axes}; redistribute it to "
@@ -45,7 +66,32 @@ def _owned_piece(name: str, value: torch.Tensor | FlatShard, rank: int):
     if any(coord[axis] != 0 for axis in replicated_axes) or value.numel() == 0:
         return None  # the lowest rank holding this piece writes it
     shape = tuple(layout.global_shape)
-    return shape, value.dtype, layout.local_offsets(), tuple(layout.local_shape()), None, value
+    return OwnedPiece(name, shape, tuple(layout.local_offsets()), tuple(layout.local_shape()), None, value)
+
+
+def owned_pieces(
+    tensors: Mapping[str, torch.Tensor | FlatShard],
+    rank: int,
+    *,
+    copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> list[OwnedPiece]:
+    """The pieces this rank writes, their data made CPU-contiguous (by ``copy(name, tensor)`` when given).
+
+    Args:
+        tensors: what the caller passed to save.
+        rank: this rank's rank in the saving group.
+        copy: makes the data to write from a caller's tensor; default: the tensor itself when it already is a
+            contiguous CPU tensor (the foreground save), else a contiguous CPU copy.
+    """
+    pieces = []
+    for name, value in tensors.items():
+        piece = _owned_piece(name, value, rank)
+        if piece is None:
+            continue
+        data = piece.data.detach()
+        data = copy(name, data) if copy is not None else data.to("cpu", copy=False).contiguous()
+        pieces.append(OwnedPiece(piece.name, piece.global_shape, piece.offsets, piece.shape, piece.flat_range, data))
+    return pieces
 
 
 def _write_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -54,26 +100,22 @@ def _write_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
     fsync_path(path)
 
 
-def _write_rank(directory: str, tensors: Mapping[str, torch.Tensor | FlatShard], rank: int) -> list[tuple]:
-    """Write this rank's pieces; return ``(name, global shape, dtype name, piece json)`` for each."""
+def write_pieces(directory: str, pieces: list[OwnedPiece], rank: int) -> list[tuple]:
+    """Write ``pieces`` to this rank's file in ``directory``; return ``(name, global shape, dtype name, piece json)``
+    for each. The only place checkpoint tensor data is written (foreground and background saves alike)."""
     file = rank_file_name(rank)
     records, data = [], {}
-    for name, value in tensors.items():
-        owned = _owned_piece(name, value, rank)
-        if owned is None:
-            continue
-        shape, dtype, offsets, rect, flat_range, local = owned
-        local = local.detach().to("cpu", copy=False).contiguous()
-        data[name] = local
+    for owned in pieces:
+        data[owned.name] = owned.data
         piece = Piece(
             file=file,
-            key=name,
-            offsets=tuple(offsets),
-            shape=tuple(rect),
-            flat_range=flat_range,
-            crc32=tensor_crc32(local),
+            key=owned.name,
+            offsets=owned.offsets,
+            shape=owned.shape,
+            flat_range=owned.flat_range,
+            crc32=tensor_crc32(owned.data),
         )
-        records.append((name, tuple(shape), dtype_name(dtype), piece.to_json()))
+        records.append((owned.name, owned.global_shape, dtype_name(owned.data.dtype), piece.to_json()))
     if data:
         _write_file(os.path.join(directory, file), data)
     return records
@@ -116,45 +158,29 @@ def _commit(tmp: str, path: str, index: CheckpointIndex) -> None:
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-def save_checkpoint(
-    path: str | os.PathLike,
-    tensors: Mapping[str, torch.Tensor | FlatShard],
-    *,
-    metadata: dict | None = None,
-    group=None,
-) -> None:
-    """Save a sharded state to the checkpoint directory ``path``; every rank of ``group`` calls it.
-
-    Each rank writes the pieces it owns to ``rank-NNNNN.safetensors``: a tensor with a colo layout is saved as
-    its local shard (replicated axes written once, by the rank at coordinate 0 of each), a plain tensor as a
-    whole by group rank 0, a `FlatShard` as a flat range. Rank 0 gathers the piece lists and writes
-    ``index.json``. Everything goes to ``path.tmp-<id>`` first, is fsynced, and is committed by one rename, so a
-    failed save leaves an older checkpoint at another path (and ``path`` itself) untouched.
-
-    Args:
-        path: the checkpoint directory to create; it must not exist yet.
-        tensors: name -> local tensor (with or without a layout) or `FlatShard`. Names are the model's
-            unfused parameter names, e.g. ``"model.layers.0.mlp.up_proj.weight"``.
-        metadata: JSON-serialisable state stored in the index (step, config, scheduler state). Default ``{}``.
-        group: the group that saves together (a `colo.comm.Group`); default the world. Without
-            ``torch.distributed`` initialised, the process saves alone.
-
-    Raises:
-        CheckpointError: a rank failed to write (the error names the rank), or ranks disagree on a tensor.
-        FileExistsError: ``path`` already exists.
-    """
-    path = os.fspath(path).rstrip("/")
+def check_metadata(metadata: dict | None) -> dict:
+    """A copy of ``metadata``, or a `TypeError` if it is not JSON-serialisable."""
     metadata = dict(metadata or {})
     try:
         json.dumps(metadata)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_checkpoint: metadata must be JSON-serialisable (no pickle): {error}") from None
-    distributed = dist.is_available() and dist.is_initialized()
-    group = as_group(group) if distributed else None
-    rank = group.rank if group is not None else 0
+    return metadata
 
-    tmp = None
-    if rank == 0:
+
+def saving_group(group) -> Group | None:
+    """The `Group` that saves together, or ``None`` when ``torch.distributed`` is not initialised."""
+    return as_group(group) if dist.is_available() and dist.is_initialized() else None
+
+
+def begin_save(path: str, group: Group | None) -> str:
+    """Phase 1 (collective over ``group``): rank 0 creates the temporary directory; every rank returns its path.
+
+    Raises:
+        FileExistsError: on every rank, when ``path`` already exists.
+    """
+    tmp: str | Exception | None = None
+    if group is None or group.rank == 0:
         if os.path.exists(path):
             tmp = FileExistsError(f"save_checkpoint: {path} already exists; save each checkpoint to a new path")
         else:
@@ -164,13 +190,23 @@ def save_checkpoint(
         tmp = broadcast_object(tmp, src=0, group=group)
     if isinstance(tmp, Exception):
         raise tmp
+    return tmp
 
-    try:
-        records, failure = _write_rank(tmp, tensors, rank), None
-    except Exception as error:  # reported to rank 0, so every rank fails together instead of hanging
-        records, failure = [], f"rank {rank}: {type(error).__name__}: {error}"
+
+def failure_message(rank: int, error: BaseException) -> str:
+    """How a rank's failure is reported to the others."""
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
+def finish_save(path: str, tmp: str, records: list, failure: str | None, metadata: dict, group: Group | None) -> None:
+    """Phase 3 (collective over ``group``): gather the records, commit on rank 0, raise the outcome on every rank.
+
+    Raises:
+        CheckpointError: a rank failed (``failure``), ranks disagree, or the commit failed; nothing was committed
+            and the temporary directory is removed.
+    """
+    rank = group.rank if group is not None else 0
     gathered = gather_object((records, failure), dst=0, group=group) if group is not None else [(records, failure)]
-
     outcome = None
     if rank == 0:
         failures = [f for _, f in gathered if f is not None]
@@ -186,3 +222,43 @@ def save_checkpoint(
         outcome = None if outcome is None else CheckpointError(outcome)
     if outcome is not None:
         raise outcome
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor | FlatShard],
+    *,
+    metadata: dict | None = None,
+    group=None,
+) -> None:
+    """Save a sharded state to the checkpoint directory ``path``; every rank of ``group`` calls it.
+
+    Each rank writes the pieces it owns to ``rank-NNNNN.safetensors``: a tensor with a colo layout is saved as
+    its local shard (replicated axes written once, by the rank at coordinate 0 of each), a plain tensor as a
+    whole by group rank 0, a `FlatShard` as a flat range. Rank 0 gathers the piece lists and writes
+    ``index.json``. Everything goes to ``path.tmp-<id>`` first, is fsynced, and is committed by one rename, so a
+    failed save leaves an older checkpoint at another path (and ``path`` itself) untouched. To keep training
+    while the files are written, use `AsyncCheckpointer` (same files, same index).
+
+    Args:
+        path: the checkpoint directory to create; it must not exist yet.
+        tensors: name -> local tensor (with or without a layout) or `FlatShard`. Names are the model's
+            unfused parameter names, e.g. ``"model.layers.0.mlp.up_proj.weight"``.
+        metadata: JSON-serialisable state stored in the index (step, config, scheduler state). Default ``{}``.
+        group: the group that saves together (a `colo.comm.Group`); default the world. Without
+            ``torch.distributed`` initialised, the process saves alone.
+
+    Raises:
+        CheckpointError: a rank failed to write (the error names the rank), or ranks disagree on a tensor.
+        FileExistsError: ``path`` already exists.
+    """
+    path = os.fspath(path).rstrip("/")
+    metadata = check_metadata(metadata)
+    group = saving_group(group)
+    rank = group.rank if group is not None else 0
+    tmp = begin_save(path, group)
+    try:
+        records, failure = write_pieces(tmp, owned_pieces(tensors, rank), rank), None
+    except Exception as error:  # reported to rank 0, so every rank fails together instead of hanging
+        records, failure = [], failure_message(rank, error)
+    finish_save(path, tmp, records, failure, metadata, group)
