@@ -221,7 +221,7 @@ class TensorParallelMLP(nn.Module):
         return F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
 
 
-def _clip_over_tensor_parallel_axis():
+def _clip_over_tensor_parallel_axis(path=None):
     from colo.tensor import Colwise, Rowwise, parallelize
 
     mesh = Mesh(dp=1, tp=torch.distributed.get_world_size())
@@ -252,14 +252,39 @@ def _clip_over_tensor_parallel_axis():
         torch.testing.assert_close(params[name], dict(reference.named_parameters())[name].detach(), **FP32)
     torch.testing.assert_close(params["up.weight"], reference.up.weight.detach().chunk(2, dim=0)[rank], **FP32)
     torch.testing.assert_close(params["down.weight"], reference.down.weight.detach().chunk(2, dim=1)[rank], **FP32)
-    return norms
+    if path is not None:
+        zero.save(path)
+    return norms, params, zero.full_optimizer_states()
+
+
+def _load_tensor_parallel_checkpoint_in_one_process(path):
+    mesh = Mesh(dp=1)
+    model = TensorParallelMLP()
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh=mesh, stage=1)
+    zero.load(path)
+    return zero.full_params(), zero.full_optimizer_states()
 
 
 def test_clipping_counts_sharded_parameters_on_every_rank_and_replicated_ones_once():
-    for norms in run_distributed(_clip_over_tensor_parallel_axis, world_size=2):
+    for norms, _, _ in run_distributed(_clip_over_tensor_parallel_axis, world_size=2):
         for norm, reference_norm in norms:
             assert norm == pytest.approx(reference_norm, rel=1e-5)
             assert norm > 0.1  # so the clipping itself was exercised
+
+
+def test_a_tensor_parallel_zero_checkpoint_loads_unsharded_in_one_process(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ranks = run_distributed(_clip_over_tensor_parallel_axis, path, world_size=2)
+    params, states = run_distributed(_load_tensor_parallel_checkpoint_in_one_process, path, world_size=1)[0]
+    dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}  # the column- and row-parallel shards
+    for saved, loaded in ((ranks[0][1], params), (ranks[0][2], states)):
+        for name, value in loaded.items():
+            parameter = name.split("/")[0]
+            if parameter in dims:
+                expected = torch.cat([rank[1 if saved is ranks[0][1] else 2][name] for rank in ranks], dims[parameter])
+            else:
+                expected = saved[name]  # replicated: written once, by tensor-parallel rank 0
+            assert torch.equal(value, expected), name
 
 
 def _bad_config():

@@ -51,18 +51,25 @@ def _slot_range(chunk: Chunk, slot: ParamSlot) -> tuple[int, int, int] | None:
     return begin - chunk.shard_offset, end - chunk.shard_offset, begin - slot.offset
 
 
-def _check_no_tensor_parallel(zero: ZeroOptimizer) -> None:
+def _placement_of(zero: ZeroOptimizer, slot: ParamSlot) -> dict:
+    """Where the parameter of ``slot`` lies in the global tensor: ``global_shape``, ``rect_offsets`` /
+    ``rect_shape`` (its tensor-parallel shard, from its colo layout) and ``replica`` (another tensor-parallel rank
+    holds the same elements and writes them), as `FlatShard` keyword arguments."""
     from colo.tensor import Shard, layout_of
 
-    for chunk in zero.chunks:
-        for slot in chunk.slots:
-            layout = layout_of(slot.param)
-            if layout is not None and any(isinstance(p, Shard) for p in layout.placements):
-                raise NotImplementedError(
-                    f"parameter {slot.name!r} is tensor-parallel ({layout}); ZeRO checkpoints of tensor-parallel "
-                    "parameters need pieces that are flat ranges of a rectangle, which FlatShard cannot express yet: "
-                    "save with tp=1, or gather the tensor-parallel parameters first"
-                )
+    layout = layout_of(slot.param)
+    shape = tuple(slot.shape)
+    if layout is None:  # replicated over any tensor-parallel axis: coordinate 0 writes
+        replica = any(zero.mesh.rank(axis) != 0 for axis in zero.config.tensor_parallel_axes)
+        return {"global_shape": shape, "replica": replica}
+    sharded = {axis for axis, p in zip(layout.mesh.axis_names, layout.placements) if isinstance(p, Shard)}
+    replica_axes = [a for a in layout.mesh.axis_names if a not in sharded and a not in zero.config.data_axes]
+    return {
+        "global_shape": tuple(layout.global_shape),
+        "rect_offsets": tuple(layout.local_offsets()),
+        "rect_shape": tuple(layout.local_shape()),
+        "replica": any(layout.mesh.rank(axis) != 0 for axis in replica_axes),
+    }
 
 
 def _value_shard(zero: ZeroOptimizer, chunk: Chunk) -> torch.Tensor:
@@ -104,7 +111,6 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
         ``(tensors, metadata)``: name -> `FlatShard` of this rank's part of every parameter and optimizer
         state, and ``{"optimizer": {type, param_groups, scalars}, "zero": {stage, loss_scaler}}``.
     """
-    _check_no_tensor_parallel(zero)
     tensors: dict[str, FlatShard] = {}
     scalars: dict[str, dict] = {}
     for chunk in zero.chunks:
@@ -117,9 +123,11 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
             if where is None:
                 continue
             start, end, flat_start = where
-            tensors[slot.name] = FlatShard(value[start:end], tuple(slot.shape), flat_start)
+            placement = _placement_of(zero, slot)
+            tensors[slot.name] = FlatShard(value[start:end], flat_start=flat_start, **placement)
             for key, state in states.items():
-                tensors[f"{OPTIM_PREFIX}{slot.name}/{key}"] = FlatShard(state[start:end], tuple(slot.shape), flat_start)
+                shard = FlatShard(state[start:end], flat_start=flat_start, **placement)
+                tensors[f"{OPTIM_PREFIX}{slot.name}/{key}"] = shard
     groups = [
         {key: _json_safe(value) for key, value in group.items() if key != "params"}
         for group in zero.optimizer.param_groups
@@ -188,7 +196,6 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
     Raises:
         CheckpointError: a parameter or state is missing or mismatched, or the optimizer differs.
     """
-    _check_no_tensor_parallel(zero)
     directory = os.fspath(path)
     index = read_index(directory)
     saved = index.metadata.get(OPTIMIZER_KEY)
@@ -217,11 +224,12 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
             if where is None:
                 continue
             start, end, flat_start = where
-            targets[slot.name] = FlatShard(value[start:end], tuple(slot.shape), flat_start)
+            placement = _placement_of(zero, slot)
+            targets[slot.name] = FlatShard(value[start:end], flat_start=flat_start, **placement)
             if chunk.trainable:
                 for key, state_tensor in zero.optimizer.state[chunk.buffer("master")].items():
                     if isinstance(state_tensor, torch.Tensor) and state_tensor.shape == value.shape:
-                        shard = FlatShard(state_tensor[start:end], tuple(slot.shape), flat_start)
+                        shard = FlatShard(state_tensor[start:end], flat_start=flat_start, **placement)
                         targets[f"{OPTIM_PREFIX}{slot.name}/{key}"] = shard
     metadata, _ = load_checkpoint(directory, targets, strict=False)
     for chunk in zero.chunks:

@@ -31,8 +31,7 @@ class LoadStats:
 def _target_region(name: str, target: torch.Tensor | FlatShard) -> tuple[Region, torch.Tensor]:
     """The region ``target`` needs and the tensor to fill."""
     if isinstance(target, FlatShard):
-        shape = target.global_shape
-        return Region((0,) * len(shape), shape, (target.flat_start, target.flat_end)), target.tensor
+        return target.region, target.tensor
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"load_checkpoint: targets[{name!r}] must be a torch.Tensor or FlatShard, not {type(target)}")
     layout = layout_of(target)

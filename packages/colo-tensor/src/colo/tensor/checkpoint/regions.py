@@ -16,35 +16,62 @@ import torch
 @dataclass(frozen=True)
 class FlatShard:
     """A ZeRO-style flat shard: this rank holds elements ``[flat_start, flat_start + tensor.numel())`` of the
-    row-major flattening of a global tensor of shape ``global_shape``.
+    row-major flattening of a global tensor of shape ``global_shape`` -- or, when ``rect_shape`` is given, of the
+    rectangle ``rect_offsets``/``rect_shape`` of it (a ZeRO shard of a tensor-parallel shard).
 
     Pass one to `save_checkpoint` to save the elements it holds, or to `load_checkpoint` to fill ``tensor``.
 
     Args:
         tensor: the local elements, a 1-D tensor (its dtype is the global tensor's).
         global_shape: the shape of the whole tensor.
-        flat_start: the index of ``tensor[0]`` in the flattened global tensor.
+        flat_start: the index of ``tensor[0]`` in the flattened rectangle (the whole tensor by default).
+        rect_offsets: where the rectangle starts in the global tensor; default all zeros.
+        rect_shape: the rectangle's shape; default ``global_shape``.
+        replica: another rank holds the same elements and writes them (a tensor-parallel replica); this one
+            only loads. Default ``False``.
     """
 
     tensor: torch.Tensor
     global_shape: tuple[int, ...]
     flat_start: int
+    rect_offsets: tuple[int, ...] | None = None
+    rect_shape: tuple[int, ...] | None = None
+    replica: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))
+        rect_shape = self.global_shape if self.rect_shape is None else tuple(int(x) for x in self.rect_shape)
+        rect_offsets = (0,) * len(rect_shape) if self.rect_offsets is None else tuple(int(x) for x in self.rect_offsets)
+        object.__setattr__(self, "rect_shape", rect_shape)
+        object.__setattr__(self, "rect_offsets", rect_offsets)
         if not isinstance(self.tensor, torch.Tensor) or self.tensor.dim() != 1:
             raise ValueError(f"FlatShard(tensor=...) must be a 1-D torch.Tensor, not {_describe(self.tensor)}")
-        total = math.prod(self.global_shape)
+        if len(rect_shape) != len(self.global_shape) or len(rect_offsets) != len(rect_shape):
+            raise ValueError(
+                f"FlatShard: rect_offsets {rect_offsets} and rect_shape {rect_shape} need one entry per dim of "
+                f"global_shape {self.global_shape}"
+            )
+        if any(o < 0 or o + n > g for o, n, g in zip(rect_offsets, rect_shape, self.global_shape)):
+            raise ValueError(
+                f"FlatShard: the rectangle at {rect_offsets} of shape {rect_shape} lies outside a tensor of shape "
+                f"{self.global_shape}"
+            )
+        total = math.prod(rect_shape)
         if not 0 <= self.flat_start <= self.flat_start + self.tensor.numel() <= total:
             raise ValueError(
                 f"FlatShard: elements [{self.flat_start}, {self.flat_start + self.tensor.numel()}) lie outside a "
-                f"tensor of shape {self.global_shape} ({total} elements)"
+                f"rectangle of shape {rect_shape} ({total} elements)"
             )
 
     @property
     def flat_end(self) -> int:
         """One past the last element held."""
         return self.flat_start + self.tensor.numel()
+
+    @property
+    def region(self) -> Region:
+        """The part of the global tensor this shard holds."""
+        return Region(self.rect_offsets, self.rect_shape, (self.flat_start, self.flat_end))
 
 
 def _describe(obj: object) -> str:

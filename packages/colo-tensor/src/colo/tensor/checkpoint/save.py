@@ -46,10 +46,10 @@ class OwnedPiece:
 def _owned_piece(name: str, value: torch.Tensor | FlatShard, rank: int) -> OwnedPiece | None:
     """The piece this rank writes for ``name`` (``data`` is still the caller's tensor), or ``None``."""
     if isinstance(value, FlatShard):
-        if value.tensor.numel() == 0:
+        if value.tensor.numel() == 0 or value.replica:
             return None
-        shape = value.global_shape
-        return OwnedPiece(name, shape, (0,) * len(shape), shape, (value.flat_start, value.flat_end), value.tensor)
+        flat_range = (value.flat_start, value.flat_end)
+        return OwnedPiece(name, value.global_shape, value.rect_offsets, value.rect_shape, flat_range, value.tensor)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"save_checkpoint: tensors[{name!r}] must be a torch.Tensor or FlatShard, not {type(value)}")
     layout = layout_of(value)
