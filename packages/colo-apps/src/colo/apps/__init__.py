@@ -1,9 +1,44 @@
-"""colo.apps: The Booster and its plugins, native models and their plans, Hugging Face plans, the trainer, configs, the
-`colo` CLI and the recipes.
+"""colo.apps: the Booster and its plugins, native models and their plans, Hugging Face plans, the trainer, configs,
+the `colo` CLI and the recipes.
 
-The contents of this package arrive in their own issue; this is the package skeleton.
+`Booster(plugin)` with the `DDP` and `Zero` plugins (`colo.apps.booster`) applies a parallelism and runs whole
+training steps. Native models live in `colo.apps.models` (the Llama: config and presets, the model,
+`parallelize_llama`, pipeline stages, FLOPs per token); MFU helpers in `colo.apps.mfu`. The main names are
+re-exported here.
 """
+
+from .booster import DDP, Booster, Plugin, StepResult, Zero
+from .mfu import PEAK_FLOPS, format_mfu, mfu, peak_flops
+from .models import (
+    Llama,
+    LlamaConfig,
+    LlamaOutput,
+    LlamaStage,
+    flops_per_token,
+    get_preset,
+    llama_pipeline_stages,
+    parallelize_llama,
+)
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__: list[str] = [
+    "DDP",
+    "PEAK_FLOPS",
+    "Booster",
+    "Plugin",
+    "StepResult",
+    "Zero",
+    "Llama",
+    "LlamaConfig",
+    "LlamaOutput",
+    "LlamaStage",
+    "__version__",
+    "flops_per_token",
+    "format_mfu",
+    "get_preset",
+    "llama_pipeline_stages",
+    "mfu",
+    "parallelize_llama",
+    "peak_flops",
+]

@@ -1,0 +1,102 @@
+"""The causal language-modelling objective: next-token cross-entropy from the final hidden states.
+
+Labels follow Hugging Face's convention: ``labels`` is aligned with ``input_ids`` (usually a copy of it), position
+``t`` is scored on predicting ``labels[t + 1]``, and ``-100`` marks tokens without a loss. The shift is done on
+the labels (``labels[..., 1:]`` padded with the ignore index at the end), never on the hidden states or logits,
+so nothing activation-sized is copied; the loss is the mean over the non-ignored targets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colo.kernels import cross_entropy, fused_linear_cross_entropy
+
+IGNORE_INDEX = -100
+"""The label value of tokens that add no loss (Hugging Face's and PyTorch's default)."""
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The target of every position: ``labels[..., t + 1]``, and ``ignore_index`` at the last position.
+
+    Args:
+        labels (torch.Tensor): ``(batch, seq)`` integer labels aligned with the inputs.
+        ignore_index (int): label of tokens without a loss. Default: ``-100``.
+
+    Returns:
+        torch.Tensor: ``(batch, seq)`` targets.
+    """
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean next-token cross-entropy of full-vocabulary logits (`colo.kernels.cross_entropy`), in fp32.
+
+    Usable as a pipeline executor's ``loss_fn(output, target)`` when the last stage outputs logits.
+
+    Args:
+        logits (torch.Tensor): ``(batch, seq, vocab)``.
+        labels (torch.Tensor): ``(batch, seq)`` labels aligned with the inputs (see the module docstring).
+        ignore_index (int): label of tokens without a loss. Default: ``-100``.
+
+    Returns:
+        torch.Tensor: the scalar fp32 mean over non-ignored targets (0 when every target is ignored).
+    """
+    targets = shift_labels(labels, ignore_index)
+    return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+
+
+class CausalLMObjective(nn.Module):
+    """How the final hidden states become logits and the next-token loss, given the model's output projection.
+
+    A module without parameters so that a parallel plan can put another in its place: `parallelize_llama`
+    swaps in the vocabulary-parallel version. By default the loss uses `colo.kernels.fused_linear_cross_entropy`,
+    which never materializes the ``(tokens, vocab)`` logits; with ``return_logits`` the logits are computed once
+    and the loss taken from them.
+
+    Args:
+        ignore_index (int): label of tokens without a loss. Default: ``-100``.
+        fused (bool): compute the loss with the fused output projection + cross-entropy when no logits are
+            asked for (``lm_head`` must then be a plain linear layer holding the whole vocabulary). Default:
+            ``True``.
+    """
+
+    def __init__(self, *, ignore_index: int = IGNORE_INDEX, fused: bool = True):
+        super().__init__()
+        self.ignore_index, self.fused = ignore_index, fused
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        labels: torch.Tensor | None = None,
+        *,
+        return_logits: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The loss (when ``labels`` are given) and the logits (when asked for, or without ``labels``).
+
+        Args:
+            hidden (torch.Tensor): ``(batch, seq, hidden)`` final hidden states (after the last norm).
+            lm_head (nn.Module): the output projection ``hidden -> vocab``.
+            labels (torch.Tensor | None): ``(batch, seq)`` labels aligned with the inputs. Default: ``None``.
+            return_logits (bool): also return the logits when ``labels`` are given. Default: ``False``.
+
+        Returns:
+            tuple[torch.Tensor | None, torch.Tensor | None]: ``(loss, logits)``; the loss is an fp32 scalar,
+            the logits ``(batch, seq, vocab)``.
+        """
+        if labels is None:
+            return None, lm_head(hidden)
+        if self.fused and not return_logits:
+            targets = shift_labels(labels, self.ignore_index)
+            loss = fused_linear_cross_entropy(
+                hidden, lm_head.weight, targets, bias=getattr(lm_head, "bias", None), ignore_index=self.ignore_index
+            )
+            return loss, None
+        logits = lm_head(hidden)
+        return causal_lm_loss(logits, labels, ignore_index=self.ignore_index), logits
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, fused={self.fused}"

@@ -1,0 +1,189 @@
+"""`Llama`: the Llama decoder-only language model (Touvron et al., 2023), architecture only.
+
+Token embedding, ``num_hidden_layers`` pre-norm decoder layers (RMSNorm, grouped-query attention with RoPE,
+SwiGLU MLP), a final RMSNorm and the output projection ``lm_head``; the loss is computed by a swappable
+`CausalLMObjective`. Parallelism is applied from outside (`colo.apps.models.llama.parallelize_llama`).
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` without its ``model.`` prefix, except that q, k and v
+are one fused projection (``layers.N.self_attn.qkv_proj``); `colo.apps.models.llama.hf` maps between the two.
+Layers live in an ``nn.ModuleDict`` keyed by their index, so a pipeline stage holding layers 4..7 names them
+``layers.4`` .. ``layers.7``, as the full model does.
+
+**Initialization** is a pure function of ``(seed, module name)``: every weight is drawn from its own generator
+seeded from the model seed and the module's qualified name (normal with ``initializer_range``, norms at one, as
+Hugging Face initializes Llama). So a model built on the meta device and materialized module by module, shard by
+shard, or stage by stage gets exactly the values ``init_weights(seed)`` gives the whole model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import LlamaConfig
+from .layers import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
+from .loss import CausalLMObjective
+
+
+@dataclass
+class LlamaOutput:
+    """What `Llama.forward` returns.
+
+    Attributes:
+        loss: the fp32 scalar mean next-token loss, when labels were given.
+        logits: ``(batch, seq, vocab)`` logits, without labels or with ``return_logits=True``.
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed of module ``name``'s generator: 63 bits of SHA-256 of ``"{seed}/{name}"`` (stable everywhere)."""
+    digest = hashlib.sha256(f"{int(seed)}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def init_llama_module(name: str, module: nn.Module, *, config: LlamaConfig, seed: int) -> None:
+    """Initialize ``module``'s own parameters and buffers (not its children's) in place.
+
+    The ``init_fn(name, module)`` of `colo.tensor.parallelize` (bind ``config`` and ``seed``). Linear and
+    embedding weights are drawn from ``normal(0, config.initializer_range)`` with a generator seeded by
+    `module_seed`, biases are zero, RMSNorm scales one, rotary tables computed. A tied ``lm_head`` draws with the
+    embedding's name (its sibling ``embed_tokens``), so it gets the embedding's values even where the two live
+    apart (on the first and the last pipeline stage).
+
+    Args:
+        name (str): the module's qualified name in the model (``"layers.3.mlp.up_proj"``).
+        module (nn.Module): the module, unsharded and off the meta device.
+        config (LlamaConfig): the model's config.
+        seed (int): the model seed.
+
+    Raises:
+        TypeError: for a module with parameters and no rule here (e.g. an already sharded layer).
+    """
+    if isinstance(module, (RMSNorm, RotaryEmbedding)):
+        module.reset_parameters()
+    elif isinstance(module, (nn.Linear, nn.Embedding)):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "lm_head" and config.tie_word_embeddings:
+            name = f"{prefix}.embed_tokens" if prefix else "embed_tokens"
+        generator = torch.Generator(device=module.weight.device).manual_seed(module_seed(seed, name))
+        nn.init.normal_(module.weight, std=config.initializer_range, generator=generator)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif next(module.parameters(recurse=False), None) is not None:
+        raise TypeError(
+            f"init_llama_module: no initialization rule for {name!r} ({type(module).__name__}); initialize the "
+            "unsharded model (init_weights before parallelize_llama, or let parallelize_llama materialize it)"
+        )
+
+
+class Llama(nn.Module):
+    """The Llama causal language model.
+
+    Built eagerly, it is initialized from a seed drawn from torch's global generator; built under
+    ``torch.device("meta")`` it allocates nothing: materialize it with ``model.to_empty(device=...)`` and
+    `init_weights`, or let `parallelize_llama` materialize only this rank's shards.
+
+    Args:
+        config (LlamaConfig): the model's shape.
+
+    Example::
+
+        config = get_preset("tiny")
+        model = Llama(config)
+        out = model(input_ids, labels=input_ids)
+        out.loss.backward()
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"Llama: config must be a LlamaConfig (e.g. get_preset('tiny')), not {type(config)}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.objective = CausalLMObjective()
+        self.tie_weights()
+        if not self.embed_tokens.weight.is_meta:
+            self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head`` share the embedding's weight when the config ties them (``to_empty`` unties them)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialize every parameter and buffer in place, deterministically from ``seed``.
+
+        Args:
+            seed (int | None): the model seed (see the module docstring); ``None`` draws one from torch's global
+                generator. Default: ``None``.
+
+        Raises:
+            ValueError: if the model is still on the meta device.
+        """
+        if any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+            raise ValueError(
+                "Llama.init_weights: the model is on the meta device; call model.to_empty(device=...) first, or "
+                "let parallelize_llama(model, mesh=..., materialize=device, seed=...) materialize its shards"
+            )
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        self.tie_weights()
+        for name, module in self.named_modules():
+            init_llama_module(name, module, config=self.config, seed=seed)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states (after the last norm): ``(batch, seq, hidden_size)``.
+
+        Args:
+            input_ids (torch.Tensor): ``(batch, seq)`` token ids.
+            position_ids (torch.Tensor | None): ``(seq,)``, ``(1, seq)`` or ``(batch, seq)`` positions for RoPE;
+                ``None``: ``0 .. seq - 1``. Attention stays causal over the sequence either way. Default: ``None``.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"Llama: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        cos, sin = self.rotary_emb(input_ids.shape[1], position_ids)
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        return_logits: bool = False,
+    ) -> LlamaOutput:
+        """Logits, or the next-token loss.
+
+        Args:
+            input_ids (torch.Tensor): ``(batch, seq)`` token ids.
+            labels (torch.Tensor | None): ``(batch, seq)`` labels aligned with ``input_ids`` (Hugging Face's
+                convention: position ``t`` predicts ``labels[:, t + 1]``; ``-100`` marks tokens without a loss).
+                Default: ``None``.
+            position_ids (torch.Tensor | None): positions for RoPE (see `hidden_states`). Default: ``None``.
+            return_logits (bool): return the logits along with the loss; without it a loss is computed without
+                materializing the logits. Default: ``False``.
+
+        Returns:
+            LlamaOutput: ``loss`` when ``labels`` are given; ``logits`` without labels or with ``return_logits``.
+        """
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"Llama: labels {tuple(labels.shape)} must be shaped like input_ids {tuple(input_ids.shape)}"
+            )
+        hidden = self.hidden_states(input_ids, position_ids)
+        loss, logits = self.objective(hidden, self.lm_head, labels, return_logits=return_logits)
+        return LlamaOutput(loss=loss, logits=logits)
