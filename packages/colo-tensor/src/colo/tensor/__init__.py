@@ -1,4 +1,4 @@
-"""colo.tensor: layouts over a mesh, redistribution, autograd communication ops and 1D tensor-parallel layers.
+"""colo.tensor: layouts over a mesh, redistribution, autograd communication ops, 1D tensor and sequence parallelism.
 
 A distributed tensor is a plain ``torch.Tensor`` holding this rank's piece, with a `Layout` attached: one
 placement (`Shard`, `Replicate`, `Partial`) per mesh axis and the global shape. `distribute`, `redistribute`
@@ -9,12 +9,24 @@ built from the autograd communication steps in `colo.tensor.comm_ops`; `parallel
 them to a model from outside, by a plan of module-name patterns and styles (`Colwise`, `Rowwise`,
 `VocabParallel`, `FusedQKV`, `PrepareInput`, `PrepareOutput`, `ShardedRNG`), also from the meta device.
 `RNGTracker` / `seed_tensor_parallel` keep dropout reproducible and correct in sharded and replicated regions.
+
+Sequence parallelism, each mode switched on by the plan alone: Megatron-SP (``Colwise`` / ``FusedQKV`` with
+``input_layout=Shard(1)``, ``Rowwise`` with ``output_layout=Shard(1)``, `SequenceParallel` on norms; the layers
+are `SequenceParallelColumnLinear`, `SequenceParallelQKVLinear`, `SequenceParallelRowLinear`), Ulysses
+(`UlyssesAttention`, `ulysses_attention`) and ring attention (`RingAttention`, `ring_attention`, zigzag
+load-balanced for causal attention). `shard_sequence` / `gather_sequence` split and join a sequence in the
+``"contiguous"`` or ``"zigzag"`` layout, padding lengths that do not divide.
+
+Checkpoints (`colo.tensor.checkpoint`): `save_checkpoint` / `load_checkpoint` in one sharded format for every
+layout, `AsyncCheckpointer` for background saves, `export_hf` for a consolidated Hugging Face export.
 """
 
 from .activations import convert_activation
 from .checkpoint import (
+    AsyncCheckpointer,
     CheckpointError,
     FlatShard,
+    export_hf,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -37,6 +49,15 @@ from .placement import Partial, Placement, Replicate, Shard
 from .qkv import QKVParallelLinear, valid_tp_sizes
 from .random import MODEL_PARALLEL_STREAM, RNGTracker, model_parallel_seed, seed_tensor_parallel
 from .redistribute import RedistributePlan, RedistributeStep, gather, plan_redistribute, redistribute
+from .ring_attention import RingAttentionCore, ring_attention, ring_attention_calls
+from .sequence_parallel import (
+    SequenceParallelColumnLinear,
+    SequenceParallelQKVLinear,
+    SequenceParallelRowLinear,
+    all_gather_linear,
+    sum_gradients_over,
+)
+from .sequence_styles import RingAttention, SequenceParallel, UlyssesAttention
 from .styles import (
     Colwise,
     FusedQKV,
@@ -48,13 +69,17 @@ from .styles import (
     StyleTarget,
     VocabParallel,
 )
+from .ulysses import ulysses_attention
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .zigzag import SEQUENCE_LAYOUTS, gather_sequence, padded_seq_len, shard_positions, shard_sequence
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
     "FlatShard",
+    "export_hf",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
@@ -74,14 +99,23 @@ __all__ = [
     "RedistributePlan",
     "RedistributeStep",
     "Replicate",
+    "RingAttention",
+    "RingAttentionCore",
     "RowParallelLinear",
     "Rowwise",
+    "SEQUENCE_LAYOUTS",
+    "SequenceParallel",
+    "SequenceParallelColumnLinear",
+    "SequenceParallelQKVLinear",
+    "SequenceParallelRowLinear",
     "Shard",
     "ShardedRNG",
     "StyleTarget",
+    "UlyssesAttention",
     "VocabParallel",
     "VocabParallelEmbedding",
     "__version__",
+    "all_gather_linear",
     "all_gather_reduce_scatter",
     "all_gather_split",
     "all_reduce_copy",
@@ -92,17 +126,25 @@ __all__ = [
     "distribute",
     "from_dtensor",
     "gather",
+    "gather_sequence",
     "layout_of",
     "match_modules",
     "model_parallel_seed",
+    "padded_seq_len",
     "parallelize",
     "plan_redistribute",
     "redistribute",
     "reduce_scatter_all_gather",
+    "ring_attention",
+    "ring_attention_calls",
     "seed_tensor_parallel",
     "set_layout",
+    "shard_positions",
+    "shard_sequence",
     "split_all_gather",
+    "sum_gradients_over",
     "to_dtensor",
+    "ulysses_attention",
     "valid_tp_sizes",
     "vocab_parallel_cross_entropy",
 ]

@@ -97,7 +97,8 @@ def _check_arguments(model, mesh, plan, axis, materialize, init_fn) -> torch.dev
         if not isinstance(style, ParallelStyle):
             raise TypeError(
                 f"parallelize: plan[{pattern!r}] is {style!r}, not a style; use Colwise(), Rowwise(), "
-                "VocabParallel(), FusedQKV(), PrepareInput(...), PrepareOutput(...) or ShardedRNG(tracker)"
+                "VocabParallel(), FusedQKV(), PrepareInput(...), PrepareOutput(...), ShardedRNG(tracker), "
+                "SequenceParallel(), UlyssesAttention() or RingAttention()"
             )
         style_axis = style.axis or axis
         if style_axis not in mesh.axis_names:

@@ -6,11 +6,15 @@ convert activations between layouts with the autograd communication steps; `Shar
 the rank's own random stream). Every style checks the module first, so a plan with a mistake fails before
 anything is changed and before any collective runs.
 
-Activation layouts and the steps converting them are in `colo.tensor.activations`.
+Activation layouts and the steps converting them are in `colo.tensor.activations`. The sequence-parallel styles
+(`SequenceParallel`, `UlyssesAttention`, `RingAttention`) are in `colo.tensor.sequence_styles`; Megatron
+sequence parallelism is ``Colwise`` / ``FusedQKV`` with ``input_layout=Shard(1)`` and ``Rowwise`` with
+``output_layout=Shard(1)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +28,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, check_divides
 from .placement import Partial, Placement, Replicate, Shard
 from .qkv import QKVParallelLinear, check_heads, fused_head_dim
 from .random import MODEL_PARALLEL_STREAM, RNGTracker
+from .sequence_parallel import SequenceParallelColumnLinear, SequenceParallelQKVLinear, SequenceParallelRowLinear
 from .vocab_parallel import VocabParallelEmbedding
 
 
@@ -82,50 +87,93 @@ def _require(target: StyleTarget, style: ParallelStyle, cls: type, hint: str) ->
         )
 
 
+def _check_sequence_layout(style: ParallelStyle, field: str, layout: object) -> None:
+    """``Replicate()`` (tensor parallelism) or ``Shard(d)`` on a sequence dimension (Megatron-SP)."""
+    if not isinstance(layout, (Replicate, Shard)):
+        raise ValueError(
+            f"{type(style).__name__}: {field}={layout!r} must be Replicate() (tensor parallelism) or Shard(1) "
+            "(Megatron sequence parallelism: activations split along the sequence dimension 1)"
+        )
+    if isinstance(layout, Shard) and layout.dim == -1:
+        raise ValueError(f"{type(style).__name__}: {field}=Shard(-1) names the features; the sequence is Shard(1)")
+
+
+def _repr_without_default_layouts(style: ParallelStyle) -> str:
+    """The dataclass repr, leaving out ``*_layout`` fields at their default ``Replicate()``."""
+    shown = [
+        f"{field.name}={getattr(style, field.name)!r}"
+        for field in dataclasses.fields(style)
+        if not (field.name.endswith("_layout") and getattr(style, field.name) == Replicate())
+    ]
+    return f"{type(style).__name__}({', '.join(shown)})"
+
+
 @dataclass(frozen=True)
 class Colwise(ParallelStyle):
     """Replace an ``nn.Linear`` by a `ColumnParallelLinear` (output features split over the axis).
 
+    With ``input_layout=Shard(d)`` (Megatron sequence parallelism) the input arrives split along sequence
+    dimension ``d`` and the layer is a `SequenceParallelColumnLinear` (all-gather of the sequence first).
+
     Args:
         gather_output: all-gather the output so every rank holds all features. Default ``False``.
         axis: mesh axis; default: `parallelize`'s.
+        input_layout: ``Replicate()`` or ``Shard(sequence_dim)``. Default ``Replicate()``.
     """
 
     gather_output: bool = False
     axis: str | None = None
+    input_layout: Placement = Replicate()
     replaces = True
+
+    def __post_init__(self) -> None:
+        _check_sequence_layout(self, "input_layout", self.input_layout)
+
+    __repr__ = _repr_without_default_layouts
 
     def check(self, target: StyleTarget) -> None:
         _require(target, self, nn.Linear, "for an nn.Embedding use VocabParallel()")
         check_divides(target.mesh.size(target.axis), target.module.out_features, "out_features", target.describe())
 
     def apply(self, target: StyleTarget) -> nn.Module:
-        return ColumnParallelLinear.from_linear(
-            target.module, mesh=target.mesh, axis=target.axis, gather_output=self.gather_output
-        )
+        kwargs = {"mesh": target.mesh, "axis": target.axis, "gather_output": self.gather_output}
+        if isinstance(self.input_layout, Shard):
+            return SequenceParallelColumnLinear.from_linear(target.module, sequence_dim=self.input_layout.dim, **kwargs)
+        return ColumnParallelLinear.from_linear(target.module, **kwargs)
 
 
 @dataclass(frozen=True)
 class Rowwise(ParallelStyle):
     """Replace an ``nn.Linear`` by a `RowParallelLinear` (input features split, output all-reduced).
 
+    With ``output_layout=Shard(d)`` (Megatron sequence parallelism) the output leaves split along sequence
+    dimension ``d`` and the layer is a `SequenceParallelRowLinear` (reduce-scatter instead of all-reduce).
+
     Args:
         input_is_parallel: the input arrives split over the axis (from a `Colwise` layer). Default ``True``.
         axis: mesh axis; default: `parallelize`'s.
+        output_layout: ``Replicate()`` or ``Shard(sequence_dim)``. Default ``Replicate()``.
     """
 
     input_is_parallel: bool = True
     axis: str | None = None
+    output_layout: Placement = Replicate()
     replaces = True
+
+    def __post_init__(self) -> None:
+        _check_sequence_layout(self, "output_layout", self.output_layout)
+
+    __repr__ = _repr_without_default_layouts
 
     def check(self, target: StyleTarget) -> None:
         _require(target, self, nn.Linear, "point the pattern at a linear layer")
         check_divides(target.mesh.size(target.axis), target.module.in_features, "in_features", target.describe())
 
     def apply(self, target: StyleTarget) -> nn.Module:
-        return RowParallelLinear.from_linear(
-            target.module, mesh=target.mesh, axis=target.axis, input_is_parallel=self.input_is_parallel
-        )
+        kwargs = {"mesh": target.mesh, "axis": target.axis, "input_is_parallel": self.input_is_parallel}
+        if isinstance(self.output_layout, Shard):
+            return SequenceParallelRowLinear.from_linear(target.module, sequence_dim=self.output_layout.dim, **kwargs)
+        return RowParallelLinear.from_linear(target.module, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -163,13 +211,21 @@ class FusedQKV(ParallelStyle):
         head_attrs: the parent's attributes holding the head counts, rewritten to the local counts; ``None``:
             leave the parent alone (then give both counts). Default ``("num_heads", "num_kv_heads")``.
         axis: mesh axis; default: `parallelize`'s.
+        input_layout: ``Replicate()``, or ``Shard(sequence_dim)`` for Megatron sequence parallelism (the layer
+            is then a `SequenceParallelQKVLinear`, all-gathering the sequence first). Default ``Replicate()``.
     """
 
     num_heads: int | None = None
     num_kv_heads: int | None = None
     head_attrs: tuple[str, str] | None = ("num_heads", "num_kv_heads")
     axis: str | None = None
+    input_layout: Placement = Replicate()
     replaces = True
+
+    def __post_init__(self) -> None:
+        _check_sequence_layout(self, "input_layout", self.input_layout)
+
+    __repr__ = _repr_without_default_layouts
 
     def _counts(self, target: StyleTarget) -> tuple[int, int]:
         counts = [self.num_heads, self.num_kv_heads]
@@ -203,9 +259,11 @@ class FusedQKV(ParallelStyle):
 
     def apply(self, target: StyleTarget) -> nn.Module:
         num_heads, num_kv_heads = self._counts(target)
-        layer = QKVParallelLinear.from_linear(
-            target.module, num_heads=num_heads, num_kv_heads=num_kv_heads, mesh=target.mesh, axis=target.axis
-        )
+        kwargs = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "mesh": target.mesh, "axis": target.axis}
+        if isinstance(self.input_layout, Shard):
+            layer = SequenceParallelQKVLinear.from_linear(target.module, sequence_dim=self.input_layout.dim, **kwargs)
+        else:
+            layer = QKVParallelLinear.from_linear(target.module, **kwargs)
         if self.head_attrs is not None:
             setattr(target.parent, self.head_attrs[0], layer.local_num_heads)
             setattr(target.parent, self.head_attrs[1], layer.local_num_kv_heads)
