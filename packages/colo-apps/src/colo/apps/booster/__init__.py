@@ -1,9 +1,25 @@
 """The Booster and its plugins: one object that applies a parallelism plan and runs whole training steps."""
 
+from . import llama_plan  # noqa: F401  (registers the native Llama's plan)
 from .booster import Booster
 from .microbatch import split_batch
+from .plans import ModelPlan, PipelinePart, plan_for, register_plan
 from .plugins.base import Engine, Plugin, StepResult
 from .plugins.ddp import DDP
+from .plugins.hybrid import HybridParallel
 from .plugins.zero import Zero
 
-__all__ = ["DDP", "Booster", "Engine", "Plugin", "StepResult", "Zero", "split_batch"]
+__all__ = [
+    "DDP",
+    "Booster",
+    "Engine",
+    "HybridParallel",
+    "ModelPlan",
+    "PipelinePart",
+    "Plugin",
+    "StepResult",
+    "Zero",
+    "plan_for",
+    "register_plan",
+    "split_batch",
+]

@@ -1,0 +1,64 @@
+"""How `HybridParallel` parallelizes a model family: a `ModelPlan` per model type, looked up by `plan_for`.
+
+A plan checks the plugin's sizes against the model's shape (before any collective), applies tensor and sequence
+parallelism in place, and cuts the model into pipeline stages. colo's native Llama has one; the Hugging Face
+plans (their own issue) register theirs with `register_plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from colo.comm import Mesh
+
+
+@dataclass(frozen=True)
+class PipelinePart:
+    """This rank's share of a pipeline: its model chunks, the loss the last stage computes, and tied parameters."""
+
+    chunks: list[nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    tied_parameters: dict[str, nn.Parameter]
+
+
+class ModelPlan:
+    """The parallelization of one model family (subclass it and `register_plan` it)."""
+
+    def check(self, model: nn.Module, plugin) -> None:
+        """Raise a `ValueError` naming the plugin field when its sizes do not fit the model (no collectives)."""
+
+    def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
+        """Apply tensor / sequence parallelism to ``model`` (or a pipeline chunk of it), in place."""
+        raise NotImplementedError
+
+    def pipeline(self, model: nn.Module, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
+        """The pipeline chunks for ``stage_ids`` (this rank's stages), parallelized with `apply`."""
+        raise NotImplementedError
+
+    def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(first stage's inputs, last stage's targets)`` from a batch dict."""
+        raise NotImplementedError
+
+
+_PLANS: list[tuple[type, ModelPlan]] = []
+
+
+def register_plan(model_type: type, plan: ModelPlan) -> None:
+    """Use ``plan`` for models of ``model_type`` (and its subclasses); later registrations win."""
+    _PLANS.insert(0, (model_type, plan))
+
+
+def plan_for(model: nn.Module) -> ModelPlan:
+    """The registered plan of ``model``'s type; a `ValueError` naming the type when there is none."""
+    for model_type, plan in _PLANS:
+        if isinstance(model, model_type):
+            return plan
+    known = sorted({t.__name__ for t, _ in _PLANS})
+    raise ValueError(
+        f"HybridParallel has no parallelization plan for {type(model).__name__}; plans exist for {known} (register "
+        "one with colo.apps.booster.register_plan), or use the DDP / Zero plugins, which need none"
+    )

@@ -1,0 +1,201 @@
+"""The `HybridParallel` plugin: tensor, pipeline and data parallelism (with ZeRO 0-2) over one `Mesh(pp, dp, tp)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from colo.comm import Mesh, init_distributed
+from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
+from colo.zero import ZeroOptimizer
+
+from ..plans import plan_for
+from .base import Engine, Plugin
+from .zero import ZeroEngine
+
+SP_MODES = (None, "megatron", "ulysses", "ring")
+
+
+@dataclass(kw_only=True)
+class HybridParallel(Plugin):
+    """Tensor (``tp``), pipeline (``pp``) and data parallelism, composed over ``Mesh(pp=, dp=, tp=)``.
+
+    ``dp`` is what is left of the world size. Data parallelism runs through `colo.zero.ZeroOptimizer` at
+    ``zero_stage`` 0 (replicated, fp32 masters), 1 or 2, with gradient clipping over every axis (tensor-parallel
+    replicas counted once). With ``pp > 1`` the batch runs as ``num_microbatches`` microbatches through
+    ``schedule`` (`colo.pipeline`), and ZeRO's gradient sync is the executor's end-of-backward callback. The model
+    needs a plan (`colo.apps.booster.plan_for`: colo's native Llama has one). Every size is checked against the
+    world size and the model before any collective runs.
+    """
+
+    tp: int = 1
+    """Tensor-parallel size (Megatron 1D)."""
+    pp: int = 1
+    """Pipeline-parallel size (stages of contiguous layers)."""
+    sp: int = 1
+    """Sequence-parallel size for Ulysses / ring attention (Megatron-SP runs on the tp group instead)."""
+    sp_mode: str | None = None
+    """``None``, ``"megatron"`` (over tp), ``"ulysses"`` or ``"ring"`` (over sp)."""
+    zero_stage: int = 1
+    """ZeRO stage of the data-parallel part: 0, 1 or 2 (2 only without a pipeline)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: a name of `colo.pipeline.GENERATORS` (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
+    ``zero_bubble_h1``)."""
+    num_model_chunks: int = 1
+    """Model chunks per pipeline rank (2 or more for ``interleaved_1f1b``)."""
+    chunk_numel: int | None = None
+    """ZeRO chunk capacity in elements (``None``: searched)."""
+    seed: int = 0
+    """Seed materializing a model built on the meta device (each rank initializes only its shards)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field in ("tp", "pp", "sp", "num_model_chunks"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HybridParallel.{field}={value!r} must be a positive integer")
+        if self.sp_mode not in SP_MODES:
+            raise ValueError(f"HybridParallel.sp_mode={self.sp_mode!r} is unknown; use one of {SP_MODES}")
+        if self.sp_mode == "megatron" and (self.tp == 1 or self.sp != 1):
+            raise ValueError(
+                f"HybridParallel.sp_mode='megatron' shards the sequence over the tp group: it needs tp > 1 and sp=1 "
+                f"(got tp={self.tp}, sp={self.sp})"
+            )
+        if self.sp > 1 and self.sp_mode not in ("ulysses", "ring"):
+            raise ValueError(f"HybridParallel.sp={self.sp} needs sp_mode='ulysses' or 'ring' (got {self.sp_mode!r})")
+        if self.sp_mode in ("ulysses", "ring") and self.sp == 1:
+            raise ValueError(
+                f"HybridParallel.sp_mode={self.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree"
+            )
+        if self.sp_mode is not None:
+            raise ValueError(
+                f"HybridParallel.sp_mode={self.sp_mode!r}: sequence parallelism is not wired into HybridParallel yet; "
+                "use sp_mode=None"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"HybridParallel.zero_stage={self.zero_stage!r} is not a ZeRO stage; use 0, 1 or 2")
+        if self.zero_stage == 3:
+            raise ValueError(
+                "HybridParallel.zero_stage=3 is not supported (it gathers parameters per module, which a pipeline "
+                "or a tensor-parallel plan would have to interleave); use zero_stage<=2, or the Zero(stage=3) plugin"
+            )
+        if self.pp > 1 and self.zero_stage == 2:
+            raise ValueError(
+                "HybridParallel: pp > 1 with zero_stage=2 is not supported (a pipeline's weight-gradient steps fire "
+                "no gradient hooks, which ZeRO-2 reduces from); use zero_stage=1"
+            )
+        if self.schedule not in GENERATORS:
+            raise ValueError(f"HybridParallel.schedule={self.schedule!r} is unknown; use one of {sorted(GENERATORS)}")
+        if self.schedule == "interleaved_1f1b" and self.num_model_chunks < 2:
+            raise ValueError("HybridParallel.schedule='interleaved_1f1b' needs num_model_chunks >= 2")
+        if self.schedule != "interleaved_1f1b" and self.num_model_chunks != 1:
+            raise ValueError(
+                f"HybridParallel.num_model_chunks={self.num_model_chunks} needs schedule='interleaved_1f1b'"
+            )
+        if self.pp > 1:  # the schedule's own checks (microbatches vs ranks) run now, before any collective
+            self.pipeline_schedule = make_schedule(
+                self.schedule, self.pp, self.num_microbatches, num_chunks=self.num_model_chunks
+            )
+
+    def mesh_shape(self, world_size: int) -> dict[str, int]:
+        model_parallel = self.tp * self.pp * self.sp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"HybridParallel: tp={self.tp} x pp={self.pp} x sp={self.sp} = {model_parallel} does not divide the "
+                f"world size {world_size}; choose sizes whose product divides it"
+            )
+        return {"pp": self.pp, "dp": world_size // model_parallel, "sp": self.sp, "tp": self.tp}
+
+    def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        return ("dp", "sp") if self.sp > 1 else ("dp",)
+
+    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+        if criterion is not None and self.pp > 1:
+            raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
+        plan = plan_for(model)
+        plan.check(model, self)
+        init_distributed()
+        mesh = self.build_mesh()
+        if self.pp == 1:
+            plan.apply(model, mesh=mesh, plugin=self)
+            chunks = None
+            target = model
+        else:
+            stage_ids = list(self.pipeline_schedule.stages[mesh.rank("pp")])
+            part = plan.pipeline(model, mesh=mesh, plugin=self, stage_ids=stage_ids)
+            chunks = part
+            target = part.chunks[0] if len(part.chunks) == 1 else nn.ModuleList(part.chunks)
+        optimizer = _repoint_optimizer(optimizer, target)
+        zero = ZeroOptimizer(
+            target,
+            optimizer,
+            mesh=mesh,
+            stage=self.zero_stage,
+            data_axes=self.data_axes(mesh),
+            chunk_numel=self.chunk_numel,
+            mixed_precision=_mixed_precision(self),
+            tensor_parallel_axes=("tp",) if self.tp > 1 else (),
+            pipeline_axis="pp" if self.pp > 1 else None,
+        )
+        if chunks is None:
+            return ZeroEngine(self, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
+        return PipelineEngine(self, plan=plan, part=chunks, optimizer=zero, mesh=mesh, model=target)
+
+
+def _mixed_precision(plugin: HybridParallel):
+    from colo.zero import MixedPrecision
+
+    return None if plugin.precision == "fp32" else MixedPrecision(param_dtype=plugin.compute_dtype)
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    """Point ``optimizer`` at ``model``'s parameters now (tensor parallelism and pipelines replace or drop
+    parameters), keeping the optimizer object and its hyperparameters; it must be fresh and have one group."""
+    if len(optimizer.state):
+        raise ValueError("the optimizer already holds state; boost a fresh optimizer, before its first step")
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            "HybridParallel re-points the optimizer at the parallelized parameters and supports one param group; "
+            f"got {len(optimizer.param_groups)} (use the Zero plugin for per-group settings)"
+        )
+    optimizer.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
+    return optimizer
+
+
+class PipelineEngine(Engine):
+    """Runs a pipeline step (`colo.pipeline.PipelineExecutor`) with ZeRO over the data axes."""
+
+    def __init__(self, plugin: HybridParallel, *, plan, part, optimizer: ZeroOptimizer, mesh: Mesh, model) -> None:
+        super().__init__(
+            plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=None, sync_every_microbatch=True
+        )
+        self.plan = plan
+        self.executor = PipelineExecutor(
+            part.chunks,
+            schedule=plugin.pipeline_schedule,
+            mesh=mesh,
+            loss_fn=part.loss_fn,
+            tied_parameters=part.tied_parameters,
+            on_backward_end=optimizer.reduce_gradients,
+        )
+
+    def train_step(self, batch):
+        inputs, targets = self.plan.pipeline_batch(batch)
+        result = self.executor.step(inputs, targets, return_loss=True)
+        grad_norm, skipped = self.step()
+        self.zero_grad()
+        return self.mean_over_data_ranks(result.loss.detach().double().cpu()), grad_norm, skipped
+
+    def backward(self, loss):
+        raise RuntimeError("with pp > 1 the pipeline runs backward itself: use booster.train_step(batch)")
+
+    def no_sync(self):
+        raise RuntimeError("with pp > 1 the pipeline accumulates microbatches itself: use booster.train_step(batch)")
+
+    step = ZeroEngine.step
+    zero_grad = ZeroEngine.zero_grad
+    torch_optimizer = ZeroEngine.torch_optimizer
+    checkpoint_state = ZeroEngine.checkpoint_state
+    load = ZeroEngine.load
