@@ -99,11 +99,17 @@ def _hybrid_run(settings):
         {"tp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 0},  # pp2 x tp2
         {"pp": 2, "num_microbatches": 4, "schedule": "1f1b"},  # pp2 x dp2, ZeRO-1
         {"pp": 2, "num_microbatches": 4, "schedule": "zero_bubble_h1"},  # pp2 x dp2, ZeRO-1
+        {"sp": 2, "sp_mode": "ulysses", "zero_stage": 2},  # sp2 Ulysses x dp2, ZeRO-2 over (dp, sp)
+        {"sp": 2, "sp_mode": "ring", "zero_stage": 1, "world_size": 2},  # sp2 ring attention (zigzag)
     ],
-    ids=["dp2-tp2-zero1", "pp2-tp2", "pp2-dp2-zero1-1f1b", "pp2-dp2-zero1-zbh1"],
+    ids=["dp2-tp2-zero1", "pp2-tp2", "pp2-dp2-zero1-1f1b", "pp2-dp2-zero1-zbh1", "sp2-ulysses-dp2", "sp2-ring"],
 )
 def test_hybrid_parallel_matches_the_single_process_llama(settings):
-    for losses, expected_losses, num_params, mismatches in run_distributed(_hybrid_run, settings, world_size=4):
+    settings = dict(settings)
+    world_size = settings.pop("world_size", 4)
+    for losses, expected_losses, num_params, mismatches in run_distributed(
+        _hybrid_run, settings, world_size=world_size
+    ):
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert num_params > 0 and not mismatches, mismatches
 
@@ -115,6 +121,7 @@ def test_invalid_hybrid_settings_are_rejected_with_the_fix():
         "HybridParallel.zero_stage=3 is not supported": {"zero_stage": 3},
         "pp > 1 with zero_stage=2 is not supported": {"pp": 2, "zero_stage": 2, "num_microbatches": 2},
         "sp_mode='megatron' shards the sequence over the tp group": {"sp_mode": "megatron"},
+        "sp=2 with pp=2 is not supported yet": {"sp": 2, "sp_mode": "ring", "pp": 2, "num_microbatches": 2},
         "HybridParallel.sp=2 needs sp_mode='ulysses' or 'ring'": {"sp": 2},
         "HybridParallel.schedule='zigzag' is unknown": {"schedule": "zigzag"},
         "interleaved_1f1b' needs num_model_chunks >= 2": {"pp": 2, "schedule": "interleaved_1f1b"},

@@ -1,5 +1,5 @@
-"""`HybridParallel`'s plan for colo's native `Llama`: tensor parallelism by `parallelize_llama`, pipeline stages by
-`llama_pipeline_stages`."""
+"""`HybridParallel`'s plan for colo's native `Llama`: tensor parallelism by `parallelize_llama`, Ulysses or ring
+attention over ``sp`` on the attention cores, pipeline stages by `llama_pipeline_stages`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from colo.comm import Mesh
+from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_positions, shard_sequence
 
 from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
-from ..models.llama.loss import causal_lm_loss
+from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
 from .plans import ModelPlan, PipelinePart, register_plan
 
@@ -45,7 +46,47 @@ class LlamaPlan(ModelPlan):
         elif device is not None:
             model.to_empty(device=device)
             model.init_weights(plugin.seed)
+        if plugin.sp > 1:
+            self.apply_sp(model, mesh=mesh, plugin=plugin)
         return model
+
+    @staticmethod
+    def sequence_layout(plugin) -> str:
+        """Ring attention splits the sequence zigzag (equal causal work per rank); Ulysses contiguously."""
+        return "zigzag" if plugin.sp_mode == "ring" else "contiguous"
+
+    def apply_sp(self, model: nn.Module, *, mesh: Mesh, plugin) -> None:
+        """Ulysses or ring attention over ``sp`` on every attention core; the objective takes pre-shifted labels
+        (each rank holds a piece of every sequence, so the shift is done before the split, in `prepare_batch`)."""
+        layout = self.sequence_layout(plugin)
+        style = UlyssesAttention(layout=layout) if plugin.sp_mode == "ulysses" else RingAttention(layout=layout)
+        parallelize(model, mesh, {"layers.*.self_attn.core": style}, axis="sp")
+        model.objective.labels_shifted = True
+
+    def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        if plugin.sp == 1:
+            return batch, 1.0
+        if "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(f"a sequence-parallel Llama batch needs 'input_ids' and 'labels'; got {sorted(batch)}")
+        layout, num_shards, rank = self.sequence_layout(plugin), plugin.sp, mesh.rank("sp")
+        ids, labels = batch["input_ids"], batch["labels"]
+        chunks = num_shards * (2 if layout == "zigzag" else 1)
+        if ids.shape[1] % chunks:
+            raise ValueError(
+                f"sequence length {ids.shape[1]} does not divide into {chunks} chunks (sp={num_shards}, {layout} "
+                f"layout); use a multiple of {chunks}"
+            )
+        ignore = IGNORE_INDEX
+        targets = shift_labels(labels, ignore)
+        local_targets = shard_sequence(targets, num_shards=num_shards, rank=rank, layout=layout)
+        local = {
+            "input_ids": shard_sequence(ids, num_shards=num_shards, rank=rank, layout=layout),
+            "labels": local_targets,
+            "position_ids": shard_positions(ids.shape[1], num_shards, rank, layout).to(ids.device),
+        }
+        total = int((targets != ignore).sum())
+        weight = num_shards * int((local_targets != ignore).sum()) / total if total else 0.0
+        return local, weight
 
     def pipeline(self, model: Llama, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
         stages = llama_pipeline_stages(model, plugin.pp * plugin.num_model_chunks)

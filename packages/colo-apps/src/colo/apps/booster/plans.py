@@ -39,6 +39,13 @@ class ModelPlan:
         """The pipeline chunks for ``stage_ids`` (this rank's stages), parallelized with `apply`."""
         raise NotImplementedError
 
+    def prepare_batch(
+        self, batch: dict[str, torch.Tensor], *, mesh: Mesh, plugin
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's part of a (micro)batch and its loss weight: with sequence parallelism, the rank's piece of
+        every sequence, weighted so that the mean over the sequence-parallel ranks is the loss of the whole."""
+        return batch, 1.0
+
     def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(first stage's inputs, last stage's targets)`` from a batch dict."""
         raise NotImplementedError

@@ -71,16 +71,19 @@ class Plugin:
         from torch.utils.data import DataLoader, DistributedSampler
 
         mesh = self.build_mesh()
-        axes = self.data_axes(mesh)
-        group = mesh.group(*axes)
+        group = mesh.group(*self.sample_axes(mesh))
         sampler = DistributedSampler(
             dataset, num_replicas=group.size, rank=group.rank, shuffle=shuffle, seed=seed, drop_last=True
         )
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
 
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
-        """The mesh axes over which ranks see different data."""
+        """The mesh axes gradients and the reported loss are averaged over."""
         return ("dp",)
+
+    def sample_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The mesh axes over which ranks get different samples (sequence-parallel ranks share theirs)."""
+        return self.data_axes(mesh)
 
 
 class Engine:
@@ -113,6 +116,10 @@ class Engine:
     def forward(self, micro: Mapping[str, torch.Tensor]):
         """Call the model on one microbatch (``model(**micro)``)."""
         return self.model(**micro)
+
+    def prepare_micro(self, micro: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's part of a microbatch and the weight of its loss (sequence parallelism splits sequences)."""
+        return micro, 1.0
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
@@ -149,7 +156,8 @@ class Engine:
             last = index == count - 1
             context = contextlib.nullcontext() if last or self.sync_every_microbatch else self.no_sync()
             with context:
-                loss = loss_of(self.forward(micro), micro, self.criterion) / count
+                micro, weight = self.prepare_micro(micro)
+                loss = loss_of(self.forward(micro), micro, self.criterion) * (weight / count)
                 self.backward(loss)
             total += loss.detach().double().cpu()
         grad_norm, skipped = self.step()

@@ -69,10 +69,15 @@ class HybridParallel(Plugin):
             raise ValueError(
                 f"HybridParallel.sp_mode={self.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree"
             )
-        if self.sp_mode is not None:
+        if self.sp_mode == "megatron":
             raise ValueError(
-                f"HybridParallel.sp_mode={self.sp_mode!r}: sequence parallelism is not wired into HybridParallel yet; "
-                "use sp_mode=None"
+                "HybridParallel.sp_mode='megatron' is not wired into the model plans yet (colo.tensor has the layers "
+                "and styles); use sp_mode='ulysses' or 'ring' with sp > 1, or None"
+            )
+        if self.sp > 1 and self.pp > 1:
+            raise ValueError(
+                f"HybridParallel: sp={self.sp} with pp={self.pp} is not supported yet (pipeline stages would pass "
+                "sequence shards); use one of them"
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"HybridParallel.zero_stage={self.zero_stage!r} is not a ZeRO stage; use 0, 1 or 2")
@@ -111,6 +116,9 @@ class HybridParallel(Plugin):
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return ("dp", "sp") if self.sp > 1 else ("dp",)
 
+    def sample_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        return ("dp",)  # sequence-parallel ranks share their samples, each holding a piece of every sequence
+
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         if criterion is not None and self.pp > 1:
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
@@ -140,7 +148,7 @@ class HybridParallel(Plugin):
             pipeline_axis="pp" if self.pp > 1 else None,
         )
         if chunks is None:
-            return ZeroEngine(self, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
+            return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
         return PipelineEngine(self, plan=plan, part=chunks, optimizer=zero, mesh=mesh, model=target)
 
 
@@ -162,6 +170,17 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> to
         )
     optimizer.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
     return optimizer
+
+
+class HybridEngine(ZeroEngine):
+    """Runs steps for `HybridParallel` without a pipeline: the model plan prepares each rank's part of the data."""
+
+    def __init__(self, plugin: HybridParallel, *, plan, model, optimizer: ZeroOptimizer, mesh: Mesh, criterion):
+        super().__init__(plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion)
+        self.plan = plan
+
+    def prepare_micro(self, micro):
+        return self.plan.prepare_batch(micro, mesh=self.mesh, plugin=self.plugin)
 
 
 class PipelineEngine(Engine):

@@ -66,6 +66,13 @@ class CausalLMObjective(nn.Module):
     def __init__(self, *, ignore_index: int = IGNORE_INDEX, fused: bool = True):
         super().__init__()
         self.ignore_index, self.fused = ignore_index, fused
+        self.labels_shifted = False
+        """Set by sequence-parallel plans: ``labels`` are already the targets of their positions (shifted over
+        the whole sequence before it was split), so the objective must not shift them again."""
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """The target of every position: ``labels`` shifted by one, unless they already are."""
+        return labels if self.labels_shifted else shift_labels(labels, self.ignore_index)
 
     def forward(
         self,
@@ -90,13 +97,16 @@ class CausalLMObjective(nn.Module):
         if labels is None:
             return None, lm_head(hidden)
         if self.fused and not return_logits:
-            targets = shift_labels(labels, self.ignore_index)
+            targets = self.targets(labels)
             loss = fused_linear_cross_entropy(
                 hidden, lm_head.weight, targets, bias=getattr(lm_head, "bias", None), ignore_index=self.ignore_index
             )
             return loss, None
         logits = lm_head(hidden)
-        return causal_lm_loss(logits, labels, ignore_index=self.ignore_index), logits
+        targets = self.targets(labels)
+        return cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=self.ignore_index
+        ), logits
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, fused={self.fused}"

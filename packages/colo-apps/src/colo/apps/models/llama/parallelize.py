@@ -39,7 +39,7 @@ from colo.tensor import (
 )
 
 from .config import LlamaConfig
-from .loss import IGNORE_INDEX, CausalLMObjective, shift_labels
+from .loss import IGNORE_INDEX, CausalLMObjective
 from .model import init_llama_module
 
 
@@ -74,7 +74,7 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
             logits = all_gather_split(local_logits, group=self.group, dim=-1)
         if labels is None:
             return None, logits
-        targets = shift_labels(labels, self.ignore_index)
+        targets = self.targets(labels)
         total = vocab_parallel_cross_entropy(
             local_logits.float(),
             targets,
