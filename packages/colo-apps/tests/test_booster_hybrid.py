@@ -145,3 +145,42 @@ def test_a_plan_is_required_and_tp_must_fit_the_heads():
     assert get_preset("tiny").num_attention_heads == 4
     with pytest.raises(ValueError, match="tp"):
         plan_for(model).check(model, HybridParallel(tp=3))
+
+
+def _plugin_run(kind, settings):
+    from colo.apps import DDP, Booster, Zero
+    from colo.apps.booster import HybridParallel
+
+    plugin = {"ddp": DDP, "zero": Zero, "hybrid": HybridParallel}[kind](**settings)
+    model = make_model()
+    booster = Booster(plugin)
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    mesh = booster.engine.mesh
+    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
+    rows = ROWS // dp
+    losses = [
+        booster.train_step({k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in global_batch(step).items()}).loss
+        for step in range(3)
+    ]
+    compiled = [getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values()]
+    return losses, compiled
+
+
+@pytest.mark.parametrize(
+    "kind, settings",
+    [
+        ("ddp", {}),
+        ("zero", {"stage": 3}),
+        ("ddp", {"compile_blocks": True, "compile_options": {"backend": "aot_eager"}}),
+        ("hybrid", {"tp": 2, "compile_blocks": True, "compile_options": {"backend": "aot_eager"}}),
+    ],
+    ids=["ddp", "zero3", "ddp-compiled", "tp2-compiled"],
+)
+def test_the_llama_trains_like_the_single_process_under_ddp_zero_and_compiled_blocks(kind, settings):
+    # aot_eager traces every block with dynamo and AOTAutograd (graph capture around the parallel layers' autograd
+    # functions and collectives is what the plugins affect); inductor's code generation is torch's own concern and
+    # takes a minute on two CPU cores, so it is not run here
+    expected_losses = reference_run()[0][:3]
+    for losses, compiled in run_distributed(_plugin_run, kind, settings, world_size=2):
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert all(compiled) == bool(settings.get("compile_blocks"))

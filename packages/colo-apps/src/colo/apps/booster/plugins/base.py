@@ -44,6 +44,10 @@ class Plugin:
     """Microbatches per `Booster.train_step`: gradient accumulation, or the pipeline's microbatches."""
     max_grad_norm: float | None = None
     """Clip gradients to this global norm (``None``: no clipping; the norm is still reported)."""
+    compile_blocks: bool = False
+    """`torch.compile` every block of the model (the children of its ``layers``), after parallelization."""
+    compile_options: dict | None = None
+    """Keyword arguments for `torch.compile` (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -52,6 +56,20 @@ class Plugin:
             raise ValueError(f"{name}.num_microbatches={self.num_microbatches!r} must be a positive integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"{name}.max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
+
+    def maybe_compile(self, model: torch.nn.Module) -> None:
+        """Compile each block of ``model`` in place when ``compile_blocks`` is set (torchtitan's per-block compile:
+        one graph per block type, reused by every layer, with the parallel layers' collectives inside)."""
+        if not self.compile_blocks:
+            return
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise ValueError(
+                f"{type(self).__name__}.compile_blocks needs the model's blocks in a `layers` ModuleList or "
+                f"ModuleDict; {type(model).__name__} has none: compile the model yourself before boosting it"
+            )
+        for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
+            block.compile(**(self.compile_options or {}))
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         """The mesh axes and sizes this plugin runs on (validated against ``world_size`` before any collective)."""

@@ -126,15 +126,16 @@ class HybridParallel(Plugin):
         plan.check(model, self)
         init_distributed()
         mesh = self.build_mesh()
+        part = None
         if self.pp == 1:
             plan.apply(model, mesh=mesh, plugin=self)
-            chunks = None
             target = model
         else:
             stage_ids = list(self.pipeline_schedule.stages[mesh.rank("pp")])
             part = plan.pipeline(model, mesh=mesh, plugin=self, stage_ids=stage_ids)
-            chunks = part
             target = part.chunks[0] if len(part.chunks) == 1 else nn.ModuleList(part.chunks)
+        for module in [model] if part is None else part.chunks:
+            self.maybe_compile(module)
         optimizer = _repoint_optimizer(optimizer, target)
         zero = ZeroOptimizer(
             target,
@@ -147,9 +148,9 @@ class HybridParallel(Plugin):
             tensor_parallel_axes=("tp",) if self.tp > 1 else (),
             pipeline_axis="pp" if self.pp > 1 else None,
         )
-        if chunks is None:
+        if part is None:
             return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
-        return PipelineEngine(self, plan=plan, part=chunks, optimizer=zero, mesh=mesh, model=target)
+        return PipelineEngine(self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target)
 
 
 def _mixed_precision(plugin: HybridParallel):

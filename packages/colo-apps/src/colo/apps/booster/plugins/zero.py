@@ -50,6 +50,7 @@ class Zero(Plugin):
 
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         mesh = self.build_mesh()
+        self.maybe_compile(model)
         zero = ZeroOptimizer(
             model,
             optimizer,
