@@ -99,10 +99,19 @@ def _hybrid_run(settings):
         {"tp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 0},  # pp2 x tp2
         {"pp": 2, "num_microbatches": 4, "schedule": "1f1b"},  # pp2 x dp2, ZeRO-1
         {"pp": 2, "num_microbatches": 4, "schedule": "zero_bubble_h1"},  # pp2 x dp2, ZeRO-1
+        {"tp": 2, "sp_mode": "megatron", "zero_stage": 1, "world_size": 2},  # tp2 + Megatron-SP
         {"sp": 2, "sp_mode": "ulysses", "zero_stage": 2},  # sp2 Ulysses x dp2, ZeRO-2 over (dp, sp)
         {"sp": 2, "sp_mode": "ring", "zero_stage": 1, "world_size": 2},  # sp2 ring attention (zigzag)
     ],
-    ids=["dp2-tp2-zero1", "pp2-tp2", "pp2-dp2-zero1-1f1b", "pp2-dp2-zero1-zbh1", "sp2-ulysses-dp2", "sp2-ring"],
+    ids=[
+        "dp2-tp2-zero1",
+        "pp2-tp2",
+        "pp2-dp2-zero1-1f1b",
+        "pp2-dp2-zero1-zbh1",
+        "tp2-megatron-sp",
+        "sp2-ulysses-dp2",
+        "sp2-ring",
+    ],
 )
 def test_hybrid_parallel_matches_the_single_process_llama(settings):
     settings = dict(settings)

@@ -42,7 +42,14 @@ class LlamaPlan(ModelPlan):
         device = _materialize_device(model)
         if plugin.tp > 1:
             # a pipeline's last stage outputs logits for the executor's loss, so they are gathered there
-            parallelize_llama(model, mesh=mesh, loss_parallel=plugin.pp == 1, materialize=device, seed=plugin.seed)
+            parallelize_llama(
+                model,
+                mesh=mesh,
+                loss_parallel=plugin.pp == 1,
+                sequence_parallel=plugin.sp_mode == "megatron",
+                materialize=device,
+                seed=plugin.seed,
+            )
         elif device is not None:
             model.to_empty(device=device)
             model.init_weights(plugin.seed)
@@ -64,6 +71,11 @@ class LlamaPlan(ModelPlan):
         model.objective.labels_shifted = True
 
     def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        if plugin.sp_mode == "megatron" and batch["input_ids"].shape[1] % plugin.tp:
+            raise ValueError(
+                f"sequence length {batch['input_ids'].shape[1]} does not divide by tp={plugin.tp}, which Megatron "
+                "sequence parallelism splits it over; pad the sequences to a multiple of tp"
+            )
         if plugin.sp == 1:
             return batch, 1.0
         if "input_ids" not in batch or "labels" not in batch:

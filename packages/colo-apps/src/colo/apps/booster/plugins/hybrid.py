@@ -69,10 +69,10 @@ class HybridParallel(Plugin):
             raise ValueError(
                 f"HybridParallel.sp_mode={self.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree"
             )
-        if self.sp_mode == "megatron":
+        if self.sp_mode == "megatron" and self.pp > 1:
             raise ValueError(
-                "HybridParallel.sp_mode='megatron' is not wired into the model plans yet (colo.tensor has the layers "
-                "and styles); use sp_mode='ulysses' or 'ring' with sp > 1, or None"
+                "HybridParallel: sp_mode='megatron' with pp > 1 is not supported yet (it splits the sequence at the "
+                "first layer and gathers it at lm_head, on different stages); use it without a pipeline"
             )
         if self.sp > 1 and self.pp > 1:
             raise ValueError(

@@ -179,10 +179,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x``: ``(batch, seq, hidden)``; ``cos``, ``sin``: from `RotaryEmbedding`. Returns ``x``'s shape."""
-        batch, seq, _ = x.shape
         head_dim = self.head_dim
         widths = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
-        q, k, v = self.qkv_proj(x).split(widths, dim=-1)
+        qkv = self.qkv_proj(x)
+        batch, seq = qkv.shape[:2]  # not x's: a sequence-parallel projection gathers the sequence
+        q, k, v = qkv.split(widths, dim=-1)
         q = q.reshape(batch, seq, self.num_heads, head_dim)
         k = k.reshape(batch, seq, self.num_kv_heads, head_dim)
         v = v.reshape(batch, seq, self.num_kv_heads, head_dim)

@@ -30,7 +30,11 @@ from colo.tensor import (
     Colwise,
     FusedQKV,
     ParallelStyle,
+    PrepareInput,
+    Replicate,
     Rowwise,
+    SequenceParallel,
+    Shard,
     VocabParallel,
     all_gather_split,
     parallelize,
@@ -134,12 +138,45 @@ def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     }
 
 
+def llama_sequence_parallel_plan(*, loss_parallel: bool = True, first_layer: str | None = "0") -> dict:
+    """`llama_tp_plan` with Megatron sequence parallelism (Korthikanti et al., 2022) over the same axis.
+
+    Between the tensor-parallel regions the activations are split along the sequence (dim 1): the first decoder
+    layer's input is split after the embedding (`PrepareInput`, no communication forward, all-gather backward),
+    the q/k/v and gate/up projections all-gather the sequence on entry (their backward re-gathers the saved shard),
+    ``o_proj`` and ``down_proj`` reduce-scatter onto the sequence instead of all-reducing, the RMSNorms run on
+    sequence shards (their weight gradients summed over the axis), and ``lm_head`` gathers the sequence again.
+
+    Args:
+        loss_parallel (bool): as in `llama_tp_plan`. Default: ``True``.
+        first_layer (str | None): the name of the first decoder layer (where the sequence is split); ``None`` when
+            the model holds no embedding. Default: ``"0"``.
+    """
+    sequence = Shard(1)
+    plan = {
+        "embed_tokens": VocabParallel(),
+        "layers.*.input_layernorm": SequenceParallel(),
+        "layers.*.self_attn.qkv_proj": FusedQKV(head_attrs=("num_heads", "num_kv_heads"), input_layout=sequence),
+        "layers.*.self_attn.o_proj": Rowwise(output_layout=sequence),
+        "layers.*.post_attention_layernorm": SequenceParallel(),
+        "layers.*.mlp.gate_proj": Colwise(input_layout=sequence),
+        "layers.*.mlp.up_proj": Colwise(input_layout=sequence),
+        "layers.*.mlp.down_proj": Rowwise(output_layout=sequence),
+        "norm": SequenceParallel(),
+        "lm_head": Colwise(gather_output=not loss_parallel, input_layout=sequence),
+    }
+    if first_layer is not None:
+        plan[f"layers.{first_layer}"] = PrepareInput((Replicate(), None, None), (sequence, None, None))
+    return plan
+
+
 def apply_tp(
     model: nn.Module,
     *,
     mesh: Mesh,
     axis: str = "tp",
     loss_parallel: bool = True,
+    sequence_parallel: bool = False,
     materialize: torch.device | str | None = None,
     seed: int = 0,
 ) -> None:
@@ -153,6 +190,8 @@ def apply_tp(
         mesh (Mesh): the mesh.
         axis (str): the tensor-parallel mesh axis. Default: ``"tp"``.
         loss_parallel (bool): vocabulary-parallel loss (see `llama_tp_plan`). Default: ``True``.
+        sequence_parallel (bool): Megatron sequence parallelism too (`llama_sequence_parallel_plan`). Default:
+            ``False``.
         materialize (torch.device | str | None): initialize meta-device parameters here, module by module, each
             rank only its shards (see `colo.tensor.parallelize`). Default: ``None``.
         seed (int): the model seed for materialization (`Llama.init_weights` gives the full model the same
@@ -160,7 +199,12 @@ def apply_tp(
     """
     config: LlamaConfig = model.config
     embed, lm_head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
-    plan = llama_tp_plan(loss_parallel=loss_parallel)
+    if sequence_parallel:
+        if embed is None or lm_head is None or not hasattr(model, "norm"):
+            raise ValueError("Megatron sequence parallelism applies to a whole Llama, not to a pipeline stage")
+        plan = llama_sequence_parallel_plan(loss_parallel=loss_parallel, first_layer=next(iter(model.layers)))
+    else:
+        plan = llama_tp_plan(loss_parallel=loss_parallel)
     if embed is None:  # a pipeline stage without the embedding
         del plan["embed_tokens"]
     if lm_head is None:  # a pipeline stage without the head
@@ -188,6 +232,7 @@ def parallelize_llama(
     mesh: Mesh,
     tp_axis: str = "tp",
     loss_parallel: bool = True,
+    sequence_parallel: bool = False,
     materialize: torch.device | str | None = None,
     seed: int = 0,
 ) -> nn.Module:
@@ -202,6 +247,8 @@ def parallelize_llama(
         mesh (Mesh): the mesh; must have ``tp_axis``.
         tp_axis (str): the tensor-parallel mesh axis. Default: ``"tp"``.
         loss_parallel (bool): vocabulary-parallel loss instead of gathered logits. Default: ``True``.
+        sequence_parallel (bool): Megatron sequence parallelism over ``tp_axis`` as well (the sequence length must
+            divide by its size). Default: ``False``.
         materialize (torch.device | str | None): for a meta-device model, initialize it on this device, each rank
             only its shards (peak memory: its shards plus one module's full weights). Default: ``None``.
         seed (int): the model seed used when materializing; ``Llama.init_weights(seed)`` gives the unsharded
@@ -226,5 +273,13 @@ def parallelize_llama(
             f"Mesh(..., {tp_axis}=N) or pass tp_axis= naming its tensor-parallel axis"
         )
     check_tp_size(config, mesh.size(tp_axis))
-    apply_tp(model, mesh=mesh, axis=tp_axis, loss_parallel=loss_parallel, materialize=materialize, seed=seed)
+    apply_tp(
+        model,
+        mesh=mesh,
+        axis=tp_axis,
+        loss_parallel=loss_parallel,
+        sequence_parallel=sequence_parallel,
+        materialize=materialize,
+        seed=seed,
+    )
     return model
