@@ -193,3 +193,69 @@ def test_the_llama_trains_like_the_single_process_under_ddp_zero_and_compiled_bl
     for losses, compiled in run_distributed(_plugin_run, kind, settings, world_size=2):
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert all(compiled) == bool(settings.get("compile_blocks"))
+
+
+def _save_llama(kind, settings, path):
+    from colo.apps import DDP, Booster, Zero
+    from colo.apps.booster import HybridParallel
+
+    model = make_model()
+    booster = Booster({"ddp": DDP, "zero": Zero, "hybrid": HybridParallel}[kind](**settings))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    dp, dp_rank = booster.engine.mesh.size("dp"), booster.engine.mesh.rank("dp")
+    rows = ROWS // dp
+
+    def local(step):
+        return {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in global_batch(step).items()}
+
+    for step in range(2):
+        booster.train_step(local(step))
+    booster.save(path)
+    return [booster.train_step(local(step)).loss for step in range(2, 5)]
+
+
+def _load_llama_in_one_process(path):
+    from colo.apps import Booster, Zero
+    from colo.tensor.checkpoint import load_checkpoint, read_index
+
+    model = make_model(seed=1)  # another initialisation: everything must come from the checkpoint
+    booster = Booster(Zero(stage=1))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    booster.load(path)
+    loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # every parameter equals, bit for bit, what the checkpoint holds (q, k and v stacked into the fused weight)
+    index = read_index(path)
+    stored = {name: torch.empty(entry.shape, dtype=entry.dtype) for name, entry in index.tensors.items()}
+    load_checkpoint(path, stored)
+    for name, value in loaded.items():
+        if name.endswith("qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            expected = torch.cat([stored[f"{prefix}{part}_proj.weight"] for part in "qkv"])
+        else:
+            expected = stored[name]
+        assert torch.equal(value, expected), name
+    losses = [booster.train_step(global_batch(step)).loss for step in range(2, 5)]
+    return loaded, losses, sorted(index.tensors)
+
+
+@pytest.mark.parametrize(
+    "kind, settings, world_size",
+    [("hybrid", {"tp": 2, "zero_stage": 1}, 4), ("zero", {"stage": 3}, 2), ("ddp", {}, 2)],
+    ids=["tp2xdp2-zero1", "zero3-dp2", "ddp-dp2"],
+)
+def test_a_llama_checkpoint_saved_in_parallel_loads_in_one_process(kind, settings, world_size, tmp_path):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(_save_llama, kind, settings, path, world_size=world_size)[0]
+    loaded, resumed, names = run_distributed(_load_llama_in_one_process, path, world_size=1)[0]
+    # the single process after two steps of the same global batches holds what the parallel run saved
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(2):
+        model(**global_batch(step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, p in model.named_parameters():  # tolerances as for the training comparison above
+        torch.testing.assert_close(loaded[name], p.detach(), rtol=1e-5, atol=1e-4, msg=name)
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+    assert "layers.0.self_attn.q_proj.weight" in names and "optim/layers.1.self_attn.v_proj.weight/exp_avg" in names
+    assert not any("qkv_proj" in name for name in names)  # unfused names, whatever the layout

@@ -14,6 +14,7 @@ of masters and optimizer state, so resuming reproduces the uninterrupted run bit
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,55 @@ def _placement_of(zero: ZeroOptimizer, slot: ParamSlot) -> dict:
     }
 
 
+def _parts(zero: ZeroOptimizer, slot: ParamSlot) -> list[tuple[str, int, int]] | None:
+    """The checkpoint names of ``slot``'s parameter as ``(name, first row, rows)`` of its global tensor, from
+    ``zero.checkpoint_names``; ``None``: saved under its own name."""
+    if zero.checkpoint_names is None:
+        return None
+    return zero.checkpoint_names(slot.name, slot.param)
+
+
+def checkpoint_names_of(zero: ZeroOptimizer, slot: ParamSlot) -> list[str]:
+    """The names ``slot``'s parameter is saved under."""
+    parts = _parts(zero, slot)
+    return [slot.name] if not parts else [name for name, _, _ in parts]
+
+
+def _named_pieces(zero: ZeroOptimizer, chunk: Chunk, slot: ParamSlot) -> list[tuple[str, int, int, dict]]:
+    """What this rank saves (and loads) of ``slot``: ``(checkpoint name, start, end, FlatShard fields)`` with
+    ``[start, end)`` in shard coordinates. A parameter the names split by rows (a fused q/k/v weight saved as q,
+    k and v) becomes one flat range per part it overlaps."""
+    where = _slot_range(chunk, slot)
+    if where is None:
+        return []
+    start, end, flat_start = where
+    placement = _placement_of(zero, slot)
+    parts = _parts(zero, slot)
+    global_shape = placement["global_shape"]
+    if not parts:
+        return [(slot.name, start, end, {"flat_start": flat_start, **placement})]
+    if len(parts) == 1 and parts[0][1:] == (0, global_shape[0]):  # a rename
+        return [(parts[0][0], start, end, {"flat_start": flat_start, **placement})]
+    if "rect_shape" in placement:
+        raise ValueError(
+            f"checkpoint_names splits {slot.name!r} by rows, but it is a tensor-parallel shard; split only whole "
+            "parameters (a tensor-parallel plan gives the parts their own parameters)"
+        )
+    columns = math.prod(global_shape[1:])
+    flat_end = flat_start + (end - start)
+    pieces = []
+    for name, first_row, rows in parts:
+        low, high = max(flat_start, first_row * columns), min(flat_end, (first_row + rows) * columns)
+        if low < high:
+            fields = {
+                "flat_start": low - first_row * columns,
+                "global_shape": (rows, *global_shape[1:]),
+                "replica": placement["replica"],
+            }
+            pieces.append((name, start + low - flat_start, start + high - flat_start, fields))
+    return pieces
+
+
 def _value_shard(zero: ZeroOptimizer, chunk: Chunk) -> torch.Tensor:
     """This rank's shard of the tensor saved as the chunk's weights: the fp32 master, or the frozen compute copy."""
     if chunk.trainable:
@@ -118,16 +168,12 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
         states, chunk_scalars = _optimizer_tensors(zero, chunk) if chunk.trainable else ({}, {})
         for slot in chunk.slots:
             if chunk_scalars:
-                scalars[slot.name] = chunk_scalars
-            where = _slot_range(chunk, slot)
-            if where is None:
-                continue
-            start, end, flat_start = where
-            placement = _placement_of(zero, slot)
-            tensors[slot.name] = FlatShard(value[start:end], flat_start=flat_start, **placement)
-            for key, state in states.items():
-                shard = FlatShard(state[start:end], flat_start=flat_start, **placement)
-                tensors[f"{OPTIM_PREFIX}{slot.name}/{key}"] = shard
+                for name in checkpoint_names_of(zero, slot):
+                    scalars[name] = chunk_scalars
+            for name, start, end, fields in _named_pieces(zero, chunk, slot):
+                tensors[name] = FlatShard(value[start:end], **fields)
+                for key, state in states.items():
+                    tensors[f"{OPTIM_PREFIX}{name}/{key}"] = FlatShard(state[start:end], **fields)
     groups = [
         {key: _json_safe(value) for key, value in group.items() if key != "params"}
         for group in zero.optimizer.param_groups
@@ -161,7 +207,7 @@ def save_state(zero: ZeroOptimizer, path: str | os.PathLike, *, metadata: dict |
 def _restore_scalars(zero: ZeroOptimizer, chunk: Chunk, saved: dict) -> None:
     if not chunk.trainable:
         return
-    first = chunk.slots[0].name
+    first = checkpoint_names_of(zero, chunk.slots[0])[0]
     if first not in saved:
         return
     state = zero.optimizer.state[chunk.buffer("master")]
@@ -213,24 +259,25 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
         if chunk.trainable:
             master = chunk.buffer("master")
             state = zero.optimizer.state.setdefault(master, {})
+            names = {name for slot in chunk.slots for name in checkpoint_names_of(zero, slot)}
             keys = sorted(
-                {name.rsplit("/", 1)[1] for slot in chunk.slots for name in index.tensors if _is_state_of(name, slot)}
+                {
+                    name.rsplit("/", 1)[1]
+                    for name in index.tensors
+                    if _parameter_of(name) in names and name != _parameter_of(name)
+                }
             )
             for key in keys:
                 if not (isinstance(state.get(key), torch.Tensor) and state[key].shape == master.shape):
                     state[key] = torch.zeros_like(master)
         for slot in chunk.slots:
-            where = _slot_range(chunk, slot)
-            if where is None:
-                continue
-            start, end, flat_start = where
-            placement = _placement_of(zero, slot)
-            targets[slot.name] = FlatShard(value[start:end], flat_start=flat_start, **placement)
-            if chunk.trainable:
+            for name, start, end, fields in _named_pieces(zero, chunk, slot):
+                targets[name] = FlatShard(value[start:end], **fields)
+                if not chunk.trainable:
+                    continue
                 for key, state_tensor in zero.optimizer.state[chunk.buffer("master")].items():
                     if isinstance(state_tensor, torch.Tensor) and state_tensor.shape == value.shape:
-                        shard = FlatShard(state_tensor[start:end], flat_start=flat_start, **placement)
-                        targets[f"{OPTIM_PREFIX}{slot.name}/{key}"] = shard
+                        targets[f"{OPTIM_PREFIX}{name}/{key}"] = FlatShard(state_tensor[start:end], **fields)
     metadata, _ = load_checkpoint(directory, targets, strict=False)
     for chunk in zero.chunks:
         _restore_scalars(zero, chunk, saved["scalars"])
@@ -245,7 +292,7 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
 
 def _check_same_parameters(zero: ZeroOptimizer, names, where: str) -> None:
     """The checkpoint must hold exactly the model's parameters (optimizer states may be absent: before step 1)."""
-    model_names = {slot.name for chunk in zero.chunks for slot in chunk.slots}
+    model_names = {name for chunk in zero.chunks for slot in chunk.slots for name in checkpoint_names_of(zero, slot)}
     saved = {_parameter_of(name) for name in names}
     unexpected, missing = sorted(saved - model_names), sorted(model_names - saved)
     if unexpected or missing:
@@ -258,11 +305,6 @@ def _check_same_parameters(zero: ZeroOptimizer, names, where: str) -> None:
 def _parameter_of(name: str) -> str:
     """The parameter a checkpoint tensor belongs to (``optim/<name>/<state>`` -> ``<name>``)."""
     return name.removeprefix(OPTIM_PREFIX).rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name
-
-
-def _is_state_of(name: str, slot: ParamSlot) -> bool:
-    prefix = f"{OPTIM_PREFIX}{slot.name}/"
-    return name.startswith(prefix) and "/" not in name[len(prefix) :]
 
 
 def _rebuild_compute_copies(zero: ZeroOptimizer) -> None:

@@ -140,6 +140,9 @@ class ZeroOptimizer:
         mesh: the mesh holding ``config.data_axes``.
         config: a `ZeroConfig`; or pass its fields as keyword arguments (``stage=2``).
         loss_scaler: a `DynamicLossScaler`; created over the data group when ``param_dtype`` is fp16.
+        param_order: parameter names in packing order (`execution_order`); default registration order.
+        checkpoint_names: ``fn(name, parameter) -> [(checkpoint name, first row, rows), ...]`` or ``None``: the
+            names a parameter is saved under (a fused q/k/v weight as q, k and v rows); default its own name.
 
     Example::
 
@@ -160,6 +163,7 @@ class ZeroOptimizer:
         config: ZeroConfig | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         param_order: list[str] | None = None,
+        checkpoint_names: Callable[[str, torch.nn.Parameter], list[tuple[str, int, int]] | None] | None = None,
         **config_fields,
     ) -> None:
         if config is not None and config_fields:
@@ -167,6 +171,7 @@ class ZeroOptimizer:
         self.config = config if config is not None else ZeroConfig(**config_fields)
         self.model = model
         self.mesh = mesh
+        self.checkpoint_names = checkpoint_names
         named_axes = self.config.data_axes + self.config.model_parallel_axes
         unknown = [axis for axis in named_axes if axis not in mesh.axis_names]
         if unknown:

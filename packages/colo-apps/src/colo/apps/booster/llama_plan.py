@@ -108,6 +108,32 @@ class LlamaPlan(ModelPlan):
             tied.update(chunk.tied_parameters())
         return PipelinePart(chunks=chunks, loss_fn=causal_lm_loss, tied_parameters=tied)
 
+    def checkpoint_names(self, model: nn.Module):
+        """Checkpoints hold q, k and v apart (``self_attn.q_proj.weight`` ...), as Hugging Face does, whether the
+        model holds them fused (``qkv_proj.weight``) or sharded by a tensor-parallel plan (``qkv_proj.q_weight``)."""
+        config = model.config
+        rows = {
+            "q": config.num_attention_heads * config.head_dim,
+            "k": config.num_key_value_heads * config.head_dim,
+            "v": config.num_key_value_heads * config.head_dim,
+        }
+
+        def names(name: str, parameter: nn.Parameter):
+            prefix, _, leaf = name.rpartition(".qkv_proj.")
+            if not prefix:
+                return None
+            base = f"{prefix}."
+            if leaf == "weight":
+                return [
+                    (f"{base}q_proj.weight", 0, rows["q"]),
+                    (f"{base}k_proj.weight", rows["q"], rows["k"]),
+                    (f"{base}v_proj.weight", rows["q"] + rows["k"], rows["v"]),
+                ]
+            part = leaf.removesuffix("_weight")
+            return [(f"{base}{part}_proj.weight", 0, rows[part])]
+
+        return names
+
     def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError(f"a Llama pipeline batch needs 'input_ids' and 'labels'; got keys {sorted(batch)}")

@@ -46,6 +46,11 @@ class ModelPlan:
         every sequence, weighted so that the mean over the sequence-parallel ranks is the loss of the whole."""
         return batch, 1.0
 
+    def checkpoint_names(self, model: nn.Module):
+        """``fn(parameter name, parameter) -> [(checkpoint name, first row, rows), ...] | None`` giving the unfused
+        names checkpoints use (the same for every layout of the model), or ``None`` to keep parameter names."""
+        return None
+
     def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(first stage's inputs, last stage's targets)`` from a batch dict."""
         raise NotImplementedError
@@ -59,11 +64,19 @@ def register_plan(model_type: type, plan: ModelPlan) -> None:
     _PLANS.insert(0, (model_type, plan))
 
 
-def plan_for(model: nn.Module) -> ModelPlan:
-    """The registered plan of ``model``'s type; a `ValueError` naming the type when there is none."""
+def find_plan(model: nn.Module) -> ModelPlan | None:
+    """The registered plan of ``model``'s type, or ``None``."""
     for model_type, plan in _PLANS:
         if isinstance(model, model_type):
             return plan
+    return None
+
+
+def plan_for(model: nn.Module) -> ModelPlan:
+    """The registered plan of ``model``'s type; a `ValueError` naming the type when there is none."""
+    plan = find_plan(model)
+    if plan is not None:
+        return plan
     known = sorted({t.__name__ for t, _ in _PLANS})
     raise ValueError(
         f"HybridParallel has no parallelization plan for {type(model).__name__}; plans exist for {known} (register "

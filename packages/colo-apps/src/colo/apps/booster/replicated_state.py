@@ -28,23 +28,39 @@ def _with_layout_of(param: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     return state
 
 
+def _parts(name: str, param: torch.Tensor, checkpoint_names) -> list[tuple[str, slice | None]]:
+    """``(checkpoint name, rows of the parameter or None for all)`` under which ``param`` is saved."""
+    parts = checkpoint_names(name, param) if checkpoint_names is not None else None
+    if not parts:
+        return [(name, None)]
+    if layout_of(param) is not None and len(parts) > 1:
+        raise ValueError(f"checkpoint_names splits {name!r} by rows, but it is a tensor-parallel shard")
+    return [(part, slice(first, first + rows) if len(parts) > 1 else None) for part, first, rows in parts]
+
+
 def replicated_state(
-    named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
+    named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, *, checkpoint_names=None
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(tensors, metadata)`` for `save_checkpoint` from unsharded parameters and their torch optimizer."""
+    """``(tensors, metadata)`` for `save_checkpoint` from unsharded parameters and their torch optimizer.
+
+    ``checkpoint_names`` (as `colo.zero.ZeroOptimizer` takes it) saves a parameter under other names, split by rows.
+    """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict] = {}
     for name, param in named_params.items():
-        tensors[name] = param
-        for key, value in optimizer.state.get(param, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-                tensors[f"{OPTIM_PREFIX}{name}/{key}"] = _with_layout_of(param, value)
-            elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                scalars.setdefault(name, {})[key] = [value.item(), str(value.dtype).removeprefix("torch.")]
-            elif isinstance(value, (int, float, bool)):
-                scalars.setdefault(name, {})[key] = [value, None]
-            else:
-                raise TypeError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; not checkpointable")
+        for part, rows in _parts(name, param, checkpoint_names):
+            tensors[part] = param if rows is None else param.detach()[rows]
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
+                    tensors[f"{OPTIM_PREFIX}{part}/{key}"] = (
+                        _with_layout_of(param, value) if rows is None else value[rows]
+                    )
+                elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                    scalars.setdefault(part, {})[key] = [value.item(), str(value.dtype).removeprefix("torch.")]
+                elif isinstance(value, (int, float, bool)):
+                    scalars.setdefault(part, {})[key] = [value, None]
+                else:
+                    raise TypeError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; not savable")
     groups = [{k: _json_safe(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     metadata = {METADATA_KEY: {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}}
     return tensors, metadata
@@ -52,7 +68,7 @@ def replicated_state(
 
 @torch.no_grad()
 def load_replicated_state(
-    path: str, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
+    path: str, named_params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, *, checkpoint_names=None
 ) -> dict:
     """Fill parameters and optimizer state from a checkpoint (any layout it was saved with); returns metadata."""
     index = read_index(path)
@@ -65,15 +81,16 @@ def load_replicated_state(
         )
     targets = {}
     for name, param in named_params.items():
-        targets[name] = param
         state = optimizer.state[param]
-        prefix = f"{OPTIM_PREFIX}{name}/"
-        for key in [n[len(prefix) :] for n in index.tensors if n.startswith(prefix)]:
-            if not (isinstance(state.get(key), torch.Tensor) and state[key].shape == param.shape):
-                state[key] = torch.zeros_like(param)
-            targets[prefix + key] = _with_layout_of(param, state[key])
-        for key, (value, dtype) in saved["scalars"].get(name, {}).items():
-            state[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
+        for part, rows in _parts(name, param, checkpoint_names):
+            targets[part] = param if rows is None else param.data[rows]
+            prefix = f"{OPTIM_PREFIX}{part}/"
+            for key in [n[len(prefix) :] for n in index.tensors if n.startswith(prefix)]:
+                if not (isinstance(state.get(key), torch.Tensor) and state[key].shape == param.shape):
+                    state[key] = torch.zeros_like(param)
+                targets[prefix + key] = _with_layout_of(param, state[key]) if rows is None else state[key][rows]
+            for key, (value, dtype) in saved["scalars"].get(part, {}).items():
+                state[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
     metadata, _ = load_checkpoint(path, targets, strict=True)
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(

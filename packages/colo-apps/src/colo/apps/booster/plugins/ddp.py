@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..plans import find_plan
 from ..replicated_state import load_replicated_state, replicated_state
 from .base import Engine, Plugin
 
@@ -42,6 +43,8 @@ class DDPEngine(Engine):
     def __init__(self, plugin: DDP, *, model, optimizer, mesh, criterion) -> None:
         device = next(model.parameters()).device
         self.named_params = dict(model.named_parameters())
+        plan = find_plan(model)
+        self.checkpoint_names = plan.checkpoint_names(model) if plan is not None else None
         wrapped = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
@@ -84,13 +87,15 @@ class DDPEngine(Engine):
         self.optimizer.zero_grad(set_to_none=not self.plugin.gradient_as_bucket_view)
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        tensors, metadata = replicated_state(self.named_params, self.optimizer)
+        tensors, metadata = replicated_state(self.named_params, self.optimizer, checkpoint_names=self.checkpoint_names)
         if self.scaler is not None:
             metadata["grad_scaler"] = {k: v for k, v in self.scaler.state_dict().items()}
         return tensors, metadata
 
     def load(self, path: str) -> dict:
-        metadata = load_replicated_state(path, self.named_params, self.optimizer)
+        metadata = load_replicated_state(
+            path, self.named_params, self.optimizer, checkpoint_names=self.checkpoint_names
+        )
         if self.scaler is not None and "grad_scaler" in metadata:
             self.scaler.load_state_dict(metadata["grad_scaler"])
         return metadata

@@ -124,6 +124,7 @@ class HybridParallel(Plugin):
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)
         plan.check(model, self)
+        checkpoint_names = plan.checkpoint_names(model)
         init_distributed()
         mesh = self.build_mesh()
         part = None
@@ -147,6 +148,7 @@ class HybridParallel(Plugin):
             mixed_precision=_mixed_precision(self),
             tensor_parallel_axes=("tp",) if self.tp > 1 else (),
             pipeline_axis="pp" if self.pp > 1 else None,
+            checkpoint_names=checkpoint_names,
         )
         if part is None:
             return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)

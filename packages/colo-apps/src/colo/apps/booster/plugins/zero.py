@@ -8,6 +8,7 @@ import torch
 
 from colo.zero import MixedPrecision, ZeroOptimizer
 
+from ..plans import find_plan
 from .base import Engine, Plugin
 
 
@@ -49,6 +50,7 @@ class Zero(Plugin):
         return MixedPrecision(param_dtype=self.compute_dtype, comm_dtype=comm)
 
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
+        plan = find_plan(model)
         mesh = self.build_mesh()
         self.maybe_compile(model)
         zero = ZeroOptimizer(
@@ -59,6 +61,7 @@ class Zero(Plugin):
             chunk_numel=self.chunk_numel,
             mixed_precision=self.mixed_precision(),
             offload_optimizer=self.offload_optimizer,
+            checkpoint_names=plan.checkpoint_names(model) if plan is not None else None,
         )
         return ZeroEngine(self, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
 
