@@ -1,0 +1,134 @@
+"""Module hooks that gather chunks before the modules that use them and release them after: colo.zero's ZeRO-3
+pattern (`colo.zero.ChunkGatherer`), with the gathering done by the `ChunkManager` (device arena, tiers,
+prefetch from the policy) instead of an all-gather into fresh memory.
+
+From `ChunkGatherer` this keeps: the hook installation, the forward hook that releases a chunk once every module
+owning it has run, and the wrapping of module outputs so that backward re-gathers the chunks. It adds:
+
+- saved-tensor hooks around the model's forward: autograd saves views of parameters for backward (``addmm``
+  saves ``weight.t()``), and those views point into arena blocks that are reused once the chunk is evicted. A
+  saved tensor lying in a gathered chunk is packed as ``(chunk, offset, size, stride)`` and unpacked in backward
+  by gathering the chunk again and viewing its current copy, so no saved tensor pins or aliases device memory;
+- for frozen chunks (whose release cannot wait for gradients), an identity on the module's inputs whose backward
+  releases the chunk once the module's backward has run; a frozen chunk owned by several modules stays gathered
+  until the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo.zero import Chunk, ChunkGatherer
+
+from .manager import ChunkManager
+
+
+class GeminiGatherer(ChunkGatherer):
+    """Gathers chunks through a `ChunkManager` around the modules that own them.
+
+    Args:
+        chunks: all chunks, in packing order.
+        manager: the chunk manager.
+    """
+
+    def __init__(self, chunks: list[Chunk], *, manager: ChunkManager) -> None:
+        super().__init__(chunks, group=manager.group)
+        self.manager = manager
+
+    def is_gathered(self, chunk: Chunk) -> bool:
+        """Whether the chunk's parameters are usable now."""
+        return self.manager.is_gathered(chunk)
+
+    def prefetch(self, chunk: Chunk) -> None:
+        """Bring the chunk's parameters to the device ahead of use, if there is room."""
+        self.manager.prefetch(chunk)
+
+    def gather(self, chunk: Chunk) -> None:
+        """Gather for backward (the base class calls this from its output wrapper's backward)."""
+        self.manager.gather(chunk, backward=True)
+
+    def release(self, chunk: Chunk) -> None:
+        """Release the chunk (after its last forward user, or once its gradients are reduced)."""
+        self.manager.release(chunk)
+        self.finished[chunk.index].clear()
+
+    def prefetch_for_backward(self, chunks: list[Chunk]) -> None:
+        """Nothing here: every gather asks the placement policy what to prefetch next, in backward as well."""
+
+    # --- saved tensors ----------------------------------------------------------------------------------------
+
+    def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> None:
+        """Register the module hooks (see `ChunkGatherer.install`) and the saved-tensor hooks around the model."""
+        super().install(model, chunk_of)
+        self._saved_hooks: list = []
+        self.handles.append(model.register_forward_pre_hook(self._enter_saved_hooks))
+        self.handles.append(model.register_forward_hook(self._exit_saved_hooks, always_call=True))
+
+    def _enter_saved_hooks(self, module, args) -> None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._saved_hooks.append(hooks)
+
+    def _exit_saved_hooks(self, module, args, output) -> None:
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.device != self.manager.device or tensor.layout != torch.strided:
+            return tensor
+        found = self.manager.locate(tensor)
+        if found is None:
+            return tensor
+        chunk, offset = found
+        return _SavedChunkView(chunk, offset, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _SavedChunkView):
+            return packed
+        self.manager.gather(packed.chunk, backward=True)
+        full = self.manager.full_copy(packed.chunk)
+        return full.as_strided(packed.size, packed.stride, full.storage_offset() + packed.offset)
+
+    # --- module hooks -----------------------------------------------------------------------------------------
+
+    def _before_forward(self, module: torch.nn.Module, args):
+        owned = self.module_chunks[id(module)]
+        for chunk in owned:
+            self.manager.gather(chunk, backward=False)
+        frozen = [chunk for chunk in owned if not chunk.trainable and len(self.users[chunk.index]) == 1]
+        if not frozen or not torch.is_grad_enabled():
+            return None
+        positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor) and arg.requires_grad]
+        if not positions:
+            return None
+        wrapped = _ReleaseAfterBackward.apply(self, frozen, *[args[i] for i in positions])
+        args = list(args)
+        for i, tensor in zip(positions, wrapped):
+            args[i] = tensor
+        return tuple(args)
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Forward: identity on a module's inputs (no communication). Backward: the module's own backward has run,
+    so release its frozen chunks, and pass the gradients on."""
+
+    @staticmethod
+    def forward(ctx, gatherer: GeminiGatherer, chunks: list[Chunk], *tensors: torch.Tensor):
+        ctx.gatherer = gatherer
+        ctx.chunks = chunks
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for chunk in ctx.chunks:
+            ctx.gatherer.release(chunk)
+        return (None, None, *grads)
+
+
+class _SavedChunkView:
+    """A tensor autograd saved that lies in a chunk's gathered copy: where in the chunk, not the memory."""
+
+    __slots__ = ("chunk", "offset", "size", "stride", "dtype")
+
+    def __init__(self, chunk: Chunk, offset: int, size: tuple, stride: tuple, dtype: torch.dtype) -> None:
+        self.chunk, self.offset, self.size, self.stride, self.dtype = chunk, offset, size, stride, dtype
