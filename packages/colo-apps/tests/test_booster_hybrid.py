@@ -259,3 +259,35 @@ def test_a_llama_checkpoint_saved_in_parallel_loads_in_one_process(kind, setting
     assert resumed == pytest.approx(uninterrupted, rel=1e-5)
     assert "layers.0.self_attn.q_proj.weight" in names and "optim/layers.1.self_attn.v_proj.weight/exp_avg" in names
     assert not any("qkv_proj" in name for name in names)  # unfused names, whatever the layout
+
+
+def _gemini_below_the_model_size():
+    from colo.apps import Booster, Gemini
+
+    model = make_model()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    budget = int(param_bytes * 0.6)  # the device arena cannot hold the model's parameters
+    booster = Booster(
+        Gemini(
+            placement="static",
+            device_capacity=budget,
+            chunk_numel=4096,
+            param_fractions={"device": 0.2, "host": 0.8},
+            optim_fractions={"host": 1.0},
+        )
+    )
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    rank, dp = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rows = ROWS // dp
+    losses = [
+        booster.train_step({k: v[rank * rows : (rank + 1) * rows] for k, v in global_batch(step).items()}).loss
+        for step in range(STEPS)
+    ]
+    report = booster.engine.optimizer.memory_report()
+    return losses, reference_run()[0], budget, report
+
+
+def test_gemini_with_a_device_budget_below_the_model_size_matches_the_single_process():
+    for losses, expected_losses, budget, report in run_distributed(_gemini_below_the_model_size, world_size=2):
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert 0 < report.tiers["device"].high_water <= budget  # the arena never held more than the budget

@@ -1,13 +1,13 @@
 """colo.apps: the Booster and its plugins, native models and their plans, Hugging Face plans, the trainer, configs,
 the `colo` CLI and the recipes.
 
-`Booster(plugin)` with the `DDP` and `Zero` plugins (`colo.apps.booster`) applies a parallelism and runs whole
-training steps. Native models live in `colo.apps.models` (the Llama: config and presets, the model,
-`parallelize_llama`, pipeline stages, FLOPs per token); MFU helpers in `colo.apps.mfu`. The main names are
-re-exported here.
+`Booster(plugin)` with the `DDP`, `Zero`, `Gemini` and `HybridParallel` plugins (`colo.apps.booster`) applies a
+parallelism and runs whole training steps. Native models live in `colo.apps.models` (the Llama: config and
+presets, the model, `parallelize_llama`, pipeline stages, FLOPs per token); MFU helpers in `colo.apps.mfu`. The
+main names are re-exported here.
 """
 
-from .booster import DDP, Booster, Plugin, StepResult, Zero
+from .booster import DDP, Booster, Gemini, HybridParallel, Plugin, StepResult, Zero
 from .mfu import PEAK_FLOPS, format_mfu, mfu, peak_flops
 from .models import (
     Llama,
@@ -26,6 +26,8 @@ __all__: list[str] = [
     "DDP",
     "PEAK_FLOPS",
     "Booster",
+    "Gemini",
+    "HybridParallel",
     "Plugin",
     "StepResult",
     "Zero",

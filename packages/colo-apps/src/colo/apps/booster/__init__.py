@@ -6,6 +6,7 @@ from .microbatch import split_batch
 from .plans import ModelPlan, PipelinePart, plan_for, register_plan
 from .plugins.base import Engine, Plugin, StepResult
 from .plugins.ddp import DDP
+from .plugins.gemini import Gemini
 from .plugins.hybrid import HybridParallel
 from .plugins.zero import Zero
 
@@ -13,6 +14,7 @@ __all__ = [
     "DDP",
     "Booster",
     "Engine",
+    "Gemini",
     "HybridParallel",
     "ModelPlan",
     "PipelinePart",

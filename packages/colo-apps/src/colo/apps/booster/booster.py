@@ -8,8 +8,6 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from colo.tensor.checkpoint import save_checkpoint
-
 from .plugins.base import Engine, Plugin, StepResult
 
 BOOSTER_KEY = "booster"
@@ -101,7 +99,6 @@ class Booster:
         loads under another plugin or layout.
         """
         engine = self._require_engine()
-        tensors, own = engine.checkpoint_state()
         booster_state = {"step": self.step_count, "plugin": type(self.plugin).__name__}
         if self.lr_scheduler is not None:
             state = self.lr_scheduler.state_dict()
@@ -113,7 +110,7 @@ class Booster:
                     "scheduler whose state is numbers and lists (LambdaLR with plain functions drops them)"
                 ) from None
             booster_state["lr_scheduler"] = state
-        save_checkpoint(path, tensors, metadata={**(metadata or {}), **own, BOOSTER_KEY: booster_state})
+        engine.save(os.fspath(path), metadata={**(metadata or {}), BOOSTER_KEY: booster_state})
 
     def load(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint written by `save` (under any plugin or layout); returns its metadata."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from colo.comm import Group, Mesh, all_reduce, init_distributed
+from colo.tensor.checkpoint import save_checkpoint
 
 from ..microbatch import loss_of, split_batch
 from ..precision import check_precision
@@ -154,6 +155,11 @@ class Engine:
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         raise NotImplementedError
+
+    def save(self, path: str, *, metadata: dict) -> None:
+        """Save model and optimizer state with ``metadata`` through `colo.tensor.checkpoint` (every rank)."""
+        tensors, own = self.checkpoint_state()
+        save_checkpoint(path, tensors, metadata={**metadata, **own})
 
     def load(self, path: str) -> dict:
         raise NotImplementedError

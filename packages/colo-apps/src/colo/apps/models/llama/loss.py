@@ -48,6 +48,23 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
     return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
 
 
+class LMHead(nn.Linear):
+    """The output projection ``hidden -> vocab`` that can also return the next-token loss without the logits.
+
+    ``lm_head(hidden)`` gives logits like ``nn.Linear``; ``lm_head(hidden, targets=t)`` gives the mean
+    cross-entropy against per-position targets through `colo.kernels.fused_linear_cross_entropy`. Either way the
+    weight is used inside this module's own forward, so hooks that manage its memory (ZeRO-3 / Gemini gathering
+    it before the module runs) see the use.
+    """
+
+    def forward(
+        self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> torch.Tensor:
+        if targets is None:
+            return super().forward(hidden)
+        return fused_linear_cross_entropy(hidden, self.weight, targets, bias=self.bias, ignore_index=ignore_index)
+
+
 class CausalLMObjective(nn.Module):
     """How the final hidden states become logits and the next-token loss, given the model's output projection.
 
@@ -98,6 +115,8 @@ class CausalLMObjective(nn.Module):
             return None, lm_head(hidden)
         if self.fused and not return_logits:
             targets = self.targets(labels)
+            if isinstance(lm_head, LMHead):
+                return lm_head(hidden, targets=targets, ignore_index=self.ignore_index), None
             loss = fused_linear_cross_entropy(
                 hidden, lm_head.weight, targets, bias=getattr(lm_head, "bias", None), ignore_index=self.ignore_index
             )

@@ -25,7 +25,7 @@ from torch import nn
 
 from .config import LlamaConfig
 from .layers import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
-from .loss import CausalLMObjective
+from .loss import CausalLMObjective, LMHead
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Llama(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.objective = CausalLMObjective()
         self.tie_weights()
         if not self.embed_tokens.weight.is_meta:

@@ -43,7 +43,7 @@ from colo.tensor import (
 )
 
 from .config import LlamaConfig
-from .loss import IGNORE_INDEX, CausalLMObjective
+from .loss import IGNORE_INDEX, CausalLMObjective, LMHead
 from .model import init_llama_module
 
 
@@ -209,6 +209,10 @@ def apply_tp(
         del plan["embed_tokens"]
     if lm_head is None:  # a pipeline stage without the head
         del plan["lm_head"]
+    if isinstance(lm_head, LMHead):  # its fused-loss forward is for the unsharded head: shard a plain linear
+        plain = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False, device="meta")
+        plain.weight = lm_head.weight
+        model.lm_head = lm_head = plain
     tied = config.tie_word_embeddings and embed is not None and lm_head is not None
     if tied and lm_head.weight is embed.weight:
         lm_head.weight = nn.Parameter(embed.weight.detach(), requires_grad=embed.weight.requires_grad)
