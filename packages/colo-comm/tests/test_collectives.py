@@ -233,3 +233,55 @@ def _group_of_world():
 def test_world_group_describes_every_rank():
     results = run_distributed(_group_of_world, world_size=2)
     assert results == [("world", (0, 1), 0, 2), ("world", (0, 1), 1, 2)]
+
+
+def _gather_into_out(algorithm):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    results = {}
+    with force_algorithm("all_gather", algorithm):
+        out = torch.full((2 * n, 3), -1.0)
+        piece = torch.full((2, 3), float(rank))
+        returned = all_gather(piece, out=out)
+        results["separate"] = (returned is out, out.clone())
+        out = torch.full((2 * n, 3), -1.0)
+        own = out.narrow(0, 2 * rank, 2)
+        own.fill_(float(rank))
+        all_gather(own, out=out)  # in place: this rank's piece is its region of out
+        results["in_place"] = out.clone()
+    return results
+
+
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+def test_all_gather_into_a_given_output_also_in_place(algorithm):
+    expected = torch.arange(2).repeat_interleave(2).float()[:, None].expand(4, 3)
+    for results in run_distributed(_gather_into_out, algorithm, world_size=2):
+        is_out, separate = results["separate"]
+        assert is_out
+        assert torch.equal(separate, expected)
+        assert torch.equal(results["in_place"], expected)
+
+
+def _donated_reduce_scatter(algorithm):
+    rank = dist.get_rank()
+    with force_algorithm("reduce_scatter", algorithm):
+        bucket = torch.arange(8.0) * (rank + 1)
+        part = reduce_scatter(bucket, donate=True)
+        shares_memory = part.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()
+    return part, shares_memory
+
+
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+def test_a_donated_reduce_scatter_gives_the_same_part_without_a_copy(algorithm):
+    for rank, (part, shares_memory) in enumerate(run_distributed(_donated_reduce_scatter, algorithm, world_size=2)):
+        assert torch.equal(part, (torch.arange(8.0) * 3)[rank * 4 : (rank + 1) * 4])
+        assert shares_memory == (algorithm == "all_reduce")  # the all-reduce form reduces in the bucket itself
+
+
+def _bad_out():
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of shape \(4, 3\)"):
+        all_gather(torch.zeros(2, 3), out=torch.zeros(5, 3))
+    return all_reduce(torch.ones(1)).item()  # no rank started a collective for the rejected call
+
+
+def test_a_wrong_output_is_rejected_before_communicating():
+    assert run_distributed(_bad_out, world_size=2) == [2.0, 2.0]

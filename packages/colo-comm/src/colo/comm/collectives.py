@@ -131,6 +131,7 @@ def all_gather(
     group: Group | dist.ProcessGroup | None = None,
     dim: int = 0,
     sizes: list[int] | None = None,
+    out: torch.Tensor | None = None,
     async_op: bool = False,
 ):
     """Concatenate every rank's ``tensor`` along ``dim``, in group-rank order.
@@ -141,10 +142,12 @@ def all_gather(
         dim: the dimension to concatenate along.
         sizes: each rank's extent along ``dim``, for uneven pieces (gloo has no uneven all-gather, so colo pads
             to the largest, gathers and trims). ``None`` means every piece has this rank's shape.
+        out: a contiguous tensor of the gathered shape to gather into, instead of a new one (even pieces along
+            dim 0 only). ``tensor`` may be this rank's own region of it (an in-place gather).
         async_op: return a `Handle` instead of waiting.
 
     Returns:
-        The gathered tensor (or a `Handle` whose ``wait()`` returns it).
+        The gathered tensor, ``out`` when given (or a `Handle` whose ``wait()`` returns it).
     """
     tensor = _check_tensor(tensor, "all_gather")
     group = _member_group(group, "all_gather")
@@ -174,24 +177,38 @@ def all_gather(
         total = sum(sizes)
         volume = (total - sizes[me]) * row_bytes
 
+    if out is not None:
+        _check_gather_out(out, piece, n, sizes, dim)
     algorithm = choose_algorithm("all_gather", group.backend, n * _nbytes(piece))
     if tensor.dtype == torch.bool or tensor.is_complex():
         algorithm = "native"
     if algorithm == "all_reduce":
         # Every rank writes its piece into a zero buffer and the sum assembles them: x + 0 == x exactly
         # (up to the sign of a zero: -0.0 arrives as +0.0).
-        flat = torch.zeros(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
-        flat.narrow(0, me * piece.numel(), piece.numel()).copy_(piece.view(-1))
+        if out is None:
+            flat = torch.zeros(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
+            flat.narrow(0, me * piece.numel(), piece.numel()).copy_(piece.view(-1))
+        else:  # zero the other ranks' regions first: ``piece`` may be this rank's region of ``out``
+            flat = out.view(-1)
+            own = flat.narrow(0, me * piece.numel(), piece.numel())
+            flat.narrow(0, 0, me * piece.numel()).zero_()
+            flat.narrow(0, (me + 1) * piece.numel(), (n - me - 1) * piece.numel()).zero_()
+            if own.data_ptr() != piece.data_ptr():
+                own.copy_(piece.view(-1))
+        result = out
 
         def start() -> list:
             return [dist.all_reduce(flat, group=group.process_group, async_op=True)]
     elif sizes is None and dim == 0:
         # the common case: gather straight into the result, no reshaping afterwards
-        result = torch.empty((total, *piece.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        result = (
+            out if out is not None else torch.empty((total, *piece.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        )
 
         def start() -> list:
             return [_all_gather_flat(result, piece, group=group.process_group, async_op=True)]
     else:
+        result = None
         flat = torch.empty(n * piece.numel(), dtype=tensor.dtype, device=tensor.device)
 
         def start() -> list:
@@ -203,7 +220,7 @@ def all_gather(
     record("all_gather", group.name, n, tensor.dtype, volume, impl_volume, label)
 
     def finish() -> torch.Tensor:
-        if algorithm != "all_reduce" and sizes is None and dim == 0:
+        if result is not None and sizes is None and dim == 0:
             return result
         stacked = flat.view(n, *piece.shape)
         if sizes is None and dim == 0:
@@ -214,6 +231,17 @@ def all_gather(
         return torch.cat(parts, dim=dim)
 
     return issue("all_gather", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _check_gather_out(out: torch.Tensor, piece: torch.Tensor, n: int, sizes, dim: int) -> None:
+    if sizes is not None or dim != 0:
+        raise ValueError("all_gather: out= needs even pieces gathered along dim 0")
+    shape = (n * piece.shape[0], *piece.shape[1:])
+    if tuple(out.shape) != shape or out.dtype != piece.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"all_gather: out must be a contiguous {piece.dtype} tensor of shape {shape}, got "
+            f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def _inner_numel(tensor: torch.Tensor, dim: int) -> int:
@@ -230,6 +258,7 @@ def reduce_scatter(
     *,
     group: Group | dist.ProcessGroup | None = None,
     dim: int = 0,
+    donate: bool = False,
     async_op: bool = False,
 ):
     """Reduce ``tensor`` over the group and return this rank's equal part of the result along ``dim``.
@@ -242,6 +271,8 @@ def reduce_scatter(
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
         group: the group to reduce over (``None``: the world).
         dim: the dimension to split.
+        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, and
+            the result may be a view of it (ZeRO's gradient buckets, dropped right after).
         async_op: return a `Handle` instead of waiting.
 
     Returns:
@@ -265,13 +296,14 @@ def reduce_scatter(
     record("reduce_scatter", group.name, n, tensor.dtype, volume, impl_volume, algorithm)
 
     if algorithm == "all_reduce":
-        buffer = full.clone() if full is tensor else full
+        buffer = full.clone() if full is tensor and not donate else full
 
         def start() -> list:
             return [dist.all_reduce(buffer, op=REDUCE_OPS[op], group=group.process_group, async_op=True)]
 
         def local_part() -> torch.Tensor:
-            return buffer.narrow(0, me * part, part).clone()
+            own = buffer.narrow(0, me * part, part)
+            return own if donate else own.clone()
     else:
         output = torch.empty((part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 

@@ -221,7 +221,7 @@ def plan_chunks(
     *,
     num_shards: int,
     chunk_numel: int | None = None,
-    max_chunk_numel: int = 1 << 25,
+    max_chunk_numel: int = 1 << 22,
     num_candidates: int = 256,
 ) -> list[ChunkPlan]:
     """Pack parameters into chunks, choosing the chunk size that wastes the least padding unless one is given.

@@ -48,8 +48,10 @@ class ZeroConfig:
     """Mesh axes the shards are spread over, fused (``("dp", "sp")`` when sequence parallelism replicates weights)."""
     chunk_numel: int | None = None
     """Chunk capacity in elements; ``None`` searches for the size that wastes the least padding."""
-    max_chunk_numel: int = 1 << 25
-    """Largest capacity the search tries."""
+    max_chunk_numel: int = 1 << 22
+    """Largest capacity the search tries (4M elements: 16 MiB in fp32). Chunks are the unit of overlap: one chunk
+    holding a whole model leaves nothing to overlap with backward or to prefetch, and very large buffers are
+    fresh memory on every allocation; about one transformer layer per chunk measured best on CPU."""
     mixed_precision: MixedPrecision | None = None
     """Compute / communication dtypes; ``None``: compute in the model's dtype, masters alias fp32 parameters."""
     offload_optimizer: bool = False
@@ -372,7 +374,7 @@ class ZeroOptimizer:
         if self.config.stage == 0:
             handle = all_reduce(bucket, group=self.group, async_op=True) if self.group.size > 1 else _Done(bucket)
         else:
-            handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True)
+            handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True, donate=True)
         self._pending.append((chunk, handle))
         self._ready[chunk.index] = 0
         if self.config.stage != 1:
@@ -541,7 +543,7 @@ class ZeroOptimizer:
                     param.copy_(master, non_blocking=True)
                 continue
             piece = master if aliased else master.to(self.device, param.dtype, non_blocking=True)
-            param.copy_(all_gather(piece, group=self.group))
+            all_gather(piece, group=self.group, out=param)  # in place when the master is the param's own shard
         if self.gatherer is not None:
             self.gatherer.release_all()
 
