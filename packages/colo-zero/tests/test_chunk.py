@@ -45,9 +45,20 @@ def test_oversized_parameter_gets_its_own_chunk():
 
 def test_search_wastes_no_more_padding_than_any_fixed_size():
     entries = _entries([33, 17, 64, 5, 29, 40, 12, 7])
-    best = plan_chunks(entries, num_shards=2, max_chunk_numel=256)
+    best = plan_chunks(entries, num_shards=2, max_chunk_numel=256, padding_tolerance=0.0)
     for capacity in (64, 70, 96, 128, 200, 256):
         assert padding_of(best) <= padding_of(plan_chunks(entries, num_shards=2, chunk_numel=capacity))
+    # with a tolerance, the smallest capacity within it of the least padding: more chunks, barely more padding
+    total = sum(p.numel() for _, p, _ in entries)
+    tolerant = plan_chunks(entries, num_shards=2, max_chunk_numel=256, padding_tolerance=0.1)
+    assert padding_of(tolerant) <= padding_of(best) + 0.1 * total
+    assert tolerant[0].capacity <= best[0].capacity and len(tolerant) >= len(best)
+
+
+def test_a_parameter_as_large_as_the_cap_does_not_fix_the_capacity():
+    entries = _entries([64, 40, 40, 40, 40, 40])  # with capacity 64 every 40 would sit alone: 37% padding
+    plans = plan_chunks(entries, num_shards=2, max_chunk_numel=64, padding_tolerance=0.0)
+    assert padding_of(plans) < padding_of(plan_chunks(entries, num_shards=2, chunk_numel=64))
 
 
 def test_chunk_shards_and_parameter_views():

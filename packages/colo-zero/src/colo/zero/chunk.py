@@ -223,8 +223,9 @@ def plan_chunks(
     chunk_numel: int | None = None,
     max_chunk_numel: int = 1 << 22,
     num_candidates: int = 256,
+    padding_tolerance: float = 0.01,
 ) -> list[ChunkPlan]:
-    """Pack parameters into chunks, choosing the chunk size that wastes the least padding unless one is given.
+    """Pack parameters into chunks, choosing a chunk size with near-least padding unless one is given.
 
     Chunks never mix parameter groups, dtypes, or frozen and trainable parameters: each such key has its own
     sequence of chunks, filled in the order of ``entries``. Every chunk has the same capacity (a multiple of
@@ -233,9 +234,12 @@ def plan_chunks(
     Args:
         entries: ``(name, parameter, param group index)`` in packing order.
         num_shards: data-parallel size; capacities are rounded up to a multiple of it.
-        chunk_numel: the capacity in elements; ``None`` searches for the one with the least padding.
-        max_chunk_numel: upper end of the search (the largest parameter sets the lower end).
+        chunk_numel: the capacity in elements; ``None`` searches: the smallest capacity whose padding is within
+            ``padding_tolerance`` (a fraction of all elements) of the least padding found.
+        max_chunk_numel: upper end of the search (the largest parameter sets the lower end; the search reaches
+            at least twice the largest parameter).
         num_candidates: how many evenly spaced capacities the search tries.
+        padding_tolerance: padding, as a fraction of the parameters, traded for smaller (more) chunks.
 
     Returns:
         The chunk plans in packing order.
@@ -249,12 +253,14 @@ def plan_chunks(
     for _, param, group_index in entries:
         key = (group_index, param.dtype, param.requires_grad)
         totals[key] = totals.get(key, 0) + param.numel()
-    high = max(largest, min(round_up(max(totals.values()), num_shards), round_up(max_chunk_numel, num_shards)))
+    # the search spans [largest parameter, max_chunk_numel], and at least up to twice the largest parameter, so
+    # a parameter as large as the cap does not force one capacity (and its padding) on the whole model
+    ceiling = max(round_up(max_chunk_numel, num_shards), 2 * largest)
+    high = max(largest, min(round_up(max(totals.values()), num_shards), ceiling))
     step = max(num_shards, round_up((high - largest) // max(num_candidates, 1), num_shards))
-    best: list[ChunkPlan] | None = None
-    for capacity in list(range(largest, high, step)) + [high]:
-        plans = _pack(entries, num_shards=num_shards, capacity=capacity)
-        # least padding wins; on a tie the larger capacity (fewer, larger collectives)
-        if best is None or padding_of(plans) <= padding_of(best):
-            best = plans
-    return best
+    candidates = [_pack(entries, num_shards=num_shards, capacity=c) for c in list(range(largest, high, step)) + [high]]
+    # the smallest capacity whose padding is within `padding_tolerance` of the least: near-minimal padding, and as
+    # many chunks as that allows (chunks are the unit of overlap and prefetch)
+    least = min(padding_of(plans) for plans in candidates)
+    allowed = least + padding_tolerance * sum(totals.values())
+    return next(plans for plans in candidates if padding_of(plans) <= allowed)
