@@ -1,0 +1,52 @@
+"""colo.apps.data: tokenizers, document sources, packed pre-training and SFT datasets, and a resumable sampler.
+
+The pieces a training run chains together::
+
+    from colo.apps.data import (
+        PackedDataset, ResumableDistributedSampler, batches, default_corpus, load_tokenizer, read_documents,
+    )
+
+    tokenizer = load_tokenizer(None)  # ByteTokenizer; or a path to a Hugging Face tokenizer.json
+    dataset = PackedDataset(read_documents(default_corpus()), tokenizer, seq_len=256)
+    sampler = ResumableDistributedSampler(len(dataset), num_replicas=dp_size, rank=dp_rank, batch_size=8, seed=0)
+    for batch in batches(dataset, sampler, repeat=True):  # {"input_ids": (8, 256), "labels": (8, 256)}
+        ...
+    state = sampler.state_dict()  # JSON-able; load_state_dict(state) resumes at the next sample
+
+- `tokenizer`: `ByteTokenizer` (UTF-8 bytes + bos/eos/pad, vocabulary 259), `HFTokenizer` (a ``tokenizer.json``),
+  `load_tokenizer`.
+- `sources`: `read_documents` (text files, globs, directories, JSON Lines of text / chat messages /
+  prompt-response pairs, Hugging Face datasets saved to disk) and `default_corpus` (the Python standard library).
+- `packing`: `PackedDataset` (one token stream cut into ``seq_len`` windows) and the opt-in `TokenBudgetDataset`
+  (whole documents bin-packed into rows, ``position_ids`` restarting per document; `pack_to_token_budget`).
+- `sft`: `ChatTemplate` and `SFTDataset` (labels only on the assistant's replies).
+- `sampler`: `ResumableDistributedSampler` and `batches`.
+"""
+
+from .packing import IGNORE_INDEX, PackedDataset, TokenBudgetDataset, pack_to_token_budget, tokenize_documents
+from .sampler import ResumableDistributedSampler, batches, collate
+from .sft import ChatTemplate, SFTDataset, conversation_of
+from .sources import Document, default_corpus, read_documents, validate_messages
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ByteTokenizer",
+    "ChatTemplate",
+    "Document",
+    "HFTokenizer",
+    "PackedDataset",
+    "ResumableDistributedSampler",
+    "SFTDataset",
+    "TokenBudgetDataset",
+    "Tokenizer",
+    "batches",
+    "collate",
+    "conversation_of",
+    "default_corpus",
+    "load_tokenizer",
+    "pack_to_token_budget",
+    "read_documents",
+    "tokenize_documents",
+    "validate_messages",
+]
