@@ -308,3 +308,33 @@ def test_bad_axes_and_order_get_clear_errors():
     assert "both as data axes and as model-parallel axes" in errors[0]
     assert "not axes of the mesh" in errors[1]
     assert "param_order names ['nope']" in errors[2]
+
+
+def _overlapped_param_gather(stage):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    runs = []
+    for overlap in (True, False):
+        model, _ = _models.make_models()
+        zero = _zero(model, mesh, stage, overlap_param_gather=overlap)
+        losses, in_flight = [], []
+        for step in range(3):
+            loss = model(*_local_batch(step, mesh))  # with overlap, waits for each chunk's gather in its pre-hook
+            in_flight.append(len(zero._param_gathers))
+            zero.backward(loss)
+            zero.step()
+            zero.zero_grad()
+            losses.append(loss.item())
+        in_flight.append(len(zero._param_gathers))
+        runs.append((losses, in_flight, zero.full_params()))
+    return runs
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_parameter_gather_overlaps_the_next_forward_and_changes_nothing(stage):
+    for (losses, in_flight, params), (sync_losses, sync_in_flight, sync_params) in run_distributed(
+        _overlapped_param_gather, stage, world_size=2
+    ):
+        assert losses == sync_losses
+        assert all(torch.equal(params[name], sync_params[name]) for name in params)
+        assert in_flight[-1] > 0 and in_flight[1:-1] == [0, 0]  # left in flight by step, all waited for by forward
+        assert sync_in_flight == [0, 0, 0, 0]

@@ -161,6 +161,7 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
         ``(tensors, metadata)``: name -> `FlatShard` of this rank's part of every parameter and optimizer
         state, and ``{"optimizer": {type, param_groups, scalars}, "zero": {stage, loss_scaler}}``.
     """
+    zero.wait_params()
     tensors: dict[str, FlatShard] = {}
     scalars: dict[str, dict] = {}
     for chunk in zero.chunks:
@@ -242,6 +243,7 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
     Raises:
         CheckpointError: a parameter or state is missing or mismatched, or the optimizer differs.
     """
+    zero.wait_params()
     directory = os.fspath(path)
     index = read_index(directory)
     saved = index.metadata.get(OPTIMIZER_KEY)

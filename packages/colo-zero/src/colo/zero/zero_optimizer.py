@@ -62,6 +62,10 @@ class ZeroConfig:
     parameter sharded over an axis (its colo layout says `Shard`) on every rank of it and a replicated one once."""
     pipeline_axis: str | None = None
     """The mesh axis of pipeline stages, whose parameters are disjoint: the gradient norm sums over it too."""
+    overlap_param_gather: bool = True
+    """Stages 1/2: start the all-gather of the updated parameters at the end of `step` and wait for each chunk
+    only before the first module using it runs in the next forward (Megatron's overlapped parameter gather).
+    Read parameters outside a forward only after `wait_params` (`full_params`, checkpoints do it)."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -237,6 +241,10 @@ class ZeroOptimizer:
         if self.config.stage == 3:
             self.gatherer = ChunkGatherer(self.chunks, group=self.group)
             self.gatherer.install(model, self.chunk_of)
+        self._param_gathers: dict[int, object] = {}
+        self._overlap_gathers = self.config.stage in (1, 2) and self.config.overlap_param_gather
+        if self._overlap_gathers:
+            self._install_param_waits(model)
         self.zero_grad()
 
     # --- construction -----------------------------------------------------------------------------------------
@@ -497,6 +505,7 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Reduce gradients, step the masters, refresh the compute copies. Returns whether the step was skipped."""
+        self.wait_params()  # a step without a forward since the last one (the gathers must land first)
         skipped = self._prepare_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(skipped)
@@ -543,9 +552,32 @@ class ZeroOptimizer:
                     param.copy_(master, non_blocking=True)
                 continue
             piece = master if aliased else master.to(self.device, param.dtype, non_blocking=True)
-            all_gather(piece, group=self.group, out=param)  # in place when the master is the param's own shard
+            # in place when the master is the param's own shard; overlapped with the next forward when configured
+            handle = all_gather(piece, group=self.group, out=param, async_op=True)
+            self._param_gathers[chunk.index] = handle
+        if not self._overlap_gathers:
+            self.wait_params()
         if self.gatherer is not None:
             self.gatherer.release_all()
+
+    def _install_param_waits(self, model: torch.nn.Module) -> None:
+        """Forward pre-hooks that wait for the in-flight gather of a module's chunks (stages 1/2, overlapped)."""
+        for module in model.modules():
+            owned = {self.chunk_of[id(p)].index for p in module.parameters(recurse=False) if id(p) in self.chunk_of}
+            if owned:
+                indices = sorted(owned)
+                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._wait_chunks, indices)))
+
+    def _wait_chunks(self, indices: list[int], *_) -> None:
+        for index in indices:
+            handle = self._param_gathers.pop(index, None)
+            if handle is not None:
+                handle.wait()
+
+    def wait_params(self) -> None:
+        """Wait for every parameter all-gather still in flight after `step` (stages 1/2 with
+        ``overlap_param_gather``): call it before reading parameters outside a forward pass."""
+        self._wait_chunks(list(self._param_gathers))
 
     def release_params(self) -> None:
         """Stage 3: free every gathered chunk (after an evaluation forward, say). A no-op at stages 0/1/2."""
@@ -556,6 +588,7 @@ class ZeroOptimizer:
 
     def _gather_named(self, buffer_name: str) -> dict[str, torch.Tensor]:
         """Full tensors per parameter name from a sharded buffer (collective: every rank must call it)."""
+        self.wait_params()
         result = {}
         for chunk in self.trainable_chunks:
             if buffer_name == "master.grad":
