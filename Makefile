@@ -18,8 +18,10 @@ $(STAMP): $(PYPROJECTS)
 test: setup
 	$(TRITON_ENV) OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25
 
+# Trains the tiny Llama on 2 local processes (GPUs when present, else CPU with OMP_NUM_THREADS=1 per rank).
 demo: setup
-	$(TRITON_ENV) $(PY) -m colo.comm.bench --nprocs 4 --mesh dp=2,tp=2
+	$(TRITON_ENV) env $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else 'OMP_NUM_THREADS=1')") \
+		$(VENV)/bin/colo launch --nproc-per-node 2 -- train --preset tiny-llama
 
 lint: setup
 	$(PY) -m ruff check .

@@ -4,7 +4,8 @@ the `colo` CLI and the recipes.
 `Booster(plugin)` with the `DDP`, `Zero`, `Gemini` and `HybridParallel` plugins (`colo.apps.booster`) applies a
 parallelism and runs whole training steps. Native models live in `colo.apps.models` (the Llama: config and
 presets, the model, `parallelize_llama`, pipeline stages, FLOPs per token); MFU helpers in `colo.apps.mfu`. The
-main names are re-exported here.
+trainer and its run config live in `colo.apps.train` (`RunConfig`, `load_config`, `Trainer`, and the function
+`colo.apps.train.train`), the ``colo`` command in `colo.apps.cli`. The main names are re-exported here.
 """
 
 from .booster import DDP, Booster, Gemini, HybridParallel, Plugin, StepResult, Zero
@@ -19,6 +20,7 @@ from .models import (
     llama_pipeline_stages,
     parallelize_llama,
 )
+from .train import RunConfig, Trainer, TrainResult, load_config  # `train()` stays in colo.apps.train (the module)
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,9 @@ __all__: list[str] = [
     "StepResult",
     "Zero",
     "Llama",
+    "RunConfig",
+    "TrainResult",
+    "Trainer",
     "LlamaConfig",
     "LlamaOutput",
     "LlamaStage",
@@ -40,6 +45,7 @@ __all__: list[str] = [
     "format_mfu",
     "get_preset",
     "llama_pipeline_stages",
+    "load_config",
     "mfu",
     "parallelize_llama",
     "peak_flops",

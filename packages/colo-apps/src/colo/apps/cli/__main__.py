@@ -1,0 +1,5 @@
+"""``python -m colo.apps.cli``: the ``colo`` command."""
+
+from .app import main
+
+main()

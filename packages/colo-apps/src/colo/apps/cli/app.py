@@ -1,0 +1,214 @@
+"""The ``colo`` command (typer): train, launch, info, config, generate, convert."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="colo",
+    help="colo: distributed training for PyTorch. Train a Llama, launch jobs, inspect the environment.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a config field: --set optimizer.lr=1e-3 (repeatable; YAML values)."),
+]
+PresetOption = Annotated[
+    str | None, typer.Option("--preset", "-p", help="A named run config: tiny-llama, llama-1b, llama-7b, llama-70b.")
+]
+ConfigArgument = Annotated[str | None, typer.Argument(help="A run config file (.yaml, .yml or .toml).")]
+
+
+def _fields_help() -> str:
+    """The run config's fields with their defaults and descriptions, for ``colo train --help``."""
+    from ..train.config import RunConfig
+
+    lines = ["Run config fields (set in the file or with --set KEY=VALUE; `colo config --schema` for all):", ""]
+
+    def walk(model, prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            annotation = info.annotation
+            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            if name == "plugin":
+                lines.append(
+                    f"plugin.name: ddp | zero | gemini | hybrid, plus that plugin's fields ({info.description})"
+                )
+                continue
+            default = info.get_default(call_default_factory=True)
+            lines.append(f"{prefix}{name} = {default!r}: {info.description}")
+
+    walk(RunConfig, "")
+    return "\n\n".join(lines)
+
+
+def _load(config: str | None, preset: str | None, overrides: list[str] | None):
+    from ..train import ConfigError, load_config
+
+    try:
+        return load_config(config, preset=preset, overrides=overrides or [])
+    except ConfigError as error:
+        typer.echo(f"colo: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command(epilog=None, context_settings={"max_content_width": 120})
+def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetOption = None) -> None:
+    """Train a Llama from a run config file or --preset, with --set overrides (on every rank of the job).
+
+    Run it under `colo launch` for several processes: colo launch --nproc-per-node 2 -- train --preset tiny-llama
+    """
+    run = _load(config, preset, set_)
+    from ..train import train as run_training
+
+    run_training(run)
+
+
+train_command = app.registered_commands[-1]
+train_command.epilog = None  # filled lazily by `main` (importing the config is not free)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="Processes on this node.")] = 1,
+    nnodes: Annotated[int, typer.Option(help="Nodes in the job.")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index.")] = 0,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: loopback, 1 node).")
+    ] = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Elastic restarts after a failure.")] = 0,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")
+    ] = False,
+) -> None:
+    """Run a command on several processes through torchrun (loopback by default).
+
+    After --: a colo subcommand (train --preset tiny-llama), -m MODULE ARGS, or SCRIPT.py ARGS.
+    """
+    import torch
+
+    from .launch import launch_environment, torchrun_command
+
+    try:
+        command = torchrun_command(
+            list(ctx.args),
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+        )
+    except ValueError as error:
+        typer.echo(f"colo: {error}", err=True)
+        raise typer.Exit(2) from None
+    if dry_run:
+        typer.echo(" ".join(command))
+        return
+    env = launch_environment(nproc_per_node=nproc_per_node, cuda=torch.cuda.is_available())
+    raise typer.Exit(subprocess.call(command, env=env))
+
+
+@app.command()
+def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Show the environment: Python, platform, torch, devices, backends and the colo packages' versions."""
+    from .info import environment_info, format_info
+
+    details = environment_info()
+    typer.echo(json.dumps(details, indent=2) if as_json else format_info(details))
+
+
+@app.command()
+def config(
+    config: ConfigArgument = None,
+    preset: PresetOption = None,
+    set_: SetOption = None,
+    schema: Annotated[bool, typer.Option("--schema", help="Print the run config's JSON schema.")] = False,
+) -> None:
+    """Print the resolved run config (YAML) of a file / preset with overrides, or the JSON schema."""
+    if schema:
+        from ..train import RunConfig
+
+        typer.echo(json.dumps(RunConfig.model_json_schema(), indent=2))
+        return
+    import yaml
+
+    run = _load(config, preset, set_)
+    typer.echo(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False).rstrip())
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[str, typer.Argument(help="A checkpoint directory written by `colo train`.")],
+    prompt: Annotated[str, typer.Option(help="The text to continue.")] = "def ",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0: greedy; else the sampling temperature.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with temperature > 0).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of sampling.")] = 0,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer path (default: the one the run trained with).")
+    ] = None,
+) -> None:
+    """Generate text from a checkpoint in one process (greedy or top-p; no KV cache yet)."""
+    import torch
+
+    from ..data import load_tokenizer
+    from ..train import generate as generate_ids
+    from ..train import load_llama
+
+    model, run = load_llama(checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
+    tok = load_tokenizer(tokenizer if tokenizer is not None else run.get("tokenizer"))
+    new = generate_ids(
+        model,
+        tok.encode(prompt),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        vocab_limit=tok.vocab_size,
+        eos_id=tok.eos_id,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    typer.echo(prompt + tok.decode(new))
+
+
+@app.command()
+def convert(
+    checkpoint: Annotated[str, typer.Argument(help="A checkpoint directory written by `colo train`.")],
+    out: Annotated[str, typer.Argument(help="The output directory.")],
+    to: Annotated[str, typer.Option(help="The target format: hf (Hugging Face LlamaForCausalLM).")] = "hf",
+    dtype: Annotated[str | None, typer.Option(help="Convert floats to this dtype (bfloat16, float16).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an earlier export in OUT.")] = False,
+) -> None:
+    """Convert a checkpoint (any layout) to a Hugging Face Llama directory: config.json + model*.safetensors."""
+    if to != "hf":
+        typer.echo(f"colo: --to {to!r} is not supported; use --to hf", err=True)
+        raise typer.Exit(2)
+    import torch
+
+    from ..train.convert import export_llama_hf
+
+    torch_dtype = None
+    if dtype is not None:
+        torch_dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            typer.echo(f"colo: --dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32", err=True)
+            raise typer.Exit(2)
+    for path in export_llama_hf(checkpoint, out, dtype=torch_dtype, overwrite=overwrite):
+        typer.echo(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``colo`` entry point."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["train"] and any(a in ("--help", "-h") for a in args):
+        train_command.epilog = _fields_help()
+    app(args=args, prog_name="colo")

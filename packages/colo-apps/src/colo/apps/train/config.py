@@ -1,0 +1,263 @@
+"""`RunConfig`: the user-facing configuration of one training run (``colo train CONFIG``), validated by pydantic.
+
+Every section forbids unknown fields and documents every field; the JSON schema (``colo config --schema``) and
+``colo train --help`` are derived from it. Files are YAML or TOML; ``--set a.b=c`` overrides any field (see
+`colo.apps.train.loading`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from ..models.llama import PRESETS, LlamaConfig, get_preset
+from ._fields import dataclass_fields
+from .plugin_config import DDPConfig, PluginConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _ModelBase(_Section):
+    """The model: a Llama preset plus field overrides."""
+
+    preset: str = Field(
+        default="tiny-llama",
+        description=f"Llama preset (colo.apps.models.llama.PRESETS): one of {sorted(PRESETS)}.",
+    )
+    pad_vocab_to_multiple_of: int = Field(
+        default=64,
+        ge=1,
+        description="When vocab_size is unset, the tokenizer's vocabulary rounded up to a multiple of this.",
+    )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown Llama preset {value!r}; choose one of {sorted(PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _valid_llama(self):
+        self.llama_config(vocab_size=self.vocab_size or PRESETS[self.preset].vocab_size)  # LlamaConfig's checks
+        return self
+
+    def llama_config(self, *, vocab_size: int) -> LlamaConfig:
+        """The `LlamaConfig`: the preset with every set field changed, ``vocab_size`` used when unset here."""
+        overrides = {name: value for name, value in self.model_dump().items() if name in _LLAMA_FIELDS}
+        overrides = {name: value for name, value in overrides.items() if value is not None}
+        overrides.setdefault("vocab_size", vocab_size)
+        return get_preset(self.preset, **overrides)
+
+
+_LLAMA_FIELDS = dataclass_fields(LlamaConfig, optional=True)
+_LLAMA_FIELDS["vocab_size"] = (
+    int | None,
+    Field(
+        default=None,
+        description="Number of token ids. Unset: the tokenizer's vocabulary size, rounded up to a multiple of "
+        "pad_vocab_to_multiple_of (the preset's own vocab_size is for its original tokenizer).",
+    ),
+)
+ModelSection = create_model("ModelSection", __base__=_ModelBase, __doc__=_ModelBase.__doc__, **_LLAMA_FIELDS)
+
+
+class OptimizerSection(_Section):
+    """AdamW (Loshchilov & Hutter, 2019) with decoupled weight decay."""
+
+    lr: float = Field(default=3e-4, gt=0, description="Peak learning rate (reached after warmup).")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="Adam's (beta1, beta2).")
+    eps: float = Field(default=1e-8, gt=0, description="Adam's epsilon.")
+    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay of matrices and embeddings.")
+    no_decay_norms_and_biases: bool = Field(
+        default=True, description="Put norm weights and biases (every 1-D parameter) in a group without weight decay."
+    )
+    layerwise_lr_decay: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Layer-wise LR decay (Clark et al., 2020): layer i of L gets lr * decay**(L + 1 - i), the "
+        "embedding decay**(L + 1), the final norm and lm_head lr. 1.0: off.",
+    )
+    fused: bool | None = Field(default=None, description="torch AdamW's fused kernel (None: torch's default).")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError(f"betas={value} must both be in [0, 1)")
+        return value
+
+
+class ScheduleSection(_Section):
+    """How long to train and the learning-rate schedule: linear warmup, then cosine decay to min_lr."""
+
+    total_steps: int = Field(
+        default=1000, ge=1, description="Optimizer steps of the whole run (the LR schedule's length)."
+    )
+    warmup_steps: int = Field(default=100, ge=0, description="Steps of linear warmup from 0 to optimizer.lr.")
+    min_lr: float = Field(default=3e-5, ge=0, description="The learning rate at the end of the cosine decay.")
+    num_microbatches: int = Field(
+        default=1,
+        ge=1,
+        description="Gradient accumulation: each step's batch runs as this many microbatches (the pipeline's "
+        "microbatches when pp > 1); the plugin's num_microbatches.",
+    )
+    stop_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="End the run after this step as if it were interrupted (no final checkpoint, the LR schedule "
+        "unchanged); a later run with checkpoint.resume='auto' continues. For time-boxed jobs and tests.",
+    )
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} is longer than total_steps={self.total_steps}; lower warmup_steps"
+            )
+        return self
+
+
+class DataSection(_Section):
+    """Training data: documents tokenized and packed into fixed-length sequences (colo.apps.data)."""
+
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Text, JSONL or Hugging Face dataset paths; empty: the built-in corpus "
+        "(the Python standard library's .py files).",
+    )
+    format: Literal["auto", "text", "jsonl", "hf"] = Field(default="auto", description="How to read paths.")
+    text_field: str = Field(default="text", description="The text field of JSONL / Hugging Face records.")
+    tokenizer: str | None = Field(
+        default=None, description="A tokenizer path (Hugging Face tokenizer directory); None: the byte tokenizer."
+    )
+    seq_len: int = Field(default=256, ge=2, description="Tokens per packed training sequence.")
+    global_batch_size: int = Field(
+        default=16,
+        ge=1,
+        description="Sequences per optimizer step over all data-parallel ranks; must divide by the data-parallel "
+        "size times schedule.num_microbatches.",
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Read at most this many tokens of the corpus (None: all of it)."
+    )
+    shuffle: bool = Field(default=True, description="Shuffle the sequences each epoch (seeded by `seed`).")
+
+
+class CheckpointSection(_Section):
+    """Checkpoints: the Booster's sharded format, each in ``dir/step-NNNNNNNN``."""
+
+    enabled: bool = Field(default=True, description="Write checkpoints at all.")
+    dir: str | None = Field(default=None, description="Checkpoint directory; None: output_dir/checkpoints.")
+    every_steps: int | None = Field(
+        default=100, ge=1, description="Save every this many steps (None: only at the end)."
+    )
+    keep_last: int | None = Field(
+        default=2, ge=1, description="Keep the newest this many checkpoints, deleting older ones (None: keep all)."
+    )
+    resume: str = Field(
+        default="auto",
+        description="'auto': continue from the newest complete checkpoint in dir if there is one; 'none': start "
+        "fresh; or a checkpoint directory to start from.",
+    )
+    save_final: bool = Field(default=True, description="Save a checkpoint after the last step.")
+
+
+class LoggingSection(_Section):
+    """Metrics: a progress bar and log lines on rank 0, a JSONL file, TensorBoard when installed."""
+
+    every_steps: int = Field(default=10, ge=1, description="Log metrics every this many steps.")
+    jsonl: bool = Field(default=True, description="Append every logged step to output_dir/metrics.jsonl.")
+    tensorboard: bool = Field(
+        default=True, description="Write TensorBoard scalars to output_dir/tensorboard when tensorboard is installed."
+    )
+    progress_bar: bool = Field(default=True, description="Show a rich progress bar (on a terminal).")
+    peak_flops: float | None = Field(
+        default=None,
+        gt=0,
+        description="Peak FLOP/s of one device for MFU; None: colo.apps.peak_flops() (known GPUs in bf16/fp16, "
+        "else MFU shows n/a).",
+    )
+
+
+class EvalSection(_Section):
+    """Periodic evaluation on held-out sequences (the last ones of the packed corpus, never trained on)."""
+
+    every_steps: int | None = Field(default=None, ge=1, description="Evaluate every this many steps (None: never).")
+    num_sequences: int = Field(
+        default=0, ge=0, description="Sequences held out of training for evaluation (0: no evaluation)."
+    )
+    batch_size: int = Field(default=8, ge=1, description="Sequences per evaluation batch per data-parallel rank.")
+
+
+class SampleSection(_Section):
+    """A text sample generated from the final model (greedy unless temperature > 0)."""
+
+    prompt: str = Field(default="def ", description="The prompt to continue.")
+    max_new_tokens: int = Field(default=64, ge=0, description="Tokens to generate (0: no sample).")
+    temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0: greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0).")
+
+
+class RunConfig(_Section):
+    """One training run of a Llama: model, parallelism, optimizer, schedule, data, checkpoints, logging, eval."""
+
+    name: str = Field(default="run", description="The run's name (shown in logs).")
+    output_dir: str = Field(
+        default="runs/run",
+        description="Directory of the run's files: checkpoints/, metrics.jsonl, tensorboard/ (relative to the "
+        "working directory).",
+    )
+    seed: int = Field(default=0, description="Seed of the model initialization, the data order and torch's RNG.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="'auto': CUDA when available (one device per local rank), else CPU."
+    )
+    model: ModelSection = Field(default_factory=ModelSection, description=ModelSection.__doc__)
+    plugin: PluginConfig = Field(default_factory=lambda: DDPConfig(name="ddp"), description="The Booster plugin.")
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description=OptimizerSection.__doc__)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection, description=ScheduleSection.__doc__)
+    data: DataSection = Field(default_factory=DataSection, description=DataSection.__doc__)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
+    logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
+    eval: EvalSection = Field(default_factory=EvalSection, description=EvalSection.__doc__)
+    sample: SampleSection = Field(default_factory=SampleSection, description=SampleSection.__doc__)
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        try:  # schedule checks of the plugin (pipeline microbatches) need schedule.num_microbatches
+            self.plugin.build(num_microbatches=self.schedule.num_microbatches, seed=self.seed)
+        except ValueError as error:
+            raise ValueError(f"plugin / schedule.num_microbatches: {error}") from None
+        if self.data.global_batch_size % self.schedule.num_microbatches:
+            raise ValueError(
+                f"data.global_batch_size={self.data.global_batch_size} does not divide into "
+                f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
+            )
+        if self.schedule.stop_at_step is not None and self.schedule.stop_at_step > self.schedule.total_steps:
+            raise ValueError(
+                f"schedule.stop_at_step={self.schedule.stop_at_step} is after schedule.total_steps="
+                f"{self.schedule.total_steps}; lower it or leave it unset"
+            )
+        if self.plugin.name == "hybrid" and self.optimizer.layerwise_lr_decay != 1.0:
+            raise ValueError(
+                "optimizer.layerwise_lr_decay needs several param groups, which the hybrid plugin does not support "
+                "yet; set it to 1.0 or use the ddp / zero plugin"
+            )
+        max_positions = self.model.max_position_embeddings or PRESETS[self.model.preset].max_position_embeddings
+        if self.data.seq_len > max_positions:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is longer than the model's max_position_embeddings={max_positions}; "
+                "lower data.seq_len or set model.max_position_embeddings"
+            )
+        return self
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints go: ``checkpoint.dir``, or ``output_dir/checkpoints``."""
+        import os
+
+        return self.checkpoint.dir or os.path.join(self.output_dir, "checkpoints")

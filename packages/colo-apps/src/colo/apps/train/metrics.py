@@ -1,0 +1,133 @@
+"""Training metrics on rank 0: a rich progress bar with log lines, a JSONL file and TensorBoard (when installed);
+plus the memory and throughput numbers they show."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+from ..mfu import format_mfu
+
+
+def memory_bytes(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what)``: CUDA's peak allocated memory on a GPU, the process's peak resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "max allocated"
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return peak_kib * 1024, "peak RSS"
+
+
+def format_bytes(count: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+class MetricsLogger:
+    """Shows and records metrics; only rank 0 makes one (`enabled=False` elsewhere does nothing).
+
+    Args:
+        output_dir: where ``metrics.jsonl`` and ``tensorboard/`` go.
+        total_steps: the run's length (the progress bar's total).
+        start_step: steps already done (a resumed run).
+        jsonl: append records to ``output_dir/metrics.jsonl``.
+        tensorboard: write scalars to ``output_dir/tensorboard`` if the ``tensorboard`` package is installed.
+        progress_bar: show a rich progress bar on a terminal.
+        enabled: ``False`` on ranks other than 0.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+        progress_bar: bool = True,
+        enabled: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        self.jsonl_path = os.path.join(output_dir, "metrics.jsonl") if jsonl and enabled else None
+        self.writer = None
+        self.progress = None
+        if not enabled:
+            return
+        from rich.console import Console
+
+        self.console = Console(file=sys.stdout, highlight=False)
+        os.makedirs(output_dir, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                self.writer = None
+            else:
+                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if progress_bar and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self.progress.start()
+
+    def print(self, message: str) -> None:
+        """A line on rank 0's console (above the progress bar)."""
+        if self.enabled:
+            self.console.print(message, markup=False, soft_wrap=True)
+
+    def advance(self, step: int, status: str) -> None:
+        """Move the progress bar to ``step`` with a short ``status`` (loss, tokens/s)."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=status)
+
+    def log(self, record: dict) -> None:
+        """Record one step's metrics (``{"step": ..., "loss": ..., ...}``) to JSONL and TensorBoard."""
+        if not self.enabled:
+            return
+        record = {"time": time.time(), **record}
+        if self.jsonl_path is not None:
+            with open(self.jsonl_path, "a", encoding="utf-8") as file:
+                file.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)) and value is not None:
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        """Stop the progress bar and flush TensorBoard."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def step_line(record: dict, *, total_steps: int) -> str:
+    """The log line of one step: ``step 100/300 | loss 2.31 | lr 1.9e-03 | 12.3k tok/s | MFU n/a | mem 310 MiB``."""
+    parts = [
+        f"step {record['step']}/{total_steps}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.2e}" if record.get("lr") is not None else "lr -",
+        f"grad norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "grad norm -",
+        f"{record['tokens_per_second'] / 1000:.1f}k tok/s",
+        f"MFU {format_mfu(record.get('mfu'))}",
+        f"mem {format_bytes(record['memory_bytes'])}",
+    ]
+    return " | ".join(parts)

@@ -1,0 +1,75 @@
+"""The ``plugin`` section of the run config: one pydantic model per Booster plugin, chosen by ``name``.
+
+The fields are the plugin dataclasses' own (`DDP`, `Zero`, `Gemini`, `HybridParallel`), with their docstrings as
+descriptions; the plugin's ``__post_init__`` checks run at validation time, so a bad combination (``pp`` with
+``zero_stage=2``, an unknown schedule...) is reported against the ``plugin`` field before anything starts.
+``num_microbatches`` comes from ``schedule.num_microbatches`` and the materialization seed from ``seed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from ..booster import DDP, Gemini, HybridParallel, Plugin, Zero
+from ._fields import dataclass_fields
+
+_SET_BY_RUN = ("num_microbatches", "seed")
+
+
+class _PluginSection(BaseModel):
+    """What every plugin section does: validate its fields by building the plugin once, and build it for a run."""
+
+    model_config = ConfigDict(extra="forbid")
+    plugin_class: ClassVar[type[Plugin]] = Plugin  # set per plugin section below
+
+    def build(self, *, num_microbatches: int = 1, seed: int = 0) -> Plugin:
+        """The Booster plugin these settings describe.
+
+        Args:
+            num_microbatches: microbatches per step (``schedule.num_microbatches``).
+            seed: the run seed (HybridParallel materializes a meta-device model's shards from it).
+        """
+        fields = self.model_dump(exclude={"name"})
+        if "seed" in _init_fields(self.plugin_class):
+            fields["seed"] = seed
+        return self.plugin_class(num_microbatches=num_microbatches, **fields)
+
+    @model_validator(mode="after")
+    def _plugin_checks(self):
+        try:
+            self.build()
+        except ValueError as error:
+            if "num_microbatches" in str(error) or "schedule" in str(error):
+                return self  # depends on schedule.num_microbatches: checked again by RunConfig
+            raise
+        return self
+
+
+def _init_fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _section(name: str, plugin_class: type, doc: str) -> type[_PluginSection]:
+    model = create_model(
+        f"{plugin_class.__name__}Config",
+        __base__=_PluginSection,
+        __doc__=doc,
+        name=(Literal[name], Field(description=f"The plugin: {name!r} selects `{plugin_class.__name__}`.")),
+        **dataclass_fields(plugin_class, exclude=_SET_BY_RUN),
+    )
+    model.plugin_class = plugin_class
+    return model
+
+
+DDPConfig = _section("ddp", DDP, "torch DistributedDataParallel over every rank (parameters replicated).")
+ZeroConfig = _section("zero", Zero, "ZeRO stages 0-3 over every rank (colo.zero).")
+GeminiConfig = _section("gemini", Gemini, "Gemini: ZeRO-3-style chunks placed over device, host and disk.")
+HybridConfig = _section("hybrid", HybridParallel, "Tensor x pipeline x sequence x data parallelism, ZeRO 0-2.")
+
+PluginConfig = Annotated[Union[DDPConfig, ZeroConfig, GeminiConfig, HybridConfig], Field(discriminator="name")]  # noqa: UP007
+"""One of the plugin sections, told apart by ``name`` (``ddp``, ``zero``, ``gemini``, ``hybrid``)."""
+
+PLUGIN_NAMES = ("ddp", "zero", "gemini", "hybrid")

@@ -1,0 +1,81 @@
+"""Named run configs for ``colo train --preset NAME``: the CPU demo and Llama-shaped GPU recipes.
+
+Each is the raw mapping a YAML file would hold; `colo.apps.train.load_config` validates it (tests check that all
+of them validate). The GPU recipes follow common practice for their size (Llama-2 / TinyLlama hyperparameters:
+AdamW lr 3e-4 (1b) to 1.5e-4 (70b), betas (0.9, 0.95), weight decay 0.1, 2000 warmup steps, cosine to 10%).
+"""
+
+from __future__ import annotations
+
+RUN_PRESETS: dict[str, dict] = {
+    # The CPU demo (`make demo`): 2 processes, DDP, fp32, the byte tokenizer on the standard library's .py files.
+    # ~2.2M parameters with the byte vocabulary; 300 steps of 16 x 128 tokens finish in a few minutes on 2 cores.
+    "tiny-llama": {
+        "name": "tiny-llama",
+        "output_dir": "runs/tiny-llama",
+        "seed": 0,
+        "model": {"preset": "tiny-llama"},
+        "plugin": {"name": "ddp", "precision": "fp32", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total_steps": 300, "warmup_steps": 30, "min_lr": 2e-4},
+        "data": {"seq_len": 128, "global_batch_size": 16, "max_tokens": 4_000_000},
+        "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 10},
+        "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
+        "sample": {"prompt": "def ", "max_new_tokens": 80},
+    },
+    # TinyLlama-1.1B's shape on 8 GPUs: tp2 x dp4, ZeRO-1, bf16; 2M tokens per step.
+    "llama-1b": {
+        "name": "llama-1b",
+        "output_dir": "runs/llama-1b",
+        "model": {"preset": "1b"},
+        "plugin": {"name": "hybrid", "tp": 2, "zero_stage": 1, "precision": "bf16", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 4e-4, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total_steps": 100_000, "warmup_steps": 2000, "min_lr": 4e-5, "num_microbatches": 4},
+        "data": {"seq_len": 2048, "global_batch_size": 1024},
+        "checkpoint": {"every_steps": 1000, "keep_last": 3},
+        "eval": {"every_steps": 1000, "num_sequences": 512},
+    },
+    # Llama-2-7B on 32 GPUs: tp8 within a node x dp4, ZeRO-1, Megatron sequence parallelism, bf16; 4M tokens per step.
+    "llama-7b": {
+        "name": "llama-7b",
+        "output_dir": "runs/llama-7b",
+        "model": {"preset": "7b"},
+        "plugin": {
+            "name": "hybrid",
+            "tp": 8,
+            "sp_mode": "megatron",
+            "zero_stage": 1,
+            "precision": "bf16",
+            "max_grad_norm": 1.0,
+        },
+        "optimizer": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total_steps": 500_000, "warmup_steps": 2000, "min_lr": 3e-5, "num_microbatches": 8},
+        "data": {"seq_len": 4096, "global_batch_size": 1024},
+        "checkpoint": {"every_steps": 1000, "keep_last": 3},
+        "eval": {"every_steps": 2000, "num_sequences": 512},
+    },
+    # Llama-2-70B on 256 GPUs: tp8 x pp8 (interleaved 1F1B, 2 chunks per rank) x dp4, ZeRO-1, bf16; 4M tokens.
+    "llama-70b": {
+        "name": "llama-70b",
+        "output_dir": "runs/llama-70b",
+        "model": {"preset": "70b"},
+        "plugin": {
+            "name": "hybrid",
+            "tp": 8,
+            "pp": 8,
+            "zero_stage": 1,
+            "schedule": "interleaved_1f1b",
+            "num_model_chunks": 2,
+            "precision": "bf16",
+            "max_grad_norm": 1.0,
+        },
+        "optimizer": {"lr": 1.5e-4, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total_steps": 500_000, "warmup_steps": 2000, "min_lr": 1.5e-5, "num_microbatches": 32},
+        "data": {"seq_len": 4096, "global_batch_size": 1024},
+        "checkpoint": {"every_steps": 500, "keep_last": 3},
+        "eval": {"every_steps": 2000, "num_sequences": 512},
+    },
+}
+"""``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo) and ``llama-1b`` / ``llama-7b`` / ``llama-70b``
+(GPU recipes: configs that validate; their world sizes are what the comments say, set by ``colo launch``)."""

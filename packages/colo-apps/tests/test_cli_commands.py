@@ -1,0 +1,117 @@
+"""The ``colo`` command: ``colo launch`` runs a real 2-process training job through torchrun (and the job writes
+its checkpoint and sample); ``colo info`` reports the environment; ``colo config --schema`` prints valid JSON;
+config errors exit with the field named; ``colo train --help`` lists the run config's fields."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from colo.apps.cli import app
+from colo.apps.cli.launch import torchrun_command
+
+runner = CliRunner()
+
+
+def test_colo_launch_runs_a_two_process_training_job(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"print('hello {n}')\n" for n in range(600)))
+    output = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "colo.apps.cli",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "train",
+        "--preset",
+        "tiny-llama",
+        "--set",
+        f"output_dir={output}",
+        "--set",
+        f"data.paths=[{corpus}]",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "data.global_batch_size=4",
+        "--set",
+        "data.max_tokens=null",
+        "--set",
+        "schedule.total_steps=4",
+        "--set",
+        "schedule.warmup_steps=1",
+        "--set",
+        "eval.every_steps=null",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "logging.every_steps=2",
+        "--set",
+        "sample.max_new_tokens=4",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 process(es)" in done.stdout and "step 4/4" in done.stdout and "sample (greedy" in done.stdout
+    assert sorted(os.listdir(output / "checkpoints")) == ["step-00000002", "step-00000004"]
+
+    generated = runner.invoke(
+        app, ["generate", str(output / "checkpoints" / "step-00000004"), "--prompt", "pri", "--max-new-tokens", "3"]
+    )
+    assert generated.exit_code == 0, generated.output
+    assert generated.output.startswith("pri")
+
+
+def test_launch_command_is_loopback_torchrun():
+    command = torchrun_command(["train", "--preset", "tiny-llama"], nproc_per_node=2)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in command and "--local-addr=127.0.0.1" in command
+    assert any(arg.startswith("--rdzv-endpoint=127.0.0.1:") for arg in command)
+    assert command[-5:] == ["-m", "colo.apps.cli", "train", "--preset", "tiny-llama"]
+    assert torchrun_command(["-m", "pkg.mod", "x"], nproc_per_node=1)[-3:] == ["-m", "pkg.mod", "x"]
+    assert torchrun_command(["script.py"], nproc_per_node=1)[-1] == "script.py"
+    result = runner.invoke(app, ["launch", "--nnodes", "2", "--", "train"])
+    assert result.exit_code == 2 and "--rdzv-endpoint" in result.output
+
+
+def test_colo_info():
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0, result.output
+    assert "torch" in result.output and "colo-apps" in result.output
+    details = json.loads(runner.invoke(app, ["info", "--json"]).output)
+    assert details["colo"]["colo-comm"] and "devices" in details["cuda"]
+
+
+def test_colo_config_schema_and_resolved_config():
+    result = runner.invoke(app, ["config", "--schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema["title"] == "RunConfig" and "optimizer" in schema["properties"]
+    resolved = runner.invoke(app, ["config", "--preset", "tiny-llama", "--set", "optimizer.lr=0.01"])
+    assert resolved.exit_code == 0 and "lr: 0.01" in resolved.output
+
+
+def test_config_errors_exit_with_the_field_named():
+    result = runner.invoke(app, ["config", "--preset", "tiny-llama", "--set", "optimizer.lrr=1"])
+    assert result.exit_code == 2
+    assert "optimizer.lrr: unknown field" in result.output
+
+
+def test_train_help_lists_the_fields():
+    done = subprocess.run(
+        [sys.executable, "-m", "colo.apps.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert done.returncode == 0
+    assert "optimizer.weight_decay" in done.stdout and "checkpoint.keep_last" in done.stdout
