@@ -33,9 +33,20 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens, "labels": tokens.clone()}
 
 
-def reference_run():
+def make_optimizer(model, groups: bool = False):
+    """AdamW; with ``groups``, matrices decay at lr while norms (vectors) get no decay and twice the lr."""
+    if not groups:
+        return torch.optim.AdamW(model.parameters(), lr=LR)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0, "lr": 2 * LR}], lr=LR
+    )
+
+
+def reference_run(groups: bool = False):
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = make_optimizer(model, groups)
     losses = []
     for step in range(STEPS):
         loss = model(**global_batch(step)).loss
@@ -65,11 +76,13 @@ def _hybrid_run(settings):
     from colo.apps.booster import HybridParallel
     from colo.tensor import layout_of
 
-    expected_losses, expected = reference_run()
+    settings = dict(settings)
+    groups = settings.pop("groups", False)
+    expected_losses, expected = reference_run(groups)
     plugin = HybridParallel(**settings)
     model = make_model()
     booster = Booster(plugin)
-    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    booster.boost(model, make_optimizer(model, groups))
     mesh = booster.engine.mesh
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
     rows = ROWS // dp
@@ -95,8 +108,8 @@ def _hybrid_run(settings):
 @pytest.mark.parametrize(
     "settings",
     [
-        {"tp": 2, "zero_stage": 1},  # dp2 x tp2, ZeRO-1
-        {"tp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 0},  # pp2 x tp2
+        {"tp": 2, "zero_stage": 1, "groups": True},  # dp2 x tp2, ZeRO-1, two param groups
+        {"tp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 0, "groups": True},  # pp2 x tp2, two groups
         {"pp": 2, "num_microbatches": 4, "schedule": "1f1b"},  # pp2 x dp2, ZeRO-1
         {"pp": 2, "num_microbatches": 4, "schedule": "zero_bubble_h1"},  # pp2 x dp2, ZeRO-1
         {"tp": 2, "sp_mode": "megatron", "zero_stage": 1, "world_size": 2},  # tp2 + Megatron-SP

@@ -242,11 +242,6 @@ class RunConfig(_Section):
                 f"schedule.stop_at_step={self.schedule.stop_at_step} is after schedule.total_steps="
                 f"{self.schedule.total_steps}; lower it or leave it unset"
             )
-        if self.plugin.name == "hybrid" and self.optimizer.layerwise_lr_decay != 1.0:
-            raise ValueError(
-                "optimizer.layerwise_lr_decay needs several param groups, which the hybrid plugin does not support "
-                "yet; set it to 1.0 or use the ddp / zero plugin"
-            )
         max_positions = self.model.max_position_embeddings or PRESETS[self.model.preset].max_position_embeddings
         if self.data.seq_len > max_positions:
             raise ValueError(

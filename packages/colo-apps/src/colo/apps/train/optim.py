@@ -50,23 +50,17 @@ def param_groups(model: nn.Module, settings: OptimizerSection, *, num_layers: in
     return [groups[key] for key in sorted(groups)]
 
 
-def build_optimizer(
-    model: nn.Module, settings: OptimizerSection, *, num_layers: int, single_group: bool = False
-) -> torch.optim.AdamW:
-    """AdamW over ``model``'s parameters with `param_groups` (or one group when the plugin needs one).
+def build_optimizer(model: nn.Module, settings: OptimizerSection, *, num_layers: int) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters with `param_groups`.
 
     Args:
         model: the model, before boosting.
         settings: the ``optimizer`` section.
         num_layers: the model's decoder layers (for layer-wise LR decay).
-        single_group: one group with weight decay on every parameter (the hybrid plugin re-points one group).
     """
     kwargs = {"betas": tuple(settings.betas), "eps": settings.eps}
     if settings.fused is not None:
         kwargs["fused"] = settings.fused
-    if single_group:
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, **kwargs)
     return torch.optim.AdamW(param_groups(model, settings, num_layers=num_layers), lr=settings.lr, **kwargs)
 
 

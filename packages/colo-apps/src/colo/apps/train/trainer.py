@@ -93,10 +93,7 @@ class Trainer:
         self.plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
         self.booster = Booster(self.plugin)
         model = self._build_model()
-        hybrid = config.plugin.name == "hybrid"
-        optimizer = build_optimizer(
-            model, config.optimizer, num_layers=self.llama_config.num_hidden_layers, single_group=hybrid
-        )
+        optimizer = build_optimizer(model, config.optimizer, num_layers=self.llama_config.num_hidden_layers)
         scheduler = build_scheduler(optimizer, config.schedule, peak_lr=config.optimizer.lr)
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer, lr_scheduler=scheduler)
         self.engine = self.booster.engine
@@ -109,7 +106,7 @@ class Trainer:
             "mesh": dict(mesh.shape),
             "world": self.world_size,
         }
-        self.log.print(self._describe(model, hybrid))
+        self.log.print(self._describe(model))
 
     # --- setup ----------------------------------------------------------------------------------------------------
 
@@ -133,7 +130,7 @@ class Trainer:
         model.init_weights(self.config.seed)
         return model
 
-    def _describe(self, model: Llama, hybrid: bool) -> str:
+    def _describe(self, model: Llama) -> str:
         config = self.config
         mesh = ", ".join(f"{axis}={size}" for axis, size in self.engine.mesh.shape.items())
         lines = [
@@ -144,8 +141,6 @@ class Trainer:
             f"tokens, {config.data.global_batch_size} per step"
             + (f", {len(self.data.eval)} held out" if self.data.eval is not None else ""),
         ]
-        if hybrid and config.optimizer.no_decay_norms_and_biases:
-            lines.append("note: the hybrid plugin takes one param group: weight decay applies to norms too")
         return "\n".join(lines)
 
     # --- checkpoints ----------------------------------------------------------------------------------------------

@@ -124,6 +124,7 @@ class HybridParallel(Plugin):
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)
         plan.check(model, self)
+        original_names = {id(p): name for name, p in model.named_parameters()}
         checkpoint_names = plan.checkpoint_names(model)
         init_distributed()
         mesh = self.build_mesh()
@@ -137,7 +138,7 @@ class HybridParallel(Plugin):
             target = part.chunks[0] if len(part.chunks) == 1 else nn.ModuleList(part.chunks)
         for module in [model] if part is None else part.chunks:
             self.maybe_compile(module)
-        optimizer = _repoint_optimizer(optimizer, target)
+        optimizer = _repoint_optimizer(optimizer, target, original_names)
         zero = ZeroOptimizer(
             target,
             optimizer,
@@ -161,17 +162,40 @@ def _mixed_precision(plugin: HybridParallel):
     return None if plugin.precision == "fp32" else MixedPrecision(param_dtype=plugin.compute_dtype)
 
 
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-    """Point ``optimizer`` at ``model``'s parameters now (tensor parallelism and pipelines replace or drop
-    parameters), keeping the optimizer object and its hyperparameters; it must be fresh and have one group."""
+def _repoint_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, original_names: dict[int, str]
+) -> torch.optim.Optimizer:
+    """Point ``optimizer``'s param groups at ``model``'s parameters now: tensor parallelism replaces parameters
+    and a pipeline keeps a stage's, so each parameter joins the group its original held, matched by name (or,
+    for a parameter a parallel layer renamed, by its module: ``qkv_proj.q_weight`` joins ``qkv_proj.weight``'s).
+    The optimizer object and its hyperparameters are kept; it must be fresh."""
     if len(optimizer.state):
         raise ValueError("the optimizer already holds state; boost a fresh optimizer, before its first step")
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(
-            "HybridParallel re-points the optimizer at the parallelized parameters and supports one param group; "
-            f"got {len(optimizer.param_groups)} (use the Zero plugin for per-group settings)"
-        )
-    optimizer.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
+    group_of_name: dict[str, int] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in original_names:
+                raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
+            group_of_name[original_names[id(param)]] = index
+    modules: dict[str, set[int]] = {}
+    for name, index in group_of_name.items():
+        modules.setdefault(name.rpartition(".")[0], set()).add(index)
+    groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        index = group_of_name.get(name)
+        if index is None:
+            candidates = modules.get(name.rpartition(".")[0], set())
+            if len(candidates) != 1:
+                raise ValueError(
+                    f"cannot tell which optimizer param group the parallelized parameter {name!r} belongs to; put "
+                    "all parameters of its module in one group"
+                )
+            index = next(iter(candidates))
+        groups[index].append(param)
+    for group, params in zip(optimizer.param_groups, groups):
+        group["params"] = params
     return optimizer
 
 
