@@ -3,12 +3,14 @@ the `colo` CLI and the recipes.
 
 `Booster(plugin)` with the `DDP`, `Zero`, `Gemini` and `HybridParallel` plugins (`colo.apps.booster`) applies a
 parallelism and runs whole training steps. Native models live in `colo.apps.models` (the Llama: config and
-presets, the model, `parallelize_llama`, pipeline stages, FLOPs per token); MFU helpers in `colo.apps.mfu`. The
-trainer and its run config live in `colo.apps.train` (`RunConfig`, `load_config`, `Trainer`, and the function
-`colo.apps.train.train`), the ``colo`` command in `colo.apps.cli`. The main names are re-exported here.
+presets, the model, `parallelize_llama`, pipeline stages, FLOPs per token); MFU helpers in `colo.apps.mfu`;
+activation checkpointing applied from outside the model in `colo.apps.checkpointing`. The trainer and its run
+config live in `colo.apps.train` (`RunConfig`, `load_config`, `Trainer`, and the function `colo.apps.train.train`),
+the ``colo`` command in `colo.apps.cli`. The main names are re-exported here.
 """
 
 from .booster import DDP, Booster, Gemini, HybridParallel, Plugin, StepResult, Zero
+from .checkpointing import apply_activation_checkpointing
 from .mfu import PEAK_FLOPS, format_mfu, mfu, peak_flops
 from .models import (
     Llama,
@@ -41,6 +43,7 @@ __all__: list[str] = [
     "LlamaOutput",
     "LlamaStage",
     "__version__",
+    "apply_activation_checkpointing",
     "flops_per_token",
     "format_mfu",
     "get_preset",

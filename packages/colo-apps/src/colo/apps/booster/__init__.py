@@ -1,5 +1,6 @@
 """The Booster and its plugins: one object that applies a parallelism plan and runs whole training steps."""
 
+from ..hf.plans import register_hf_plans  # the HF plans, by class name
 from . import llama_plan  # noqa: F401  (registers the native Llama's plan)
 from .booster import Booster
 from .microbatch import split_batch
@@ -9,6 +10,8 @@ from .plugins.ddp import DDP
 from .plugins.gemini import Gemini
 from .plugins.hybrid import HybridParallel
 from .plugins.zero import Zero
+
+register_hf_plans()  # by class name: transformers is not imported
 
 __all__ = [
     "DDP",

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from colo.comm import Group, Mesh, all_reduce, init_distributed
 from colo.tensor.checkpoint import save_checkpoint
 
+from ...checkpointing import MODES as CHECKPOINTING_MODES
+from ...checkpointing import apply_activation_checkpointing
 from ..microbatch import loss_of, split_batch
 from ..precision import check_precision
 
@@ -49,6 +51,12 @@ class Plugin:
     """`torch.compile` every block of the model (the children of its ``layers``), after parallelization."""
     compile_options: dict | None = None
     """Keyword arguments for `torch.compile` (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...)."""
+    activation_checkpointing: str | None = None
+    """Activation checkpointing of the model's blocks (`colo.apps.apply_activation_checkpointing`), after
+    parallelization and before compilation: ``"full"`` (keep block inputs, recompute the block), ``"selective"``
+    (keep matmul and attention outputs too), ``"offload"`` (keep saved activations in host memory); ``None``: off."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint every k-th block only (``1``: every block)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -57,6 +65,21 @@ class Plugin:
             raise ValueError(f"{name}.num_microbatches={self.num_microbatches!r} must be a positive integer")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"{name}.max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
+        if self.activation_checkpointing not in (None, *CHECKPOINTING_MODES):
+            raise ValueError(
+                f"{name}.activation_checkpointing={self.activation_checkpointing!r} is unknown; use one of "
+                f"{CHECKPOINTING_MODES} or None"
+            )
+        every = self.activation_checkpointing_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"{name}.activation_checkpointing_every={every!r} must be a positive integer")
+
+    def maybe_checkpoint_activations(self, model: torch.nn.Module) -> None:
+        """Apply ``activation_checkpointing`` to ``model``'s blocks in place, when set (before `maybe_compile`)."""
+        if self.activation_checkpointing is not None:
+            apply_activation_checkpointing(
+                model, mode=self.activation_checkpointing, every=self.activation_checkpointing_every
+            )
 
     def maybe_compile(self, model: torch.nn.Module) -> None:
         """Compile each block of ``model`` in place when ``compile_blocks`` is set (torchtitan's per-block compile:

@@ -33,6 +33,7 @@ class DDP(Plugin):
 
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         mesh = self.build_mesh()
+        self.maybe_checkpoint_activations(model)
         self.maybe_compile(model)
         return DDPEngine(self, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion)
 

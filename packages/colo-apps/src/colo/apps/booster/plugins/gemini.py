@@ -43,6 +43,11 @@ class Gemini(Plugin):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.gemini_config()  # GeminiConfig validates every field, naming it
+        if self.activation_checkpointing == "selective":
+            raise ValueError(
+                "Gemini.activation_checkpointing='selective' does not work with Gemini: gathering chunks inside the "
+                "blocks runs different ops in the recomputation; use 'full' or 'offload'"
+            )
 
     def gemini_config(self) -> GeminiConfig:
         """The `GeminiConfig` these settings describe."""
@@ -62,6 +67,7 @@ class Gemini(Plugin):
 
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         mesh = self.build_mesh()
+        self.maybe_checkpoint_activations(model)
         self.maybe_compile(model)
         gemini = GeminiOptimizer(model, optimizer, mesh=mesh, config=self.gemini_config())
         return GeminiEngine(

@@ -137,6 +137,7 @@ class HybridParallel(Plugin):
             part = plan.pipeline(model, mesh=mesh, plugin=self, stage_ids=stage_ids)
             target = part.chunks[0] if len(part.chunks) == 1 else nn.ModuleList(part.chunks)
         for module in [model] if part is None else part.chunks:
+            self.maybe_checkpoint_activations(module)
             self.maybe_compile(module)
         optimizer = _repoint_optimizer(optimizer, target, original_names)
         zero = ZeroOptimizer(

@@ -39,6 +39,11 @@ class Zero(Plugin):
             raise ValueError(f"Zero.stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         if self.comm_dtype is not None and self.comm_dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"Zero.comm_dtype={self.comm_dtype!r} is not supported; use fp32, bf16, fp16 or None")
+        if self.stage == 3 and self.activation_checkpointing == "selective":
+            raise ValueError(
+                "Zero.activation_checkpointing='selective' does not work with stage=3: gathering parameters inside the "
+                "blocks runs different ops in the recomputation; use 'full' or 'offload', or stage <= 2"
+            )
 
     def mixed_precision(self) -> MixedPrecision | None:
         """The `MixedPrecision` for this plugin's precision (``None`` for fp32 with fp32 communication)."""
@@ -52,6 +57,7 @@ class Zero(Plugin):
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         plan = find_plan(model)
         mesh = self.build_mesh()
+        self.maybe_checkpoint_activations(model)
         self.maybe_compile(model)
         zero = ZeroOptimizer(
             model,

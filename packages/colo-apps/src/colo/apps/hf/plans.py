@@ -1,0 +1,322 @@
+"""`HybridParallel` plans for Hugging Face ``transformers`` models, written against their public module structure.
+
+- `HFLlamaPlan` (``LlamaForCausalLM``): tensor parallelism over ``tp`` — ``model.embed_tokens`` vocabulary-parallel,
+  ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj`` column-parallel (by heads: transformers 5's
+  attention reshapes with ``-1`` heads of ``head_dim``, so the local projections need no attribute rewritten;
+  ``num_key_value_groups`` stays the same because tp divides both head counts), ``o_proj`` / ``down_proj``
+  row-parallel, ``lm_head`` column-parallel with its logits all-gathered (Hugging Face's own loss then runs on full
+  logits); and a pipeline of contiguous decoder layers (`colo.apps.hf.pipeline`).
+- `HFGPT2Plan` (``GPT2LMHeadModel``): GPT-2 keeps its projections in ``Conv1D`` modules (an ``addmm`` with the
+  weight stored ``(in, out)``, the transpose of ``nn.Linear``'s). The plan converts each one to an ``nn.Linear``
+  holding the transposed weight (same values, same bias parameter) and then shards ordinary linears: ``c_attn``
+  (q, k, v fused) by heads with `colo.tensor.FusedQKV`, the attention's ``split_size`` / ``num_heads`` /
+  ``embed_dim`` rewritten to this rank's, ``c_proj`` row-parallel, ``mlp.c_fc`` column-parallel, ``mlp.c_proj``
+  row-parallel, ``wte`` vocabulary-parallel and ``lm_head`` gathered. No pipeline yet.
+
+Tied embeddings stay tied: both modules hold the same vocabulary rows on a rank and share that shard. Norms,
+GPT-2's position embedding and every bias of a row-parallel layer are replicated. Sequence parallelism is not
+offered for these models (``sp`` / ``sp_mode`` are rejected by `check`). Before anything changes, `check` walks the
+model: every module holding parameters must be one the plan knows, of the type it expects, or a `ValueError` names
+its path and type.
+
+The plans are registered for the model classes by name (`transformers_class`), so importing ``colo.apps`` does not
+import transformers (about 4 s); a model object that exists has imported it already.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from colo.comm import Mesh
+from colo.tensor import Colwise, FusedQKV, ParallelStyle, Rowwise, VocabParallel, layout_of, parallelize
+
+from ..booster.plans import ModelPlan, PipelinePart, register_plan
+from ..models.llama.loss import causal_lm_loss
+from .pipeline import hf_llama_pipeline_stages
+
+
+class _ClassByName(type):
+    """Metaclass of `transformers_class`: ``isinstance`` by the class name and module, without importing it."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return cls.__subclasscheck__(type(obj))
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return any(k.__name__ == cls.__name__ and k.__module__.startswith(cls.module_prefix) for k in subclass.__mro__)
+
+
+def transformers_class(name: str, module: str) -> type:
+    """A stand-in for ``transformers`` class ``name`` of ``module`` for `register_plan`: an instance of the real
+    class or of a subclass is an instance of it; nothing is imported.
+
+    Args:
+        name (str): the class name, e.g. ``"LlamaForCausalLM"``.
+        module (str): the module (or its prefix) defining it, e.g. ``"transformers.models.llama"``.
+    """
+    return _ClassByName(name, (), {"module_prefix": module})
+
+
+def _pattern(glob: str) -> re.Pattern:
+    return re.compile("^" + re.escape(glob).replace(r"\*", r"[^.]+") + "$")
+
+
+class _HFPlan(ModelPlan):
+    """What the Hugging Face plans share: the structure check, tied-embedding handling and the plugin checks."""
+
+    model_name = ""
+    known: dict[str, str] = {}
+    """module-name glob -> expected class name (any module of the class, or of a subclass)."""
+    required: tuple[str, ...] = ()
+    """globs that must match at least one module (with its expected class)."""
+
+    def check_structure(self, model: nn.Module) -> None:
+        """Raise a `ValueError` naming the first module the plan does not know (path and type), or a known path
+        holding a module of another type; names are checked before any module changes."""
+        known = [(glob, _pattern(glob), cls) for glob, cls in self.known.items()]
+        seen: set[str] = set()
+        for name, module in model.named_modules():
+            matched = [(glob, cls) for glob, pattern, cls in known if pattern.match(name)]
+            holds_parameters = next(module.parameters(recurse=False), None) is not None
+            if not matched:
+                if holds_parameters:
+                    raise ValueError(
+                        f"{type(self).__name__}: module {name!r} ({type(module).__name__}) is not part of the "
+                        f"{self.model_name} plan, which knows {sorted(self.known)}; train this model with the DDP "
+                        "or Zero plugins, or register a plan for it (colo.apps.booster.register_plan)"
+                    )
+                continue
+            glob, expected = matched[0]
+            if not any(k.__name__ == expected for k in type(module).__mro__):
+                raise ValueError(
+                    f"{type(self).__name__}: module {name!r} is a {type(module).__name__}, but the {self.model_name} "
+                    f"plan expects a {expected} there; train this model with the DDP or Zero plugins, or register a "
+                    "plan for it (colo.apps.booster.register_plan)"
+                )
+            seen.add(glob)
+        missing = [glob for glob in self.required if glob not in seen]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: the model has no module {missing[0]!r} of the {self.model_name}")
+
+    def check_plugin(self, model: nn.Module, plugin, sizes: Mapping[str, int]) -> None:
+        """Reject sequence parallelism and meta-device models; check that ``tp`` divides every size in ``sizes``."""
+        if plugin.sp > 1 or plugin.sp_mode is not None:
+            raise ValueError(
+                f"HybridParallel: sp={plugin.sp}, sp_mode={plugin.sp_mode!r} is not supported for Hugging Face "
+                f"models ({type(self).__name__}); use tp, pp and dp"
+            )
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"{type(self).__name__}: the model has parameters on the meta device; build or load it eagerly "
+                "(e.g. from_pretrained or from_config), the same on every rank"
+            )
+        for field, extent in sizes.items():
+            if extent % plugin.tp:
+                raise ValueError(
+                    f"HybridParallel.tp={plugin.tp} does not divide config.{field}={extent} of the {self.model_name}; "
+                    f"choose tp in {[d for d in range(1, extent + 1) if extent % d == 0 and d <= 64]}"
+                )
+
+    def shard(self, model: nn.Module, *, mesh: Mesh, plan: dict[str, ParallelStyle], embed: str) -> None:
+        """`colo.tensor.parallelize` ``plan`` over ``tp``, keeping a tied ``lm_head`` tied to ``embed``'s shard."""
+        names = dict(model.named_modules())
+        embedding, lm_head = names.get(embed), names.get("lm_head")
+        if embedding is None:
+            plan.pop(embed)
+        if lm_head is None:
+            plan.pop("lm_head")
+        tied = embedding is not None and lm_head is not None and lm_head.weight is embedding.weight
+        if tied:
+            lm_head.weight = nn.Parameter(embedding.weight.detach(), requires_grad=embedding.weight.requires_grad)
+        parallelize(model, mesh, plan, axis="tp")
+        if tied:
+            model.lm_head.weight = model.get_submodule(embed).weight
+
+    def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(f"a {self.model_name} pipeline batch needs 'input_ids' and 'labels'; got {sorted(batch)}")
+        return batch["input_ids"], batch["labels"]
+
+
+class HFLlamaPlan(_HFPlan):
+    """Tensor parallelism and a layer-range pipeline for ``transformers.LlamaForCausalLM`` (see the module)."""
+
+    model_name = "LlamaForCausalLM"
+    known = {
+        "model.embed_tokens": "Embedding",
+        "model.rotary_emb": "LlamaRotaryEmbedding",
+        "model.layers.*": "LlamaDecoderLayer",
+        "model.layers.*.self_attn": "LlamaAttention",
+        **{f"model.layers.*.self_attn.{p}_proj": "Linear" for p in "qkvo"},
+        "model.layers.*.mlp": "LlamaMLP",
+        **{f"model.layers.*.mlp.{p}_proj": "Linear" for p in ("gate", "up", "down")},
+        "model.layers.*.input_layernorm": "LlamaRMSNorm",
+        "model.layers.*.post_attention_layernorm": "LlamaRMSNorm",
+        "model.norm": "LlamaRMSNorm",
+        "lm_head": "Linear",
+    }
+    required = ("model.embed_tokens", "model.layers.*.self_attn", "model.norm", "lm_head")
+
+    def check(self, model: nn.Module, plugin) -> None:
+        self.check_structure(model)
+        config = model.config
+        self.check_plugin(
+            model,
+            plugin,
+            {
+                "num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                "intermediate_size": config.intermediate_size,
+                "vocab_size": config.vocab_size,
+            },
+        )
+        num_stages, num_layers = plugin.pp * plugin.num_model_chunks, len(model.model.layers)
+        if num_stages > num_layers:
+            raise ValueError(
+                f"HybridParallel: pp={plugin.pp} x num_model_chunks={plugin.num_model_chunks} = {num_stages} stages "
+                f"but the LlamaForCausalLM has {num_layers} decoder layers; use at most that many stages"
+            )
+
+    @staticmethod
+    def tp_plan() -> dict[str, ParallelStyle]:
+        """Module-name pattern -> style (the logits are gathered: the loss runs on full logits)."""
+        plan: dict[str, ParallelStyle] = {"model.embed_tokens": VocabParallel()}
+        plan.update({f"model.layers.*.self_attn.{p}_proj": Colwise() for p in "qkv"})
+        plan["model.layers.*.self_attn.o_proj"] = Rowwise()
+        plan.update({"model.layers.*.mlp.gate_proj": Colwise(), "model.layers.*.mlp.up_proj": Colwise()})
+        plan["model.layers.*.mlp.down_proj"] = Rowwise()
+        plan["lm_head"] = Colwise(gather_output=True)
+        return plan
+
+    def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
+        if plugin.tp == 1:
+            return model
+        self.shard(model, mesh=mesh, plan=self.tp_plan(), embed="model.embed_tokens")
+        for name, module in model.named_modules():
+            if name.endswith(".self_attn"):  # head counts some transformers 4.x versions keep on the module
+                for attr in ("num_heads", "num_key_value_heads", "hidden_size"):
+                    if isinstance(getattr(module, attr, None), int):
+                        setattr(module, attr, getattr(module, attr) // plugin.tp)
+        return model
+
+    def pipeline(self, model: nn.Module, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
+        stages = hf_llama_pipeline_stages(model, plugin.pp * plugin.num_model_chunks)
+        chunks = [self.apply(stages[i], mesh=mesh, plugin=plugin) for i in stage_ids]
+        tied: dict[str, nn.Parameter] = {}
+        for chunk in chunks:
+            tied.update(chunk.tied_parameters())
+        return PipelinePart(chunks=chunks, loss_fn=causal_lm_loss, tied_parameters=tied)
+
+
+_CONV1D_GLOBS = tuple(f"transformer.h.*.{name}" for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+
+
+def conv1d_to_linear(conv: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` computing what a Hugging Face ``Conv1D`` computes: its weight transposed (a new
+    parameter, same values), its bias parameter itself.
+
+    Args:
+        conv: a ``transformers.pytorch_utils.Conv1D`` (weight ``(in, out)``, bias ``(out,)``).
+
+    Returns:
+        nn.Linear: weight ``(out, in)``.
+    """
+    in_features, out_features = conv.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
+    linear.bias = conv.bias
+    return linear
+
+
+class HFGPT2Plan(_HFPlan):
+    """Tensor parallelism for ``transformers.GPT2LMHeadModel`` (``Conv1D`` converted to ``nn.Linear``; see the
+    module). Checkpoints name the converted weights in ``nn.Linear`` orientation: ``attn.c_attn`` as
+    ``attn.c_attn.{q,k,v}_proj.{weight,bias}``, the others as ``<module>.linear.{weight,bias}`` (so they never load
+    silently transposed into an unconverted GPT-2)."""
+
+    model_name = "GPT2LMHeadModel"
+    known = {
+        "transformer.wte": "Embedding",
+        "transformer.wpe": "Embedding",
+        "transformer.h.*": "GPT2Block",
+        "transformer.h.*.ln_1": "LayerNorm",
+        "transformer.h.*.ln_2": "LayerNorm",
+        "transformer.h.*.attn": "GPT2Attention",
+        "transformer.h.*.mlp": "GPT2MLP",
+        **dict.fromkeys(_CONV1D_GLOBS, "Conv1D"),
+        "transformer.ln_f": "LayerNorm",
+        "lm_head": "Linear",
+    }
+    required = ("transformer.wte", "transformer.h.*.attn", "lm_head")
+
+    def check(self, model: nn.Module, plugin) -> None:
+        self.check_structure(model)
+        config = model.config
+        inner = getattr(config, "n_inner", None) or 4 * config.hidden_size
+        sizes = {"num_attention_heads": config.num_attention_heads, "n_inner": inner, "vocab_size": config.vocab_size}
+        self.check_plugin(model, plugin, sizes)
+        if plugin.pp > 1:
+            raise ValueError(
+                f"HybridParallel: pp={plugin.pp} is not supported for GPT2LMHeadModel yet (its plan has no pipeline "
+                "stages); use tp and dp"
+            )
+
+    @staticmethod
+    def tp_plan(num_heads: int) -> dict[str, ParallelStyle]:
+        """Module-name pattern -> style, for the model after its ``Conv1D`` modules became ``nn.Linear``."""
+        return {
+            "transformer.wte": VocabParallel(),
+            "transformer.h.*.attn.c_attn": FusedQKV(num_heads=num_heads, num_kv_heads=num_heads, head_attrs=None),
+            "transformer.h.*.attn.c_proj": Rowwise(),
+            "transformer.h.*.mlp.c_fc": Colwise(),
+            "transformer.h.*.mlp.c_proj": Rowwise(),
+            "lm_head": Colwise(gather_output=True),
+        }
+
+    def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
+        globs = [_pattern(glob) for glob in _CONV1D_GLOBS]
+        for name in [n for n, _ in model.named_modules() if any(g.match(n) for g in globs)]:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, conv1d_to_linear(model.get_submodule(name)))
+        if plugin.tp == 1:
+            return model
+        self.shard(model, mesh=mesh, plan=self.tp_plan(model.config.num_attention_heads), embed="transformer.wte")
+        for block in model.transformer.h:
+            attention = block.attn
+            attention.num_heads //= plugin.tp
+            attention.embed_dim //= plugin.tp
+            attention.split_size //= plugin.tp  # c_attn's output is this rank's [q | k | v]
+        return model
+
+    def checkpoint_names(self, model: nn.Module):
+        """Names of the converted weights in checkpoints (see the class docstring)."""
+        width = model.config.hidden_size
+        converted = re.compile(r"^(.*\.(?:attn|mlp)\.(?:c_attn|c_proj|c_fc))\.(weight|bias|[qkv]_weight|[qkv]_bias)$")
+
+        def names(name: str, parameter: nn.Parameter):
+            match = converted.match(name)
+            if match is None:
+                return None
+            module, leaf = match.groups()
+            if module.endswith("c_attn"):
+                if leaf in ("weight", "bias"):
+                    return [(f"{module}.{part}_proj.{leaf}", i * width, width) for i, part in enumerate("qkv")]
+                return [(f"{module}.{leaf[0]}_proj.{leaf[2:]}", 0, width)]
+            layout = layout_of(parameter)
+            rows = layout.global_shape[0] if layout is not None else parameter.shape[0]
+            return [(f"{module}.linear.{leaf}", 0, rows)]
+
+        return names
+
+    def pipeline(self, model: nn.Module, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
+        raise ValueError("HFGPT2Plan has no pipeline stages yet; use pp=1")
+
+
+def register_hf_plans() -> None:
+    """Register `HFLlamaPlan` and `HFGPT2Plan` for ``transformers``' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``
+    (and their subclasses), matched by class name: nothing is imported from transformers."""
+    register_plan(transformers_class("LlamaForCausalLM", "transformers.models.llama"), HFLlamaPlan())
+    register_plan(transformers_class("GPT2LMHeadModel", "transformers.models.gpt2"), HFGPT2Plan())
