@@ -30,8 +30,11 @@ def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group | None, no
             all_reduce(local, op="max", group=group)
         return float(local.item())
     local = torch.zeros(1, device=device, dtype=torch.float64)
-    for shard in grad_shards:
-        local += shard.double().abs().pow(norm_type).sum()
+    if grad_shards:
+        # one fused norm kernel per shard in the shard's own precision (no full-size float64 temporaries), the
+        # per-shard norms raised to p and summed in float64
+        norms = torch.stack([torch.linalg.vector_norm(shard, ord=norm_type) for shard in grad_shards])
+        local += norms.double().pow(norm_type).sum()
     if group is not None:
         all_reduce(local, op="sum", group=group)
     return float(local.item() ** (1.0 / norm_type))

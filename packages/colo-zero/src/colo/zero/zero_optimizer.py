@@ -342,8 +342,13 @@ class ZeroOptimizer:
                     continue
                 begin = max(slot.offset, chunk.shard_offset)
                 end = min(slot.offset + slot.numel, chunk.shard_offset + chunk.shard_numel)
-                if begin < end:
-                    counted.append((begin - chunk.shard_offset, end - chunk.shard_offset))
+                if begin >= end:
+                    continue
+                begin, end = begin - chunk.shard_offset, end - chunk.shard_offset
+                if counted and counted[-1][1] == begin:  # adjacent parameters: one range, one norm kernel
+                    counted[-1] = (counted[-1][0], end)
+                else:
+                    counted.append((begin, end))
             ranges[chunk.index] = counted
         return ranges
 

@@ -74,8 +74,11 @@ class DDPEngine(Engine):
     def step(self) -> tuple[float | None, bool]:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        max_norm = self.plugin.max_grad_norm if self.plugin.max_grad_norm is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.named_params.values(), max_norm))
+        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+        if self.plugin.max_grad_norm is None:  # report the norm without rescaling every gradient by 1.0
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.named_params.values(), self.plugin.max_grad_norm))
         if self.scaler is None:
             self.optimizer.step()
             return norm, False
