@@ -15,16 +15,15 @@ Memory Management", 2022), with ZeRO-Infinity's NVMe tier (Rajbhandari et al., 2
 from __future__ import annotations
 
 import functools
-import math
 import os
 import uuid
-from collections.abc import Callable
 
 import torch
 
 from colo.comm import Mesh, all_gather, all_reduce, reduce_scatter
 from colo.zero import Chunk, DynamicLossScaler, plan_chunks
-from colo.zero.clip import clip_coefficient
+from colo.zero.clip import clip_coefficient, global_grad_norm
+from colo.zero.optimizer_setup import OptimizerLike, param_group_index, resolve_optimizer
 
 from .config import GeminiConfig
 from .hooks import GeminiGatherer
@@ -43,8 +42,6 @@ from .placement import (
 )
 from .tiers import DeviceArena, DiskTier, GeminiMemoryError, HostTier, format_bytes
 from .tracer import GeminiMemoryReport, MemoryTracer, NonModelMemory, TierReport
-
-OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
 
 
 class GeminiOptimizer:
@@ -104,9 +101,11 @@ class GeminiOptimizer:
                 "device (model.to('cpu')) before GeminiOptimizer"
             )
         self.device = self.config.resolved_device()
-        self.optimizer = self._resolve_optimizer(optimizer, list(params.values()))
+        self.optimizer = resolve_optimizer(
+            optimizer, list(params.values()), default=torch.optim.AdamW, owner="GeminiOptimizer"
+        )
         check_optimizer(self.optimizer)
-        group_of = self._param_group_index(params)
+        group_of = param_group_index(self.optimizer, params, owner="GeminiOptimizer")
         mp = self.config.mixed_precision
         self.param_dtype = mp.param_dtype if mp is not None else None
         self.reduce_dtype = mp.reduce_dtype if mp is not None else None
@@ -186,41 +185,6 @@ class GeminiOptimizer:
         self.zero_grad()
 
     # --- construction -----------------------------------------------------------------------------------------
-
-    def _resolve_optimizer(self, optimizer: OptimizerLike, params: list) -> torch.optim.Optimizer:
-        if optimizer is None:
-            optimizer = torch.optim.AdamW
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            if not callable(optimizer):
-                raise TypeError(f"optimizer must be a torch optimizer, a callable or None, not {type(optimizer)}")
-            optimizer = optimizer([p for p in params if p.requires_grad])
-        if len(optimizer.state):
-            raise ValueError(
-                f"the optimizer already holds state for {len(optimizer.state)} parameters (it has stepped); build "
-                "GeminiOptimizer around a fresh optimizer, before the first step"
-            )
-        return optimizer
-
-    def _param_group_index(self, params: dict[str, torch.nn.Parameter]) -> dict[int, int]:
-        group_of: dict[int, int] = {}
-        model_ids = {id(p) for p in params.values()}
-        for index, group in enumerate(self.optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in model_ids:
-                    raise ValueError(
-                        "the optimizer holds a tensor that is not a parameter of the model; build it from "
-                        "model.parameters()"
-                    )
-                group_of[id(p)] = index
-        for name, p in params.items():
-            if p.requires_grad and id(p) not in group_of:
-                raise ValueError(
-                    f"trainable parameter {name!r} is in no optimizer param group; add it to one or set "
-                    "requires_grad=False"
-                )
-            if not p.is_floating_point():
-                raise ValueError(f"parameter {name!r} has dtype {p.dtype}; Gemini places floating-point parameters")
-        return group_of
 
     def _module_chunks(self, model: torch.nn.Module) -> list[list[int]]:
         result = []
@@ -373,16 +337,7 @@ class GeminiOptimizer:
         if self._prepare_grads():
             return float("inf")
         shards = self.hybrid.grad_shards()
-        if math.isinf(norm_type):
-            local = max((float(s.abs().max()) for s in shards if s.numel()), default=0.0)
-            value = torch.tensor([local], dtype=torch.float64, device=self.device)
-            all_reduce(value, op="max", group=self.group)
-            total = float(value.item())
-        else:
-            local = sum(float(s.double().abs().pow(norm_type).sum()) for s in shards)
-            value = torch.tensor([local], dtype=torch.float64, device=self.device)
-            all_reduce(value, op="sum", group=self.group)
-            total = float(value.item()) ** (1.0 / norm_type)
+        total = global_grad_norm(shards, group=self.group, norm_type=norm_type)
         coefficient = clip_coefficient(total, max_norm)
         if coefficient < 1.0:
             for shard in shards:

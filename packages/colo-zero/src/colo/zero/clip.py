@@ -25,7 +25,8 @@ def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group | None, no
     if math.isinf(norm_type):
         local = torch.zeros(1, device=device, dtype=torch.float32)
         for shard in grad_shards:
-            local = torch.maximum(local, shard.abs().max().reshape(1).float())
+            if shard.numel():
+                local = torch.maximum(local, shard.abs().max().reshape(1).float().to(device))
         if group is not None:
             all_reduce(local, op="max", group=group)
         return float(local.item())
@@ -33,7 +34,8 @@ def global_grad_norm(grad_shards: list[torch.Tensor], *, group: Group | None, no
     if grad_shards:
         # one fused norm kernel per shard in the shard's own precision (no full-size float64 temporaries), the
         # per-shard norms raised to p and summed in float64
-        norms = torch.stack([torch.linalg.vector_norm(shard, ord=norm_type) for shard in grad_shards])
+        # (shards may live on different tiers: the norms are brought to the first one's device)
+        norms = torch.stack([torch.linalg.vector_norm(shard, ord=norm_type).to(device) for shard in grad_shards])
         local += norms.double().pow(norm_type).sum()
     if group is not None:
         all_reduce(local, op="sum", group=group)

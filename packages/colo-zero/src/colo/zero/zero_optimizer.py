@@ -32,6 +32,7 @@ from colo.comm import Mesh, all_gather, all_reduce, reduce_scatter
 from .amp import DynamicLossScaler, MixedPrecision
 from .chunk import Chunk, plan_chunks
 from .clip import clip_coefficient, global_grad_norm
+from .optimizer_setup import OptimizerLike, param_group_index, resolve_optimizer
 from .stage3 import ChunkGatherer
 from .state import checkpoint_state, load_state, save_state
 
@@ -93,9 +94,6 @@ class ZeroConfig:
     def model_parallel_axes(self) -> tuple[str, ...]:
         """The tensor-parallel axes and the pipeline axis, the ones the model itself is split over."""
         return self.tensor_parallel_axes + ((self.pipeline_axis,) if self.pipeline_axis else ())
-
-
-OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -194,8 +192,10 @@ class ZeroOptimizer:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.offload = self.config.offload_optimizer
         self.state_device = torch.device("cpu") if self.offload else self.device
-        self.optimizer = self._resolve_optimizer(optimizer, list(params.values()))
-        group_of = self._param_group_index(params)
+        self.optimizer = resolve_optimizer(
+            optimizer, list(params.values()), default=_default_optimizer, owner="ZeroOptimizer"
+        )
+        group_of = param_group_index(self.optimizer, params, owner="ZeroOptimizer")
 
         mp = self.config.mixed_precision
         self.param_dtype = mp.param_dtype if mp is not None else None
@@ -248,41 +248,6 @@ class ZeroOptimizer:
         self.zero_grad()
 
     # --- construction -----------------------------------------------------------------------------------------
-
-    def _resolve_optimizer(self, optimizer: OptimizerLike, params: list) -> torch.optim.Optimizer:
-        if optimizer is None:
-            optimizer = _default_optimizer
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            if not callable(optimizer):
-                raise TypeError(f"optimizer must be a torch optimizer, a callable or None, not {type(optimizer)}")
-            optimizer = optimizer([p for p in params if p.requires_grad])
-        if len(optimizer.state):
-            raise ValueError(
-                f"the optimizer already holds state for {len(optimizer.state)} parameters (it has stepped); build "
-                "ZeroOptimizer around a fresh optimizer, before the first step"
-            )
-        return optimizer
-
-    def _param_group_index(self, params: dict[str, torch.nn.Parameter]) -> dict[int, int]:
-        group_of: dict[int, int] = {}
-        model_ids = {id(p) for p in params.values()}
-        for index, group in enumerate(self.optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in model_ids:
-                    raise ValueError(
-                        "the optimizer holds a tensor that is not a parameter of the model; build it "
-                        "from model.parameters()"
-                    )
-                group_of[id(p)] = index
-        for name, p in params.items():
-            if p.requires_grad and id(p) not in group_of:
-                raise ValueError(
-                    f"trainable parameter {name!r} is in no optimizer param group; add it to one or "
-                    "set requires_grad=False"
-                )
-            if not p.is_floating_point():
-                raise ValueError(f"parameter {name!r} has dtype {p.dtype}; ZeRO shards floating-point parameters")
-        return group_of
 
     def _build_buffers(self) -> None:
         stage = self.config.stage
