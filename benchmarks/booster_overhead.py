@@ -61,7 +61,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zero_dp import LR, NUM_RANKS, RESULTS, SHAPES, _adamw, _versions, token_batch  # noqa: E402
+from zero_dp import (  # noqa: E402
+    LR,
+    NUM_RANKS,
+    RESULTS,
+    SHAPES,
+    _adamw,
+    _versions,
+    loss_agreement,
+    print_agreement,
+    print_rows,
+    token_batch,
+)
 
 PRESET = "bench-25m"
 IMPLS = {
@@ -434,19 +445,7 @@ def _ratios(runs: list[dict], rows: dict, shape: str) -> dict:
 
 
 def _agreement(rows: dict) -> dict:
-    multi = {impl: row["losses"] for impl, row in rows.items() if "losses" in row and impl != "single"}
-    if not multi:
-        return {}
-    reference = "ddp" if "ddp" in multi else next(iter(multi))
-    finals = {impl: losses[-1] for impl, losses in multi.items()}
-    return {
-        "reference": reference,
-        "final_losses": finals,
-        "final_loss_spread": max(finals.values()) - min(finals.values()),
-        "max_abs_diff_vs_reference": {
-            impl: max(abs(a - b) for a, b in zip(losses, multi[reference])) for impl, losses in multi.items()
-        },
-    }
+    return loss_agreement({impl: row["losses"] for impl, row in rows.items() if "losses" in row and impl != "single"})
 
 
 PHASES = ["forward", "backward", "grad_sync_wait", "grad_norm", "optimizer", "zero_step_rest", "zero_grad"]
@@ -454,26 +453,7 @@ PHASES += ["loss_all_reduce", "other"]
 
 
 def print_table(summary: dict, impls: list[str], shapes: list[str]) -> None:
-    header = "| row (2 processes) |"
-    for shape in shapes:
-        header += f" {shape}-bound tokens/s | scaling |"
-    header += " peak RSS (MB), " + " / ".join(shapes) + " |"
-    print(header)
-    print("|---" * (1 + 2 * len(shapes) + 1) + "|")
-    for impl in impls:
-        line = f"| {IMPLS[impl]} |"
-        rss = []
-        for shape in shapes:
-            row = summary[shape]["rows"][impl]
-            if "error" in row:
-                line += " failed | — |"
-                rss.append("—")
-                continue
-            tokens_per_s = row["tokens_per_s"] * (NUM_RANKS if impl == "single" else 1)  # the limit: 2 x single
-            scaling = f"{100 * row['scaling']:.0f}%" if "scaling" in row else "—"
-            line += f" {tokens_per_s:.0f} | {scaling} |"
-            rss.append(f"{row['peak_rss_mb']:.0f}")
-        print(line + " " + " / ".join(rss) + " |")
+    print_rows(summary, impls, shapes, IMPLS, "row (2 processes)")
 
     print("\nBooster overhead (plain tokens/s / Booster tokens/s - 1; medians over repeats, then each repeat paired)")
     print(
@@ -508,14 +488,7 @@ def print_table(summary: dict, impls: list[str], shapes: list[str]) -> None:
             cells = [f"{1000 * row['phase_s'][p]:.1f}" if p in row["phase_s"] else "—" for p in PHASES]
             print(f"| {impl} | {1000 * row['median_step_s']:.1f} | " + " | ".join(cells) + " |")
 
-    for shape in shapes:
-        agreement = summary[shape]["loss_agreement"]
-        if not agreement:
-            continue
-        finals = ", ".join(f"{impl} {loss:.5f}" for impl, loss in agreement["final_losses"].items())
-        diffs = ", ".join(f"{impl} {d:.1e}" for impl, d in agreement["max_abs_diff_vs_reference"].items())
-        print(f"{shape}: final losses {finals}; spread {agreement['final_loss_spread']:.1e}")
-        print(f"{shape}: max |loss - {agreement['reference']}| over all steps: {diffs}")
+    print_agreement(summary, shapes)
     for shape in shapes:
         for impl in impls:
             row = summary[shape]["rows"][impl]

@@ -293,31 +293,37 @@ def summarize(runs: list[dict], impls: list[str], shapes: list[str]) -> dict:
                     row["scaling"] = row["tokens_per_s"] / (NUM_RANKS * single)
             rows["single"]["scaling"] = 1.0
         multi = {impl: row["losses"] for impl, row in rows.items() if "losses" in row and IMPLS[impl].num_ranks > 1}
-        agreement = {}
-        if multi:
-            reference = "ddp" if "ddp" in multi else next(iter(multi))
-            finals = {impl: losses[-1] for impl, losses in multi.items()}
-            agreement = {
-                "reference": reference,
-                "final_losses": finals,
-                "final_loss_spread": max(finals.values()) - min(finals.values()),
-                "max_abs_diff_vs_reference": {
-                    impl: max(abs(a - b) for a, b in zip(losses, multi[reference])) for impl, losses in multi.items()
-                },
-            }
+        agreement = loss_agreement(multi)
         summary[shape] = {"rows": rows, "loss_agreement": agreement}
     return summary
 
 
-def print_table(summary: dict, impls: list[str], shapes: list[str]) -> None:
-    header = "| implementation (2 processes) |"
+def loss_agreement(multi: dict[str, list[float]]) -> dict:
+    """How the multi-process rows' per-step losses agree: final losses, their spread, max |diff| vs a reference."""
+    if not multi:
+        return {}
+    reference = "ddp" if "ddp" in multi else next(iter(multi))
+    finals = {impl: losses[-1] for impl, losses in multi.items()}
+    return {
+        "reference": reference,
+        "final_losses": finals,
+        "final_loss_spread": max(finals.values()) - min(finals.values()),
+        "max_abs_diff_vs_reference": {
+            impl: max(abs(a - b) for a, b in zip(losses, multi[reference])) for impl, losses in multi.items()
+        },
+    }
+
+
+def print_rows(summary: dict, impls: list[str], shapes: list[str], labels: dict[str, str], first_column: str) -> None:
+    """The table of tokens/s, scaling and peak RSS per row and shape (single x NUM_RANKS is the limit)."""
+    header = f"| {first_column} |"
     for shape in shapes:
         header += f" {shape}-bound tokens/s | scaling |"
     header += " peak RSS (MB), " + " / ".join(shapes) + " |"
     print(header)
     print("|---" * (1 + 2 * len(shapes) + 1) + "|")
     for impl in impls:
-        line = f"| {IMPLS[impl].label} |"
+        line = f"| {labels[impl]} |"
         rss = []
         for shape in shapes:
             row = summary[shape]["rows"][impl]
@@ -330,6 +336,10 @@ def print_table(summary: dict, impls: list[str], shapes: list[str]) -> None:
             line += f" {tokens_per_s:.0f} | {scaling} |"
             rss.append(f"{row['peak_rss_mb']:.0f}")
         print(line + " " + " / ".join(rss) + " |")
+
+
+def print_agreement(summary: dict, shapes: list[str]) -> None:
+    """The loss-agreement lines of each shape."""
     for shape in shapes:
         agreement = summary[shape]["loss_agreement"]
         if not agreement:
@@ -338,6 +348,11 @@ def print_table(summary: dict, impls: list[str], shapes: list[str]) -> None:
         diffs = ", ".join(f"{impl} {d:.1e}" for impl, d in agreement["max_abs_diff_vs_reference"].items())
         print(f"{shape}: final losses {finals}; spread {agreement['final_loss_spread']:.1e}")
         print(f"{shape}: max |loss - {agreement['reference']}| over all steps: {diffs}")
+
+
+def print_table(summary: dict, impls: list[str], shapes: list[str]) -> None:
+    print_rows(summary, impls, shapes, {impl: IMPLS[impl].label for impl in impls}, "implementation (2 processes)")
+    print_agreement(summary, shapes)
     for shape in shapes:
         for impl in impls:
             row = summary[shape]["rows"][impl]
