@@ -186,8 +186,23 @@ def _apply_styles(model: nn.Module, name: str, styles, mesh: Mesh, axis: str) ->
     for pattern, style in styles:
         replacement = style.apply(StyleTarget(pattern, name, module, parent, mesh, style.axis or axis))
         if replacement is not module:
+            _keep_frozen(module, replacement, name)
             setattr(parent, attr, replacement)
             module = replacement
+
+
+def _keep_frozen(original: nn.Module, replacement: nn.Module, name: str) -> None:
+    """A replaced module whose parameters were all frozen (``requires_grad=False``, e.g. the base weights under
+    LoRA) stays frozen; a mix of frozen and trainable parameters has no clear counterpart in the parallel one."""
+    flags = {p.requires_grad for p in original.parameters(recurse=False)}
+    if flags == {False}:
+        for param in replacement.parameters(recurse=False):
+            param.requires_grad_(False)
+    elif len(flags) > 1:
+        raise ValueError(
+            f"module {name!r} has frozen and trainable parameters; a parallel style replaces it as a whole: freeze "
+            "all of its parameters or none"
+        )
 
 
 def parallelize(

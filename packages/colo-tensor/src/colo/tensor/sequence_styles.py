@@ -46,12 +46,12 @@ class SequenceParallel(ParallelStyle):
         self.axis = axis
 
     def check(self, target: StyleTarget) -> None:
-        params = [p for p in target.module.parameters() if p.requires_grad]
-        if not params:
+        if next(target.module.parameters(), None) is None:
             raise ValueError(
-                f"{self!r} cannot handle {target.describe()}: it has no trainable parameters, so there is nothing "
-                "to sum; a dropout on a sequence shard needs ShardedRNG(tracker), other modules need no style"
+                f"{self!r} cannot handle {target.describe()}: it has no parameters, so there is nothing to sum; a "
+                "dropout on a sequence shard needs ShardedRNG(tracker), other modules need no style"
             )
+        params = [p for p in target.module.parameters() if p.requires_grad]  # frozen ones (LoRA) need no sum
         if any(getattr(p, _HOOKED, None) is not None for p in params):
             raise ValueError(f"{self!r} on {target.describe()}: its parameters already sum their gradients")
 

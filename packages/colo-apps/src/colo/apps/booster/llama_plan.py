@@ -110,7 +110,12 @@ class LlamaPlan(ModelPlan):
 
     def checkpoint_names(self, model: nn.Module):
         """Checkpoints hold q, k and v apart (``self_attn.q_proj.weight`` ...), as Hugging Face does, whether the
-        model holds them fused (``qkv_proj.weight``) or sharded by a tensor-parallel plan (``qkv_proj.q_weight``)."""
+        model holds them fused (``qkv_proj.weight``) or sharded by a tensor-parallel plan (``qkv_proj.q_weight``).
+
+        LoRA adapters of the fused projection (`colo.apps.lora`) are saved the way Hugging Face's q, k and v
+        projections would hold them: the base weight and ``lora_B`` split by rows like the weight
+        (``q_proj.base_layer.weight``, ``q_proj.lora_B.default.weight``, ...) and the shared ``lora_A`` saved under
+        each of the three names (``B_q A``, ``B_k A`` and ``B_v A`` are the three projections' updates)."""
         config = model.config
         rows = {
             "q": config.num_attention_heads * config.head_dim,
@@ -123,14 +128,18 @@ class LlamaPlan(ModelPlan):
             if not prefix:
                 return None
             base = f"{prefix}."
+            inner, _, leaf = leaf.rpartition(".")  # "" / "base_layer" / "lora_A.default" / "lora_B.default"
+            inner = f".{inner}" if inner else ""
+            if inner.startswith(".lora_A."):
+                return [(f"{base}{part}_proj{inner}.{leaf}", 0, parameter.shape[0]) for part in "qkv"]
             if leaf == "weight":
                 return [
-                    (f"{base}q_proj.weight", 0, rows["q"]),
-                    (f"{base}k_proj.weight", rows["q"], rows["k"]),
-                    (f"{base}v_proj.weight", rows["q"] + rows["k"], rows["v"]),
+                    (f"{base}q_proj{inner}.weight", 0, rows["q"]),
+                    (f"{base}k_proj{inner}.weight", rows["q"], rows["k"]),
+                    (f"{base}v_proj{inner}.weight", rows["q"] + rows["k"], rows["v"]),
                 ]
             part = leaf.removesuffix("_weight")
-            return [(f"{base}{part}_proj.weight", 0, rows[part])]
+            return [(f"{base}{part}_proj{inner}.weight", 0, rows[part])]
 
         return names
 

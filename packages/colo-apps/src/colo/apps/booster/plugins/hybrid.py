@@ -11,6 +11,7 @@ from colo.comm import Mesh, init_distributed
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
 from colo.zero import ZeroOptimizer
 
+from ...lora.tensor_parallel import attach_lora_layers, detach_lora_layers, restore_lora_layers
 from ..plans import plan_for
 from .base import Engine, Plugin
 from .zero import ZeroEngine
@@ -123,8 +124,13 @@ class HybridParallel(Plugin):
         if criterion is not None and self.pp > 1:
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)
-        plan.check(model, self)
         original_names = {id(p): name for name, p in model.named_parameters()}
+        lora = detach_lora_layers(model)  # the plan shards the base layers; the adapters follow them
+        try:
+            plan.check(model, self)
+        except Exception:
+            restore_lora_layers(lora)
+            raise
         checkpoint_names = plan.checkpoint_names(model)
         init_distributed()
         mesh = self.build_mesh()
@@ -136,6 +142,7 @@ class HybridParallel(Plugin):
             stage_ids = list(self.pipeline_schedule.stages[mesh.rank("pp")])
             part = plan.pipeline(model, mesh=mesh, plugin=self, stage_ids=stage_ids)
             target = part.chunks[0] if len(part.chunks) == 1 else nn.ModuleList(part.chunks)
+        attach_lora_layers(lora, mesh=mesh, axis="tp")
         for module in [model] if part is None else part.chunks:
             self.maybe_checkpoint_activations(module)
             self.maybe_compile(module)
