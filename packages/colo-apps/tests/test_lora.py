@@ -230,3 +230,77 @@ def test_bad_lora_settings_name_the_fix():
     add_lora(model)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         add_lora(model)
+
+
+def make_hf_lora_model():
+    """A tiny transformers ``LlamaForCausalLM`` (4 heads, 2 kv heads) with adapters on q, k, v, o and the MLP."""
+    import transformers
+
+    from colo.apps.lora import add_lora, lora_layers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    add_lora(model, r=RANK, alpha=ALPHA)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            weight = layer.lora_B["default"].weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.05)
+    return model
+
+
+def _hf_run(settings):
+    from colo.apps import Booster
+    from colo.apps.booster import HybridParallel
+    from colo.apps.lora import merge_lora
+
+    reference = make_hf_lora_model()
+    optimizer = make_optimizer(reference)
+    expected_losses = []
+    for step in range(STEPS):
+        loss = reference(**global_batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected_losses.append(loss.item())
+    expected_adapters = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+    merge_lora(reference)
+    expected_merged = {n: p.detach().clone() for n, p in reference.named_parameters()}
+
+    model = make_hf_lora_model()
+    booster = Booster(HybridParallel(**settings))
+    booster.boost(model, make_optimizer(model))
+    mesh = booster.engine.mesh
+    rows = ROWS // mesh.size("dp")
+    losses = []
+    for step in range(STEPS):
+        batch = {k: v[mesh.rank("dp") * rows : (mesh.rank("dp") + 1) * rows] for k, v in global_batch(step).items()}
+        losses.append(booster.train_step(batch).loss)
+    adapters = booster.engine.optimizer.full_params()
+    params = dict(model.named_parameters())
+    mismatches = _compare(adapters, expected_adapters, params)
+    booster.engine.optimizer.wait_params()
+    merge_lora(model)
+    merged = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mismatches += _compare(merged, expected_merged, dict(model.named_parameters()))
+    return losses, expected_losses, sorted(adapters), mismatches
+
+
+def test_lora_on_a_transformers_llama_under_tensor_parallelism():
+    """The Hugging Face plan shards q/k/v/o and the MLP; their adapters follow (a transformers model, tp=2)."""
+    pytest.importorskip("transformers")
+    for losses, expected_losses, trainable, mismatches in run_distributed(
+        _hf_run, {"tp": 2, "zero_stage": 1}, world_size=2
+    ):
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert len(trainable) == 2 * 7 * 2 and all(".lora_" in name for name in trainable), trainable
+        assert not mismatches, mismatches
