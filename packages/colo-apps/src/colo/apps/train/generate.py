@@ -1,8 +1,9 @@
 """Text generation from a trained Llama: load any colo checkpoint into one process, then greedy or nucleus
 (top-p, Holtzman et al., 2020) sampling.
 
-Without a KV cache: the native Llama has no incremental-decoding path yet, so every new token runs the model over
-the whole (windowed) sequence; fine for samples of a few hundred tokens from small models.
+With a KV cache (`colo.apps.models.llama.KVCache`, the default): the prompt is prefilled in one forward, then every
+new token is one forward of that token alone over the cached keys and values. ``use_cache=False`` keeps the
+reference path that re-runs the model over the whole (windowed) sequence for every token.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from colo.tensor.checkpoint import load_checkpoint, read_index
 
-from ..models.llama import Llama, LlamaConfig, llama_state_dict_from_hf
+from ..models.llama import KVCache, Llama, LlamaConfig, llama_state_dict_from_hf
 
 RUN_KEY = "run"
 """The checkpoint-metadata key under which the trainer saves the run (its config, the Llama config, the step)."""
@@ -72,8 +73,16 @@ def generate(
     vocab_limit: int | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens.
+
+    The context of every new token is the last ``max_position_embeddings`` tokens (a sliding window, positions
+    ``0 ..`` from its start). With the cache, the prompt (its last window) is prefilled in one forward into a
+    `KVCache` allocated once for the call, then each token costs one single-token forward. When the cache is full
+    (prompt + new tokens past ``max_position_embeddings``), the last window is re-prefilled into the reset cache
+    (positions restart at 0), exactly the context the uncached path uses; from then on every token is such a
+    re-prefill, so past the window generation costs what it costs without the cache.
 
     Args:
         model: a `Llama` (one process, unsharded).
@@ -84,6 +93,8 @@ def generate(
         vocab_limit: never produce ids at or above this (the tokenizer's size when the model's vocabulary is padded).
         eos_id: stop after producing this id.
         generator: the random generator of sampling (seed it for reproducible samples).
+        use_cache: decode incrementally with a KV cache; ``False`` re-runs the model over the whole window for
+            every token (the reference; same tokens up to floating-point rounding).
 
     Returns:
         The new token ids (the prompt not included).
@@ -94,17 +105,36 @@ def generate(
     window = model.config.max_position_embeddings
     ids = list(prompt_ids)
     new: list[int] = []
+    cache = None
+    if use_cache and max_new_tokens > 0:
+        # the last new token is never fed back, so prompt + max_new_tokens - 1 rows would do; one spare is harmless
+        cache = KVCache.for_model(model, batch_size=1, max_len=min(window, len(ids) + max_new_tokens))
+    pending = ids[-window:]  # the tokens of the context not in the cache yet
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], device=device)
-        logits = model(context, return_logits=True).logits[0, -1].float()
+        if cache is None:
+            context = torch.tensor([ids[-window:]], device=device)
+            logits = model(context, return_logits=True).logits[0, -1].float()
+        else:
+            if cache.length + len(pending) > cache.max_len:  # only once the window is full: slide it
+                cache.reset()
+                pending = ids[-window:]
+            logits = _next_token_logits(model, torch.tensor([pending], device=device), cache)
         if vocab_limit is not None:
             logits[vocab_limit:] = float("-inf")
         token = _pick(logits, temperature, top_p, generator)
         ids.append(token)
         new.append(token)
+        pending = [token]
         if eos_id is not None and token == eos_id:
             break
     return new
+
+
+def _next_token_logits(model: Llama, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """fp32 logits after ``input_ids`` ``(1, seq)`` continuing ``cache``; the head runs on the last position only."""
+    hidden = model.hidden_states(input_ids, kv_cache=cache)
+    _, logits = model.objective(hidden[:, -1:], model.lm_head)
+    return logits[0, -1].float()
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:

@@ -1,5 +1,5 @@
-"""colo's native Llama: config and presets, the model (architecture only), its parallelize plan, pipeline stages,
-FLOPs per token and the mapping to Hugging Face names.
+"""colo's native Llama: config and presets, the model (architecture only), its KV cache for incremental decoding,
+its parallelize plan, pipeline stages, FLOPs per token and the mapping to Hugging Face names.
 
 Example::
 
@@ -17,6 +17,7 @@ Example::
 from .config import PRESETS, LlamaConfig, get_preset
 from .flops import flops_per_token, matmul_parameters
 from .hf import llama_config_from_hf, llama_state_dict_from_hf, llama_state_dict_to_hf
+from .kv_cache import KVCache, LayerKVCache
 from .layers import (
     AttentionCore,
     LlamaAttention,
@@ -42,6 +43,8 @@ __all__ = [
     "PRESETS",
     "AttentionCore",
     "CausalLMObjective",
+    "KVCache",
+    "LayerKVCache",
     "Llama",
     "LlamaAttention",
     "LlamaConfig",

@@ -15,6 +15,7 @@ from torch import nn
 from colo.kernels import flash_attention, rms_norm, rotary, rotary_cos_sin, swiglu
 
 from .config import LlamaConfig
+from .kv_cache import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -74,25 +75,36 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(cos)
             self.sin.copy_(sin)
 
-    def forward(self, seq_len: int, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq_len: int, position_ids: torch.Tensor | None = None, *, offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables for a batch of ``seq_len`` tokens.
 
         Args:
             seq_len (int): length of the sequences.
             position_ids (torch.Tensor | None): ``(seq,)``, ``(1, seq)`` or ``(batch, seq)`` positions; ``None``:
-                ``0 .. seq_len - 1``. Default: ``None``.
+                ``offset .. offset + seq_len - 1``. Default: ``None``.
+            offset (int): position of the first token when ``position_ids`` is ``None`` (the tokens already in a
+                `KVCache`). Default: ``0``.
 
         Returns:
             tuple[torch.Tensor, torch.Tensor]: ``(cos, sin)``, each ``(positions, head_dim)`` (row ``s`` for token
             ``s`` of every sequence) or, for per-sequence positions, ``(batch, seq, head_dim)``.
         """
         if position_ids is None:
-            if seq_len > self.max_positions:
+            if offset == 0:
+                if seq_len > self.max_positions:
+                    raise ValueError(
+                        f"a sequence of {seq_len} tokens is longer than max_position_embeddings={self.max_positions}; "
+                        "shorten the sequences or build the model with a larger max_position_embeddings"
+                    )
+                return self.cos, self.sin
+            if offset < 0 or offset + seq_len > self.max_positions:
                 raise ValueError(
-                    f"a sequence of {seq_len} tokens is longer than max_position_embeddings={self.max_positions}; "
-                    "shorten the sequences or build the model with a larger max_position_embeddings"
+                    f"positions {offset} .. {offset + seq_len - 1} fall outside max_position_embeddings="
+                    f"{self.max_positions}; reset the KV cache (or slide the window) before it passes the table"
                 )
-            return self.cos, self.sin
+            return self.cos[offset:], self.sin[offset:]  # row 0 is position `offset`; no copy
         if position_ids.shape[-1] != seq_len or position_ids.dim() not in (1, 2):
             raise ValueError(
                 f"position_ids has shape {tuple(position_ids.shape)}; expected (seq,), (1, seq) or (batch, seq) "
@@ -177,8 +189,15 @@ class LlamaAttention(nn.Module):
         self.core = AttentionCore(causal=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x``: ``(batch, seq, hidden)``; ``cos``, ``sin``: from `RotaryEmbedding`. Returns ``x``'s shape."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, kv_cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        """``x``: ``(batch, seq, hidden)``; ``cos``, ``sin``: from `RotaryEmbedding`. Returns ``x``'s shape.
+
+        With ``kv_cache`` (this layer's slot of a `KVCache`), the new keys and values are written to the cache and
+        the queries attend over every cached token and the new ones; ``cos`` and ``sin`` must then start at the
+        first new token's position.
+        """
         head_dim = self.head_dim
         widths = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         qkv = self.qkv_proj(x)
@@ -188,6 +207,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(batch, seq, self.num_kv_heads, head_dim)
         v = v.reshape(batch, seq, self.num_kv_heads, head_dim)
         q, k = apply_rotary(q, k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # every cached token's k / v and the new ones: (batch, length + seq, ...)
         out = self.core(q, k, v)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * head_dim))
 
@@ -225,8 +246,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x``: ``(batch, seq, hidden)``. Returns the layer's output, shaped like ``x``."""
-        attention = self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, kv_cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        """``x``: ``(batch, seq, hidden)``. Returns the layer's output, shaped like ``x``.
+
+        ``kv_cache``: this layer's slot of a `KVCache` for incremental decoding (see `LlamaAttention`).
+        """
+        attention = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache=kv_cache)
         normed, h = self.post_attention_layernorm(attention, residual=x)
         return h + self.mlp(normed)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .config import LlamaConfig
+from .kv_cache import KVCache
 from .layers import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
 from .loss import CausalLMObjective, LMHead
 
@@ -142,20 +143,40 @@ class Llama(nn.Module):
         for name, module in self.named_modules():
             init_llama_module(name, module, config=self.config, seed=seed)
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """The final hidden states (after the last norm): ``(batch, seq, hidden_size)``.
 
         Args:
             input_ids (torch.Tensor): ``(batch, seq)`` token ids.
             position_ids (torch.Tensor | None): ``(seq,)``, ``(1, seq)`` or ``(batch, seq)`` positions for RoPE;
-                ``None``: ``0 .. seq - 1``. Attention stays causal over the sequence either way. Default: ``None``.
+                ``None``: ``0 .. seq - 1``, or ``kv_cache.length .. kv_cache.length + seq - 1`` with a cache.
+                Attention stays causal over the sequence either way. Default: ``None``.
+            kv_cache (KVCache | None): incremental decoding: ``input_ids`` are the tokens that follow the
+                ``kv_cache.length`` cached ones; every layer appends their keys and values to the cache and attends
+                over all of it, and ``kv_cache.length`` grows by ``seq``. Default: ``None`` (attend over
+                ``input_ids`` alone).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"Llama: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        cos, sin = self.rotary_emb(input_ids.shape[1], position_ids)
+        if kv_cache is None:
+            cos, sin = self.rotary_emb(input_ids.shape[1], position_ids)
+            h = self.embed_tokens(input_ids)
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+            return self.norm(h)
+        batch, seq = input_ids.shape
+        kv_cache.check_input(batch, seq, num_layers=len(self.layers), device=input_ids.device)
+        cos, sin = self.rotary_emb(seq, position_ids, offset=kv_cache.length)
         h = self.embed_tokens(input_ids)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        for index, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, kv_cache=kv_cache.layer(index))
+        kv_cache.advance(seq)
         return self.norm(h)
 
     def forward(
@@ -165,6 +186,7 @@ class Llama(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         return_logits: bool = False,
+        kv_cache: KVCache | None = None,
     ) -> LlamaOutput:
         """Logits, or the next-token loss.
 
@@ -176,6 +198,8 @@ class Llama(nn.Module):
             position_ids (torch.Tensor | None): positions for RoPE (see `hidden_states`). Default: ``None``.
             return_logits (bool): return the logits along with the loss; without it a loss is computed without
                 materializing the logits. Default: ``False``.
+            kv_cache (KVCache | None): incremental decoding (see `hidden_states`); ``input_ids`` continue the cached
+                tokens. Default: ``None``.
 
         Returns:
             LlamaOutput: ``loss`` when ``labels`` are given; ``logits`` without labels or with ``return_logits``.
@@ -184,6 +208,6 @@ class Llama(nn.Module):
             raise ValueError(
                 f"Llama: labels {tuple(labels.shape)} must be shaped like input_ids {tuple(input_ids.shape)}"
             )
-        hidden = self.hidden_states(input_ids, position_ids)
+        hidden = self.hidden_states(input_ids, position_ids, kv_cache=kv_cache)
         loss, logits = self.objective(hidden, self.lm_head, labels, return_logits=return_logits)
         return LlamaOutput(loss=loss, logits=logits)
