@@ -82,6 +82,35 @@ def test_launch_command_is_loopback_torchrun():
     assert result.exit_code == 2 and "--rdzv-endpoint" in result.output
 
 
+def test_launch_reports_a_bad_train_config_once_and_starts_nothing(monkeypatch, tmp_path):
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda command, **kwargs: started.append(command) or 0)
+
+    def launch(*args):
+        return runner.invoke(app, ["launch", "--nproc-per-node", "2", "--", *args])
+
+    result = launch("train", "--preset", "tiny-llama", "--set", "optimizer.lr=-1")
+    assert result.exit_code == 2
+    assert result.output.count("optimizer.lr: Input should be greater than 0") == 1
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  task: sft\n")
+    result = launch("train", str(config))
+    assert result.exit_code == 2 and result.output.count("data.task='sft' needs data.paths") == 1
+    result = launch("train", "--preset", "tiny-llama", "--sett", "x=1")
+    assert result.exit_code == 2 and "No such option: --sett" in result.output
+    assert started == []  # torchrun never ran
+
+    # a valid config, `train --help` and other commands go to torchrun unchanged
+    for args in (
+        ["train", "--preset", "tiny-llama", "-s", "optimizer.lr=1e-3"],
+        ["train", "--help"],
+        ["-m", "pkg.mod", "--set", "optimizer.lr=-1"],
+    ):
+        result = launch(*args)
+        assert result.exit_code == 0, result.output
+        assert started[-1][-len(args) :] == args
+
+
 def test_colo_info():
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0, result.output

@@ -171,10 +171,15 @@ def checkpoint_state(zero: ZeroOptimizer) -> tuple[dict[str, FlatShard], dict]:
             if chunk_scalars:
                 for name in checkpoint_names_of(zero, slot):
                     scalars[name] = chunk_scalars
+            saved_ranges: set[tuple[int, int]] = set()
             for name, start, end, fields in _named_pieces(zero, chunk, slot):
-                tensors[name] = FlatShard(value[start:end], **fields)
+                # a range saved under several names (LoRA's A shared by q, k and v) is copied for the later names:
+                # a safetensors file holds no aliases
+                copy = (lambda t: t.clone()) if (start, end) in saved_ranges else (lambda t: t)
+                saved_ranges.add((start, end))
+                tensors[name] = FlatShard(copy(value[start:end]), **fields)
                 for key, state in states.items():
-                    tensors[f"{OPTIM_PREFIX}{name}/{key}"] = FlatShard(state[start:end], **fields)
+                    tensors[f"{OPTIM_PREFIX}{name}/{key}"] = FlatShard(copy(state[start:end]), **fields)
     groups = [
         {key: _json_safe(value) for key, value in group.items() if key != "params"}
         for group in zero.optimizer.param_groups

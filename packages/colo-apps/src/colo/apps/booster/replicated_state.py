@@ -48,12 +48,18 @@ def replicated_state(
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict] = {}
     for name, param in named_params.items():
+        saved_rows: set[tuple[int, int]] = set()
         for part, rows in _parts(name, param, checkpoint_names):
-            tensors[part] = param if rows is None else param.detach()[rows]
+            # rows saved under several names (LoRA's A shared by q, k and v) are copied for the later names: a
+            # safetensors file holds no aliases
+            row_range = (rows.start, rows.stop) if rows is not None else None
+            copy = (lambda t: t.clone()) if row_range in saved_rows else (lambda t: t)
+            saved_rows.add(row_range)
+            tensors[part] = param if rows is None else copy(param.detach()[rows])
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
                     tensors[f"{OPTIM_PREFIX}{part}/{key}"] = (
-                        _with_layout_of(param, value) if rows is None else value[rows]
+                        _with_layout_of(param, value) if rows is None else copy(value[rows])
                     )
                 elif isinstance(value, torch.Tensor) and value.numel() == 1:
                     scalars.setdefault(part, {})[key] = [value.item(), str(value.dtype).removeprefix("torch.")]

@@ -93,7 +93,8 @@ def launch(
 ) -> None:
     """Run a command on several processes through torchrun (loopback by default).
 
-    After --: a colo subcommand (train --preset tiny-llama), -m MODULE ARGS, or SCRIPT.py ARGS.
+    After --: a colo subcommand (train --preset tiny-llama), -m MODULE ARGS, or SCRIPT.py ARGS. A `train` command's
+    run config is validated here first, so a bad one is reported once (exit code 2) and no process starts.
     """
     import torch
 
@@ -111,11 +112,24 @@ def launch(
     except ValueError as error:
         typer.echo(f"colo: {error}", err=True)
         raise typer.Exit(2) from None
+    _check_launched_train(list(ctx.args))
     if dry_run:
         typer.echo(" ".join(command))
         return
     env = launch_environment(nproc_per_node=nproc_per_node, cuda=torch.cuda.is_available())
     raise typer.Exit(subprocess.call(command, env=env))
+
+
+def _check_launched_train(args: list[str]) -> None:
+    """Validate the run config of ``colo launch -- train [CONFIG] [--preset P] [--set K=V ...]`` in the launcher;
+    on an error print it once and exit with code 2 (otherwise every rank would report it). Other commands, and
+    ``train --help``, pass through untouched."""
+    if args[:1] != ["train"] or any(arg in ("--help", "-h") for arg in args):
+        return
+    command = typer.main.get_command(app).commands["train"]
+    with command.make_context("colo train", args[1:]) as parsed:  # a usage error goes up to typer: shown, exit 2
+        params = parsed.params
+    _load(params["config"], params["preset"], params["set_"])
 
 
 @app.command()
@@ -157,8 +171,11 @@ def generate(
     tokenizer: Annotated[
         str | None, typer.Option(help="Tokenizer path (default: the one the run trained with).")
     ] = None,
+    cache: Annotated[
+        bool, typer.Option("--cache/--no-cache", help="Decode with a KV cache; --no-cache re-runs the whole context.")
+    ] = True,
 ) -> None:
-    """Generate text from a checkpoint in one process (greedy or top-p; no KV cache yet)."""
+    """Generate text from a checkpoint in one process (greedy or top-p, with a KV cache)."""
     import torch
 
     from ..data import load_tokenizer
@@ -176,6 +193,7 @@ def generate(
         vocab_limit=tok.vocab_size,
         eos_id=tok.eos_id,
         generator=torch.Generator().manual_seed(seed),
+        use_cache=cache,
     )
     typer.echo(prompt + tok.decode(new))
 
@@ -184,17 +202,34 @@ def generate(
 def convert(
     checkpoint: Annotated[str, typer.Argument(help="A checkpoint directory written by `colo train`.")],
     out: Annotated[str, typer.Argument(help="The output directory.")],
-    to: Annotated[str, typer.Option(help="The target format: hf (Hugging Face LlamaForCausalLM).")] = "hf",
+    to: Annotated[
+        str,
+        typer.Option(
+            help="The target format: hf (Hugging Face LlamaForCausalLM; LoRA adapters merged) or peft (a LoRA run's "
+            "adapters alone, as a peft adapter directory)."
+        ),
+    ] = "hf",
     dtype: Annotated[str | None, typer.Option(help="Convert floats to this dtype (bfloat16, float16).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an earlier export in OUT.")] = False,
 ) -> None:
-    """Convert a checkpoint (any layout) to a Hugging Face Llama directory: config.json + model*.safetensors."""
-    if to != "hf":
-        typer.echo(f"colo: --to {to!r} is not supported; use --to hf", err=True)
+    """Convert a checkpoint (any layout) to a Hugging Face Llama directory (config.json + model*.safetensors), or a
+    LoRA run's adapters to a peft adapter directory."""
+    if to not in ("hf", "peft"):
+        typer.echo(f"colo: --to {to!r} is not supported; use --to hf or --to peft", err=True)
         raise typer.Exit(2)
     import torch
 
-    from ..train.convert import export_llama_hf
+    from ..train.convert import export_llama_hf, export_lora_adapter
+
+    if to == "peft":
+        try:
+            written = export_lora_adapter(checkpoint, out)
+        except ValueError as error:
+            typer.echo(f"colo: {error}", err=True)
+            raise typer.Exit(2) from None
+        for path in written:
+            typer.echo(path)
+        return
 
     torch_dtype = None
     if dtype is not None:

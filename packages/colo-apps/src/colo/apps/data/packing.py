@@ -258,6 +258,11 @@ class TokenBudgetDataset(Dataset):
         self.sequence_rows: list[list[tuple[int, int]]] = [[(starts[i], lengths[i]) for i in row] for row in rows]
         self.efficiency = sum(lengths) / (len(rows) * seq_len)
 
+    @property
+    def row_lengths(self) -> np.ndarray:
+        """Tokens (not padding) in each row, int64: what a tokens-per-second count should count."""
+        return np.asarray([sum(length for _, length in row) for row in self.sequence_rows], dtype=np.int64)
+
     def __len__(self) -> int:
         return len(self.sequence_rows)
 

@@ -199,6 +199,11 @@ class SFTDataset(Dataset):
                 "or check that the data holds assistant replies"
             )
 
+    @property
+    def row_lengths(self) -> np.ndarray:
+        """Tokens (not padding) in each row, int64: what a tokens-per-second count should count."""
+        return np.asarray([ids.size for ids, _ in self._rows], dtype=np.int64)
+
     def __len__(self) -> int:
         return len(self._rows)
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from ..data.sft import ChatTemplate
 from ..models.llama import PRESETS, LlamaConfig, get_preset
 from ._fields import dataclass_fields
 from .plugin_config import DDPConfig, PluginConfig
@@ -32,6 +33,12 @@ class _ModelBase(_Section):
         ge=1,
         description="When vocab_size is unset, the tokenizer's vocabulary rounded up to a multiple of this.",
     )
+    init_from: str | None = Field(
+        default=None,
+        description="Start from pretrained weights: a Hugging Face Llama directory (config.json + safetensors) or a "
+        "checkpoint written by colo train (any layout; its LoRA adapters merged). The model's shape comes from "
+        "there: leave preset and the shape fields unset. None: a fresh model initialized from the seed.",
+    )
 
     @field_validator("preset")
     @classmethod
@@ -42,6 +49,15 @@ class _ModelBase(_Section):
 
     @model_validator(mode="after")
     def _valid_llama(self):
+        if self.init_from is not None:
+            shaped = sorted(name for name in _LLAMA_FIELDS if getattr(self, name, None) is not None)
+            if shaped or "preset" in self.model_fields_set:
+                fields = ", ".join(f"model.{name}" for name in shaped or ["preset"])
+                raise ValueError(
+                    f"model.init_from={self.init_from!r} gives the model's shape, and {fields} is set too; drop "
+                    f"{fields} or model.init_from"
+                )
+            return self
         self.llama_config(vocab_size=self.vocab_size or PRESETS[self.preset].vocab_size)  # LlamaConfig's checks
         return self
 
@@ -122,9 +138,45 @@ class ScheduleSection(_Section):
         return self
 
 
-class DataSection(_Section):
-    """Training data: documents tokenized and packed into fixed-length sequences (colo.apps.data)."""
+class _ChatTemplateBase(_Section):
+    """How ``data.task='sft'`` renders a conversation (colo.apps.data.ChatTemplate): role markers, turn ends, the
+    trained role."""
 
+    @model_validator(mode="after")
+    def _valid_template(self):
+        self.template()  # ChatTemplate's checks (the assistant role needs a marker)
+        return self
+
+    def template(self) -> ChatTemplate:
+        """The `ChatTemplate` these settings describe."""
+        return ChatTemplate(**self.model_dump())
+
+
+ChatTemplateSection = create_model(
+    "ChatTemplateSection",
+    __base__=_ChatTemplateBase,
+    __doc__=_ChatTemplateBase.__doc__,
+    **dataclass_fields(ChatTemplate),
+)
+
+
+class DataSection(_Section):
+    """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens, or chat records for
+    supervised fine-tuning with the loss on the assistant's replies only."""
+
+    task: Literal["pretrain", "sft"] = Field(
+        default="pretrain",
+        description="'pretrain': next-token loss on every token of text documents; 'sft': chat records "
+        "(JSONL / Hugging Face rows with a messages field or prompt/response fields) rendered by chat_template, "
+        "one conversation per row (cut at or right-padded to seq_len), the loss only on the assistant's replies.",
+    )
+    packing: Literal["fixed", "documents"] = Field(
+        default="fixed",
+        description="How pre-training text becomes rows: 'fixed': one token stream cut into seq_len windows "
+        "(documents cross row boundaries, no padding); 'documents': whole documents bin-packed into rows of "
+        "seq_len slots (cut only when longer), position_ids restarting per document, no loss on a document's first "
+        "token, rows padded at the end. task='sft' takes 'fixed' (one conversation per row).",
+    )
     paths: list[str] = Field(
         default_factory=list,
         description="Text, JSONL or Hugging Face dataset paths; empty: the built-in corpus "
@@ -132,10 +184,27 @@ class DataSection(_Section):
     )
     format: Literal["auto", "text", "jsonl", "hf"] = Field(default="auto", description="How to read paths.")
     text_field: str = Field(default="text", description="The text field of JSONL / Hugging Face records.")
+    messages_field: str = Field(
+        default="messages", description="The chat-messages field of JSONL / Hugging Face records (task='sft')."
+    )
+    prompt_field: str = Field(default="prompt", description="The prompt field of prompt/response records (task='sft').")
+    response_field: str = Field(
+        default="response", description="The response field of prompt/response records (task='sft')."
+    )
+    chat_template: ChatTemplateSection = Field(
+        default_factory=ChatTemplateSection,
+        description="How task='sft' renders a conversation (colo.apps.data.ChatTemplate): role markers, turn "
+        "ends, the trained role, the bos token. Only with task='sft'.",
+    )
     tokenizer: str | None = Field(
         default=None, description="A tokenizer path (Hugging Face tokenizer directory); None: the byte tokenizer."
     )
-    seq_len: int = Field(default=256, ge=2, description="Tokens per packed training sequence.")
+    seq_len: int = Field(
+        default=256,
+        ge=2,
+        description="Tokens per training row (a window of the token stream, a row of packed documents, or one "
+        "conversation cut or padded to it).",
+    )
     global_batch_size: int = Field(
         default=16,
         ge=1,
@@ -143,9 +212,40 @@ class DataSection(_Section):
         "size times schedule.num_microbatches.",
     )
     max_tokens: int | None = Field(
-        default=None, ge=1, description="Read at most this many tokens of the corpus (None: all of it)."
+        default=None,
+        ge=1,
+        description="Read at most this many tokens of the corpus (None: all of it; task='pretrain').",
     )
     shuffle: bool = Field(default=True, description="Shuffle the sequences each epoch (seeded by `seed`).")
+
+    @model_validator(mode="after")
+    def _task_fits_the_data(self):
+        if self.task == "sft":
+            if self.format == "text":
+                raise ValueError(
+                    "data.task='sft' trains on chat records, which data.format='text' cannot hold; set data.format to "
+                    "'jsonl' or 'hf' (or 'auto' for .jsonl files and saved Hugging Face datasets)"
+                )
+            if not self.paths:
+                raise ValueError(
+                    "data.task='sft' needs data.paths of chat records (JSONL with a 'messages' field or 'prompt' and "
+                    "'response' fields, or a saved Hugging Face dataset); the built-in corpus is plain text"
+                )
+            if self.packing != "fixed":
+                raise ValueError(
+                    f"data.packing={self.packing!r} packs pre-training text; data.task='sft' puts one conversation "
+                    "per row (padded to data.seq_len): leave data.packing='fixed'"
+                )
+            if self.max_tokens is not None:
+                raise ValueError(
+                    f"data.max_tokens={self.max_tokens} caps pre-training text; data.task='sft' reads every "
+                    "conversation: set data.max_tokens=null (or use fewer records in data.paths)"
+                )
+        elif self.chat_template != ChatTemplateSection():
+            raise ValueError(
+                "data.chat_template is read only with data.task='sft'; set data.task='sft' or drop data.chat_template"
+            )
+        return self
 
 
 class CheckpointSection(_Section):
@@ -203,6 +303,29 @@ class SampleSection(_Section):
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0).")
 
 
+class LoraSection(_Section):
+    """LoRA fine-tuning (Hu et al., 2021) through peft (colo.apps.lora): the model's weights are frozen and low-rank
+    adapters of its projections are trained; under tensor parallelism they are sharded like their layer, under ZeRO
+    only they have optimizer state. Checkpoints hold base weights and adapters; `colo convert --to hf` merges them,
+    `--to peft` writes the adapters alone."""
+
+    enabled: bool = Field(default=False, description="Train LoRA adapters instead of the whole model.")
+    r: int = Field(default=16, ge=1, description="The adapters' rank.")
+    alpha: float = Field(default=32.0, gt=0, description="The scale numerator: updates are (alpha / r) * B A.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | None = Field(
+        default=None,
+        description="Names (or name suffixes) of the linears to adapt; None: every projection of every decoder "
+        "layer (qkv_proj, o_proj, gate_proj, up_proj, down_proj).",
+    )
+    use_rslora: bool = Field(default=False, description="Rank-stabilized scaling alpha / sqrt(r) (rsLoRA).")
+
+    @property
+    def scaling(self) -> float:
+        """The factor of ``B A`` in the adapted weights."""
+        return self.alpha / (self.r**0.5 if self.use_rslora else self.r)
+
+
 class RunConfig(_Section):
     """One training run of a Llama: model, parallelism, optimizer, schedule, data, checkpoints, logging, eval."""
 
@@ -221,6 +344,7 @@ class RunConfig(_Section):
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description=OptimizerSection.__doc__)
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description=ScheduleSection.__doc__)
     data: DataSection = Field(default_factory=DataSection, description=DataSection.__doc__)
+    lora: LoraSection = Field(default_factory=LoraSection, description=LoraSection.__doc__)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
     eval: EvalSection = Field(default_factory=EvalSection, description=EvalSection.__doc__)
@@ -243,7 +367,7 @@ class RunConfig(_Section):
                 f"{self.schedule.total_steps}; lower it or leave it unset"
             )
         max_positions = self.model.max_position_embeddings or PRESETS[self.model.preset].max_position_embeddings
-        if self.data.seq_len > max_positions:
+        if self.model.init_from is None and self.data.seq_len > max_positions:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is longer than the model's max_position_embeddings={max_positions}; "
                 "lower data.seq_len or set model.max_position_embeddings"

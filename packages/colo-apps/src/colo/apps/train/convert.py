@@ -1,4 +1,6 @@
-"""Exporting a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory (``colo convert --to hf``)."""
+"""Exporting a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory (``colo convert --to hf``; a LoRA
+run's adapters merged into the weights), or a LoRA run's adapters alone as a ``peft`` adapter directory
+(``colo convert --to peft``)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from colo.tensor.checkpoint import export_hf, read_index
+from colo.tensor.checkpoint import export_hf, load_checkpoint, read_index
 
-from .generate import RUN_KEY
+from ..lora import has_lora_tensors, write_peft_adapter
+from .generate import RUN_KEY, load_llama
 
 _INDEX = "model.safetensors.index.json"
 
@@ -58,7 +61,8 @@ def export_llama_hf(
     """Write ``out_dir`` as a Hugging Face Llama: ``config.json`` and safetensors with Hugging Face names.
 
     Uses `colo.tensor.checkpoint.export_hf` (streamed, CRC-checked, any saved layout; q, k and v are already
-    stored apart), then renames the tensors with the ``model.`` prefix, one file at a time.
+    stored apart), then renames the tensors with the ``model.`` prefix, one file at a time. A LoRA run's checkpoint
+    is loaded whole instead, its adapters merged (``W + (alpha / r) B A``), and written as a plain model.
 
     Args:
         checkpoint: a checkpoint written by the trainer.
@@ -70,9 +74,12 @@ def export_llama_hf(
         The files written.
     """
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
-    run = read_index(checkpoint).metadata.get(RUN_KEY)
+    index = read_index(checkpoint)
+    run = index.metadata.get(RUN_KEY)
     if not isinstance(run, dict) or "llama_config" not in run:
         raise ValueError(f"{checkpoint} has no '{RUN_KEY}' metadata: only checkpoints of colo's trainer convert")
+    if has_lora_tensors(index.tensors):  # merge in one process (the whole model in host memory), then write
+        return _export_merged_lora(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
     report = export_hf(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
     files = sorted({os.path.basename(path) for path in report.files if path.endswith(".safetensors")})
     for file in files:
@@ -91,3 +98,54 @@ def export_llama_hf(
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as file:
         json.dump(hf_config(run["llama_config"], dtype=dtype_name), file, indent=2)
     return [os.path.join(out_dir, name) for name in (*files, "config.json")]
+
+
+def _export_merged_lora(checkpoint: str, out_dir: str, *, dtype: torch.dtype | None, overwrite: bool) -> list[str]:
+    from ..hf.llama_io import save_llama_as_hf
+
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace an earlier export")
+    model, _ = load_llama(checkpoint)
+    if dtype is not None:
+        model = model.to(dtype)
+    return [os.path.join(out_dir, name) for name in save_llama_as_hf(model, out_dir)]
+
+
+def export_lora_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Write a LoRA run's adapters as a ``peft`` adapter directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``) for the Hugging Face export of its base model: ``PeftModel.from_pretrained(
+    LlamaForCausalLM.from_pretrained(BASE), out_dir)`` computes what the run's model computes.
+
+    The adapters of the native model's fused q/k/v projection are written as q_proj, k_proj and v_proj adapters
+    (the shared ``A`` with each projection's rows of ``B``), as the checkpoint stores them. The base is the run's
+    ``model.init_from`` (recorded as ``base_model_name_or_path``); a run from scratch has no other copy of its base
+    weights than the checkpoint: export it with ``--to hf`` from a checkpoint without adapters, or use the merged
+    export.
+
+    Args:
+        checkpoint: a checkpoint of a colo trainer run with ``lora.enabled``.
+        out_dir: the output directory (created).
+
+    Returns:
+        The files written.
+    """
+    checkpoint = os.fspath(checkpoint)
+    index = read_index(checkpoint)
+    run = index.metadata.get(RUN_KEY) or {}
+    settings = (run.get("config") or {}).get("lora") or {}
+    if not settings.get("enabled") or not has_lora_tensors(index.tensors):
+        raise ValueError(f"{checkpoint} is not a checkpoint of a LoRA run (lora.enabled); use --to hf")
+    names = [name for name in index.tensors if ".lora_A." in name or ".lora_B." in name]
+    tensors = {name: torch.empty(index.tensors[name].shape, dtype=index.tensors[name].dtype) for name in names}
+    load_checkpoint(checkpoint, tensors, strict=False)
+    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in names})
+    return write_peft_adapter(
+        out_dir,
+        {hf_name(name): tensor for name, tensor in tensors.items()},
+        r=settings["r"],
+        alpha=settings["alpha"],
+        dropout=settings.get("dropout", 0.0),
+        use_rslora=settings.get("use_rslora", False),
+        target_modules=targets,
+        base_model_name_or_path=(run["config"].get("model") or {}).get("init_from"),
+    )

@@ -1,14 +1,37 @@
-"""The run's data: tokenizer, packed sequences with a held-out tail for evaluation, and the resumable sampler
-over this rank's share (colo.apps.data)."""
+"""The run's data: the dataset ``data.task`` and ``data.packing`` select, a held-out tail for evaluation, and the
+resumable sampler over this rank's share (colo.apps.data).
+
+- ``task='pretrain'``, ``packing='fixed'`` (the default): `PackedDataset`, rows ``input_ids`` and ``labels``
+  (windows of one token stream, no padding);
+- ``task='pretrain'``, ``packing='documents'``: `TokenBudgetDataset`, rows ``input_ids``, ``labels`` and
+  ``position_ids`` (whole documents, positions restarting per document, a padded tail);
+- ``task='sft'``: `SFTDataset`, rows ``input_ids`` and ``labels`` (one conversation, labels on the assistant's
+  replies only, a padded tail).
+
+Every key of a row reaches the model's forward (``Booster.train_step`` splits the batch dict into microbatches
+along dim 0 and calls ``model(**microbatch)``), so ``position_ids`` restart per document in the Llama's rotary
+embedding.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset, Subset
 
-from ..data import PackedDataset, ResumableDistributedSampler, default_corpus, read_documents
-from .config import RunConfig
+from ..data import (
+    PackedDataset,
+    ResumableDistributedSampler,
+    SFTDataset,
+    TokenBudgetDataset,
+    collate,
+    default_corpus,
+    read_documents,
+)
+from .config import DataSection, RunConfig
 
 
 @dataclass
@@ -17,10 +40,13 @@ class RunData:
 
     Attributes:
         tokenizer: encodes the corpus and decodes samples.
-        train: the training sequences.
-        eval: the held-out sequences (``None`` without evaluation).
+        train: the training rows.
+        eval: the held-out rows (``None`` without evaluation).
         sampler: this rank's batches of ``train`` indices (resumable: its state goes into checkpoints).
-        batch_size: sequences per step on this data-parallel rank.
+        batch_size: rows per step on this data-parallel rank.
+        tokens_per_row: the real (non-padding) tokens of each ``train`` row; ``None`` when every row is full
+            (fixed windows).
+        description: one line on what the rows hold, for the run's log.
     """
 
     tokenizer: object
@@ -28,19 +54,36 @@ class RunData:
     eval: Dataset | None
     sampler: ResumableDistributedSampler
     batch_size: int
+    tokens_per_row: np.ndarray | None = None
+    description: str = ""
+
+    def train_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+        """This rank's training batches, epoch after epoch, each with its number of real (non-padding) tokens.
+
+        As `colo.apps.data.batches(train, sampler, repeat=True)`: a batch is loaded when asked for, so the
+        sampler's state always matches what the trainer consumed.
+        """
+        while True:
+            for indices in self.sampler:
+                batch = collate([self.train[i] for i in indices])
+                if self.tokens_per_row is None:
+                    yield batch, batch["input_ids"].numel()
+                else:
+                    yield batch, int(self.tokens_per_row[indices].sum())
 
 
 def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) -> RunData:
-    """Read, tokenize and pack the corpus; split off the eval tail; make this rank's sampler.
+    """Read and tokenize the data into rows; split off the eval tail; make this rank's sampler.
 
     Args:
-        config: the run config (``data``, ``eval``, ``seed``).
+        config: the run config (``data``, ``eval``, ``seed``; ``plugin`` for what the layout can feed the model).
         tokenizer: from `load_tokenizer(config.data.tokenizer)`.
         num_replicas: data-parallel ranks that get different samples (``plugin.sample_axes``).
         rank: this rank's index among them.
 
     Raises:
-        ValueError: the batch does not split over the ranks, or the corpus is too small (naming the field to change).
+        ValueError: the batch does not split over the ranks, the data is too small, or the plugin cannot take the
+            rows' ``position_ids`` (each message names the field to change).
     """
     data = config.data
     if data.global_batch_size % num_replicas:
@@ -55,19 +98,18 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
         )
-    paths = data.paths or default_corpus()
-    documents = read_documents(paths, format=data.format, text_field=data.text_field)
-    packed = PackedDataset(documents, tokenizer, seq_len=data.seq_len, max_tokens=data.max_tokens)
+    check_positions_reach_the_model(config)
+    dataset, tokens_per_row, description = build_dataset(data, tokenizer)
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
-    num_train = len(packed) - held_out
+    num_train = len(dataset) - held_out
     if num_train < data.global_batch_size:
         raise ValueError(
-            f"the corpus packs into {len(packed)} sequences of data.seq_len={data.seq_len}; after "
+            f"the data gives {len(dataset)} rows of data.seq_len={data.seq_len} tokens; after "
             f"eval.num_sequences={held_out} held out, fewer than one batch (data.global_batch_size="
             f"{data.global_batch_size}) is left; add data (data.paths, data.max_tokens) or lower these"
         )
-    train = Subset(packed, range(num_train))
-    evaluation = Subset(packed, range(num_train, len(packed))) if held_out else None
+    train = Subset(dataset, range(num_train))
+    evaluation = Subset(dataset, range(num_train, len(dataset))) if held_out else None
     sampler = ResumableDistributedSampler(
         num_train,
         num_replicas=num_replicas,
@@ -77,4 +119,77 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
         seed=config.seed,
         drop_last=True,
     )
-    return RunData(tokenizer=tokenizer, train=train, eval=evaluation, sampler=sampler, batch_size=batch_size)
+    return RunData(
+        tokenizer=tokenizer,
+        train=train,
+        eval=evaluation,
+        sampler=sampler,
+        batch_size=batch_size,
+        tokens_per_row=None if tokens_per_row is None else tokens_per_row[:num_train],
+        description=description,
+    )
+
+
+def build_dataset(data: DataSection, tokenizer) -> tuple[Dataset, np.ndarray | None, str]:
+    """The dataset ``data.task`` and ``data.packing`` select (see the module docstring).
+
+    Returns:
+        ``(dataset, real tokens of each row or None when every row is full, a one-line description)``.
+    """
+    documents = read_documents(
+        data.paths or default_corpus(),
+        format=data.format,
+        text_field=data.text_field,
+        messages_field=data.messages_field,
+        prompt_field=data.prompt_field,
+        response_field=data.response_field,
+    )
+    if data.task == "sft":
+        try:
+            sft = SFTDataset(documents, tokenizer, seq_len=data.seq_len, template=data.chat_template.template())
+        except ValueError as error:
+            raise ValueError(f"data.task='sft': {error}") from None
+        lengths = sft.row_lengths
+        description = (
+            f"sft: {len(sft)} conversations, {lengths.mean() / data.seq_len:.0%} of slots hold tokens, "
+            f"{sft.num_truncated} cut at data.seq_len, {sft.num_skipped} skipped (no assistant token within it)"
+        )
+        return sft, lengths, description
+    try:
+        if data.packing == "documents":
+            packed = TokenBudgetDataset(documents, tokenizer, seq_len=data.seq_len, max_tokens=data.max_tokens)
+            description = (
+                f"documents: {packed.num_documents} documents in {len(packed)} rows, {packed.efficiency:.0%} of "
+                "slots hold tokens, position_ids restart per document"
+            )
+            return packed, packed.row_lengths, description
+        windows = PackedDataset(documents, tokenizer, seq_len=data.seq_len, max_tokens=data.max_tokens)
+        return windows, None, f"fixed windows of {windows.num_tokens} tokens from {windows.num_documents} documents"
+    except TypeError as error:  # a chat record in pre-training data
+        raise ValueError(
+            f"data.task='pretrain': {error}; set data.task='sft' to train on chat records, or data.text_field to "
+            "the records' text field"
+        ) from None
+
+
+def check_positions_reach_the_model(config: RunConfig) -> None:
+    """Raise when ``data.packing='documents'`` meets a layout that does not pass a batch's ``position_ids`` on.
+
+    A pipeline (``pp > 1``) feeds its first stage ``input_ids`` only, and Ulysses / ring sequence parallelism
+    (``sp > 1``) gives each rank the positions of its sequence shard; both would silently train with positions
+    that do not restart per document.
+    """
+    plugin = config.plugin
+    if config.data.packing != "documents" or plugin.name != "hybrid":
+        return
+    if plugin.pp > 1:
+        raise ValueError(
+            f"data.packing='documents' needs per-document position_ids in the model, but the pipeline (plugin.pp="
+            f"{plugin.pp}) feeds its first stage input_ids only; set data.packing='fixed' or plugin.pp=1"
+        )
+    if plugin.sp > 1:
+        raise ValueError(
+            f"data.packing='documents' needs per-document position_ids in the model, but sequence parallelism "
+            f"(plugin.sp={plugin.sp}, {plugin.sp_mode}) sets each shard's own positions; set data.packing='fixed' "
+            "or plugin.sp=1"
+        )

@@ -14,14 +14,24 @@ import torch
 
 from colo.tensor.checkpoint import load_checkpoint, read_index
 
+from ..lora import has_lora_tensors, lora_scaling, merge_lora_tensors
 from ..models.llama import KVCache, Llama, LlamaConfig, llama_state_dict_from_hf
 
 RUN_KEY = "run"
 """The checkpoint-metadata key under which the trainer saves the run (its config, the Llama config, the step)."""
 
 
+def lora_scaling_of(run: dict) -> float:
+    """The LoRA scaling (``alpha / r``) of a trainer run's metadata; a `ValueError` when the run had no LoRA."""
+    settings = (run.get("config") or {}).get("lora") or {}
+    if not settings.get("enabled"):
+        raise ValueError("the checkpoint holds LoRA adapters but its run config has no lora section enabled")
+    return lora_scaling(settings["r"], settings["alpha"], use_rslora=settings.get("use_rslora", False))
+
+
 def load_llama(checkpoint: str | os.PathLike, *, device: str | torch.device = "cpu") -> tuple[Llama, dict]:
-    """A single-process `Llama` holding a trainer checkpoint's weights, whatever layout saved it.
+    """A single-process `Llama` holding a trainer checkpoint's weights, whatever layout saved it (the adapters of a
+    LoRA run merged into the weights).
 
     Args:
         checkpoint: a committed checkpoint directory written by the trainer (`colo.apps.train.Trainer`).
@@ -48,6 +58,8 @@ def load_llama(checkpoint: str | os.PathLike, *, device: str | torch.device = "c
         if not name.startswith("optim/")
     }
     load_checkpoint(path, targets, strict=False)
+    if has_lora_tensors(targets):  # a LoRA run: base weights and adapters, merged into plain weights
+        targets = merge_lora_tensors(targets, scaling=lora_scaling_of(run))
     state = llama_state_dict_from_hf(targets, config)
     with torch.device(device):
         model = Llama(config)

@@ -27,7 +27,8 @@ from colo.comm import all_gather_object, barrier, init_distributed
 from ..booster import Booster
 from ..booster.microbatch import loss_of
 from ..booster.plugins.hybrid import PipelineEngine
-from ..data import batches, load_tokenizer
+from ..data import collate, load_tokenizer
+from ..lora import add_lora, lora_layers
 from ..mfu import mfu, peak_flops
 from ..models.llama import Llama, flops_per_token
 from .config import RunConfig
@@ -35,6 +36,7 @@ from .data_setup import RunData, build_data
 from .generate import RUN_KEY, generate, load_llama
 from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line
 from .optim import build_optimizer, build_scheduler
+from .pretrained import load_pretrained_llama, pretrained_llama_config
 from .state import checkpoint_path, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 
 
@@ -112,6 +114,15 @@ class Trainer:
 
     def _llama_config(self):
         vocab = self.tokenizer.vocab_size
+        init_from = self.config.model.init_from
+        if init_from is not None:
+            llama = pretrained_llama_config(init_from)
+            if llama.vocab_size < vocab:
+                raise ValueError(
+                    f"model.init_from={init_from!r} has vocab_size={llama.vocab_size}, fewer ids than the tokenizer "
+                    f"({vocab}); use the model's own tokenizer (data.tokenizer)"
+                )
+            return llama
         multiple = self.config.model.pad_vocab_to_multiple_of
         llama = self.config.model.llama_config(vocab_size=-(-vocab // multiple) * multiple)
         if llama.vocab_size < vocab:
@@ -122,12 +133,27 @@ class Trainer:
         return llama
 
     def _build_model(self) -> Llama:
-        if self.config.plugin.name == "hybrid":  # each rank materializes only its shards, from the run seed
-            with torch.device("meta"):
+        """The run's model: pretrained (``model.init_from``) or fresh from the seed, with LoRA adapters when asked."""
+        config = self.config
+        if config.model.init_from is not None:
+            model = load_pretrained_llama(config.model.init_from, device=self.device)
+        elif config.plugin.name == "hybrid" and not config.lora.enabled:
+            with torch.device("meta"):  # each rank materializes only its shards, from the run seed
                 return Llama(self.llama_config)
-        with torch.device(self.device):
-            model = Llama(self.llama_config)
-        model.init_weights(self.config.seed)
+        else:
+            with torch.device(self.device):
+                model = Llama(self.llama_config)
+            model.init_weights(config.seed)
+        if config.lora.enabled:
+            torch.manual_seed(config.seed)  # the same adapters on every rank
+            add_lora(
+                model,
+                r=config.lora.r,
+                alpha=config.lora.alpha,
+                dropout=config.lora.dropout,
+                target_modules=config.lora.target_modules,
+                use_rslora=config.lora.use_rslora,
+            )
         return model
 
     def _describe(self, model: Llama) -> str:
@@ -136,12 +162,24 @@ class Trainer:
         lines = [
             f"colo train: {config.name} | {self.world_size} process(es) on {self.device.type} | plugin "
             f"{config.plugin.name} ({config.plugin.precision}) | mesh {mesh}",
-            f"model: Llama {config.model.preset}, {self.llama_config.num_parameters() / 1e6:.2f}M parameters, "
+            f"model: Llama {config.model.init_from or config.model.preset}, "
+            f"{self.llama_config.num_parameters() / 1e6:.2f}M parameters, "
             f"vocab {self.llama_config.vocab_size} | data: {len(self.data.train)} sequences of {config.data.seq_len} "
             f"tokens, {config.data.global_batch_size} per step"
             + (f", {len(self.data.eval)} held out" if self.data.eval is not None else ""),
+            *([self._describe_lora(model)] if config.lora.enabled else []),
+            f"rows: {self.data.description}",
         ]
         return "\n".join(lines)
+
+    def _describe_lora(self, model) -> str:
+        lora = self.config.lora
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        return (
+            f"LoRA: r={lora.r}, alpha={lora.alpha:g} on {len(list(lora_layers(model)))} linears | trainable "
+            f"{trainable / 1e6:.3f}M of {total / 1e6:.2f}M parameters on this rank ({100 * trainable / total:.2f}%)"
+        )
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -189,7 +227,11 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
-        """Train to ``schedule.total_steps`` (or ``schedule.stop_at_step``); returns what happened."""
+        """Train to ``schedule.total_steps`` (or ``schedule.stop_at_step``); returns what happened.
+
+        The logged ``tokens_per_second`` (and the MFU derived from it) counts real tokens over all data-parallel
+        ranks: every slot of a fixed window, but not the padding of SFT rows or of rows of packed documents.
+        """
         config = self.config
         total = config.schedule.total_steps
         end = config.schedule.stop_at_step or total
@@ -197,18 +239,19 @@ class Trainer:
         result = TrainResult(start_step=start, last_step=start, resumed_from=resumed)
         if self.log.progress is not None:
             self.log.advance(start, "")
-        tokens_per_step = config.data.global_batch_size * config.data.seq_len
         flops = flops_per_token(self.llama_config, config.data.seq_len)
         peak = config.logging.peak_flops or peak_flops(self.device, self.plugin.compute_dtype)
-        data = batches(self.data.train, self.data.sampler, repeat=True)
+        data = self.data.train_batches()
         began = window_start = time.perf_counter()
-        window_steps = 0
+        window_steps = window_tokens = 0
         step = start
         while step < end:
-            batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in next(data).items()}
+            batch, num_tokens = next(data)
+            batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in batch.items()}
             outcome = self.booster.train_step(batch)
             step += 1
             window_steps += 1
+            window_tokens += num_tokens
             result.losses[step] = outcome.loss
             result.last_step = step
             if not math.isfinite(outcome.loss):
@@ -219,7 +262,7 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - window_start
-                tokens_per_second = window_steps * tokens_per_step / elapsed
+                tokens_per_second = self._tokens_over_sample_ranks(window_tokens) / elapsed
                 memory, _ = memory_bytes(self.device)
                 record = {
                     "step": step,
@@ -234,7 +277,7 @@ class Trainer:
                 self.log.log(record)
                 self.log.print(step_line(record, total_steps=total))
                 self.log.advance(step, f"loss {outcome.loss:.3f} | {tokens_per_second / 1000:.1f}k tok/s")
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
             else:
                 self.log.advance(step, f"loss {outcome.loss:.3f}")
             if config.eval.every_steps and self.data.eval is not None and step % config.eval.every_steps == 0:
@@ -256,6 +299,13 @@ class Trainer:
         barrier()
         return result
 
+    def _tokens_over_sample_ranks(self, num_tokens: int) -> int:
+        """This rank's count of real tokens summed over the ranks that get different samples (no collective when
+        every row is full: the count is then the same on every rank)."""
+        if self.data.tokens_per_row is None or self.sample_group.size == 1:
+            return num_tokens * self.sample_group.size
+        return sum(all_gather_object(num_tokens, group=self.sample_group))
+
     # --- eval and sample ------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -273,8 +323,7 @@ class Trainer:
             indices = [group.rank + group.size * i for i in range(first, min(first + size, per_rank))]
             if not indices:
                 break
-            items = [evaluation[i] for i in indices]
-            micro = {name: torch.stack([item[name] for item in items]).to(self.device) for name in items[0]}
+            micro = {name: tensor.to(self.device) for name, tensor in collate([evaluation[i] for i in indices]).items()}
             micro, weight = self.engine.prepare_micro(micro)
             total += (loss_of(self.engine.forward(micro), micro, None) * weight).detach().double().cpu()
             count += 1
@@ -305,7 +354,7 @@ class Trainer:
             generator=generator,
         )
         text = settings.prompt + self.tokenizer.decode(new)
-        self.log.print(f"sample ({'greedy' if settings.temperature == 0 else 'top-p'}, no KV cache):\n{text}")
+        self.log.print(f"sample ({'greedy' if settings.temperature == 0 else 'top-p'}, KV cache):\n{text}")
         return text
 
     def _summary(self, result: TrainResult) -> str:
