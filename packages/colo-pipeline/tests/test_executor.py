@@ -207,3 +207,31 @@ def test_chunks_on_one_rank_hand_over_locally():
         for name, grad in result[4]["grads"][step].items():
             torch.testing.assert_close(grad, ref_grads[step][name], rtol=RTOL, atol=ATOL, msg=name)
     assert result[4]["actions_match"]
+
+
+def _evaluate_run(schedule_name, num_chunks):
+    mesh = Mesh(pp=torch.distributed.get_world_size())
+    schedule = make_schedule(schedule_name, mesh.size("pp"), 4, num_chunks=num_chunks)
+    chunks, _ = _stage_modules(schedule, mesh.rank("pp"))
+    executor = PipelineExecutor(chunks, schedule=schedule, mesh=mesh, loss_fn=_loss)
+    before = [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
+    ids, targets = _data(0)
+    loss = executor.evaluate(ids, targets)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    untouched = all(torch.equal(a, b) for a, b in zip(before, params)) and all(p.grad is None for p in params)
+    return loss, untouched
+
+
+@pytest.mark.parametrize(
+    "schedule_name, num_ranks, num_chunks",
+    [pytest.param("1f1b", 2, 1, id="1f1b-p2"), pytest.param("interleaved_1f1b", 2, 2, id="interleaved-v2-p2")],
+)
+def test_evaluate_gives_the_reference_loss_without_gradients(schedule_name, num_ranks, num_chunks):
+    torch.manual_seed(0)
+    reference = Reference()
+    ids, targets = _data(0)
+    with torch.no_grad():  # the mean of 4 microbatch means of equal size = the full-batch mean, up to rounding
+        expected = _loss(reference(ids), targets)
+    for loss, untouched in run_distributed(_evaluate_run, schedule_name, num_chunks, world_size=num_ranks):
+        torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+        assert untouched

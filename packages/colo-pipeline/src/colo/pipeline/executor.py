@@ -226,6 +226,63 @@ class PipelineExecutor:
         self._microbatches = self._targets = None
         return StepResult(loss=loss, actions=tuple(ran), peak_live_activations=peak)
 
+    @torch.no_grad()
+    def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """The mean loss of a batch, forward only: no gradients, no activations kept, parameters untouched.
+
+        Each microbatch goes through the stages in order, its activations sent to the next stage's rank as soon as
+        they are computed (metadata first, then the tensors); the stages do not overlap, which is fine for a
+        held-out evaluation and not meant for throughput. Every rank returns the loss (broadcast from the last
+        stage's rank).
+
+        Args:
+            inputs: the batch, split into the schedule's microbatches (used on the first stage's rank).
+            targets: what ``loss_fn`` compares against, split the same way (used on the last stage's rank).
+
+        Returns:
+            The mean over microbatches of ``loss_fn``, a 0-d fp32 tensor.
+        """
+        m = self.schedule.num_microbatches
+        if inputs is None and 0 in self.stages:
+            raise ValueError(f"pp rank {self.rank} runs the first stage: pass the batch as evaluate(inputs=...)")
+        microbatches = split_microbatches(inputs, m, name="inputs") if inputs is not None else None
+        split_targets = split_microbatches(targets, m, name="targets") if targets is not None else None
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for index in range(m):
+            value = None
+            for stage in range(self.schedule.num_stages):
+                local = self._chunk_for_stage(stage)
+                if local is None:
+                    continue
+                if stage == 0:
+                    value = microbatches[index]
+                elif self._peer(stage - 1) != self.rank:
+                    value = self._receive_activation(self._peer(stage - 1))
+                output = call_stage(self.chunks[local], value)
+                if stage == self.last_stage:
+                    loss = self.loss_fn(output) if split_targets is None else self.loss_fn(output, split_targets[index])
+                    total += loss.detach().float().reshape(())
+                elif self._peer(stage + 1) != self.rank:
+                    self._send_activation(output, self._peer(stage + 1), stage)
+                    value = None
+                else:
+                    value = output
+        holder = self.schedule.location_of(self.last_stage)[0]
+        return broadcast((total / m).reshape(1).contiguous(), src=holder, group=self.group)[0]
+
+    def _send_activation(self, output: Any, peer: int, stage: int) -> None:
+        tensors, meta = flatten(output, what=f"output of stage {stage}")
+        batch_send_recv([P2POp.send(meta.to_bytes(), peer)], group=self.group)
+        batch_send_recv([P2POp.send(t.contiguous(), peer) for t in tensors], group=self.group)
+
+    def _receive_activation(self, peer: int) -> Any:
+        buffer = torch.empty(META_BYTES, dtype=torch.uint8)
+        batch_send_recv([P2POp.recv(buffer, peer)], group=self.group)
+        meta = StageMeta.from_bytes(buffer)
+        tensors = empty_like_meta(meta, device=self.device)
+        batch_send_recv([P2POp.recv(t, peer) for t in tensors], group=self.group)
+        return unflatten(tensors, meta)
+
     # --- compute ------------------------------------------------------------------------------------------------
 
     def _chunk_for_stage(self, stage: int) -> int | None:

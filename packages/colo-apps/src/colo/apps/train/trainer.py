@@ -311,21 +311,32 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
         """The mean loss over the held-out sequences (every rank takes an equal share); logs it."""
-        if isinstance(self.engine, PipelineEngine):
-            self.log.print("warning: eval with pp > 1 is not supported yet; skipped")
-            return float("nan")
         group, evaluation = self.sample_group, self.data.eval
         per_rank = len(evaluation) // group.size
         size = self.config.eval.batch_size
+        pipelined = isinstance(self.engine, PipelineEngine)
+        starts = range(0, per_rank - size + 1, size)
+        if pipelined:  # forward-only through the stages; a batch splits into the schedule's microbatches
+            microbatches = self.config.schedule.num_microbatches
+            if size % microbatches or not starts:
+                raise ValueError(
+                    f"eval with pp > 1 runs batches of eval.batch_size={size} sequences split into "
+                    f"schedule.num_microbatches={microbatches}, with at least one whole batch per data-parallel rank "
+                    f"({per_rank} held out here): make eval.batch_size a multiple of {microbatches} and "
+                    f"eval.num_sequences at least {size * group.size}"
+                )
         total = torch.zeros((), dtype=torch.float64)
         count = 0
-        for first in range(0, per_rank - size + 1, size) or [0]:
+        for first in starts or [0]:
             indices = [group.rank + group.size * i for i in range(first, min(first + size, per_rank))]
             if not indices:
                 break
             micro = {name: tensor.to(self.device) for name, tensor in collate([evaluation[i] for i in indices]).items()}
-            micro, weight = self.engine.prepare_micro(micro)
-            total += (loss_of(self.engine.forward(micro), micro, None) * weight).detach().double().cpu()
+            if pipelined:
+                total += self.engine.evaluate(micro).double().cpu()
+            else:
+                micro, weight = self.engine.prepare_micro(micro)
+                total += (loss_of(self.engine.forward(micro), micro, None) * weight).detach().double().cpu()
             count += 1
         loss = self.engine.mean_over_data_ranks(total / max(count, 1))
         self.log.log({"step": step, "eval_loss": loss})

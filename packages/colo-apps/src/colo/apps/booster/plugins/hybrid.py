@@ -242,6 +242,13 @@ class PipelineEngine(Engine):
         self.zero_grad()
         return self.mean_over_data_ranks(result.loss.detach().double().cpu()), grad_norm, skipped
 
+    def evaluate(self, batch) -> torch.Tensor:
+        """The mean loss of ``batch`` (this data rank's share), forward only through the pipeline's stages
+        (`PipelineExecutor.evaluate`); every rank of the pipeline gets it. The batch splits into the schedule's
+        microbatches, so its size must divide by ``num_microbatches``."""
+        inputs, targets = self.plan.pipeline_batch(batch)
+        return self.executor.evaluate(inputs, targets)
+
     def backward(self, loss):
         raise RuntimeError("with pp > 1 the pipeline runs backward itself: use booster.train_step(batch)")
 
