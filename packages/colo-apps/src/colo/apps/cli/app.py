@@ -219,17 +219,9 @@ def convert(
         raise typer.Exit(2)
     import torch
 
-    from ..train.convert import export_llama_hf, export_lora_adapter
+    from colo.tensor.checkpoint import CheckpointError
 
-    if to == "peft":
-        try:
-            written = export_lora_adapter(checkpoint, out)
-        except ValueError as error:
-            typer.echo(f"colo: {error}", err=True)
-            raise typer.Exit(2) from None
-        for path in written:
-            typer.echo(path)
-        return
+    from ..train.convert import export_llama_hf, export_lora_adapter
 
     torch_dtype = None
     if dtype is not None:
@@ -237,7 +229,15 @@ def convert(
         if not isinstance(torch_dtype, torch.dtype):
             typer.echo(f"colo: --dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32", err=True)
             raise typer.Exit(2)
-    for path in export_llama_hf(checkpoint, out, dtype=torch_dtype, overwrite=overwrite):
+    try:
+        if to == "peft":
+            written = export_lora_adapter(checkpoint, out)
+        else:
+            written = export_llama_hf(checkpoint, out, dtype=torch_dtype, overwrite=overwrite)
+    except (ValueError, CheckpointError, FileExistsError) as error:  # a bad checkpoint or output: no traceback
+        typer.echo(f"colo: {error}", err=True)
+        raise typer.Exit(2) from None
+    for path in written:
         typer.echo(path)
 
 

@@ -37,7 +37,7 @@ class _ModelBase(_Section):
         default=None,
         description="Start from pretrained weights: a Hugging Face Llama directory (config.json + safetensors) or a "
         "checkpoint written by colo train (any layout; its LoRA adapters merged). The model's shape comes from "
-        "there: leave preset and the shape fields unset. None: a fresh model initialized from the seed.",
+        "there: model.preset is ignored and the shape fields must stay unset. None: a fresh model from the seed.",
     )
 
     @field_validator("preset")
@@ -51,8 +51,8 @@ class _ModelBase(_Section):
     def _valid_llama(self):
         if self.init_from is not None:
             shaped = sorted(name for name in _LLAMA_FIELDS if getattr(self, name, None) is not None)
-            if shaped or "preset" in self.model_fields_set:
-                fields = ", ".join(f"model.{name}" for name in shaped or ["preset"])
+            if shaped:
+                fields = ", ".join(f"model.{name}" for name in shaped)
                 raise ValueError(
                     f"model.init_from={self.init_from!r} gives the model's shape, and {fields} is set too; drop "
                     f"{fields} or model.init_from"
