@@ -20,7 +20,7 @@ import torch
 from colo.apps.data import ByteTokenizer
 from colo.apps.models.llama import Llama, LlamaConfig
 from colo.apps.train import ConfigError, load_config, validate_config
-from colo.apps.train.data_setup import build_data, check_positions_reach_the_model
+from colo.apps.train.data_setup import build_data
 from colo.comm.testing import run_distributed
 
 ASSISTANT_MARKER = list(b"<|assistant|>\n")
@@ -123,11 +123,11 @@ def test_defaults_are_unchanged_and_sft_settings_load():
     ],
 )
 def test_documents_packing_needs_a_layout_that_passes_positions(plugin, message):
-    config = load_config(overrides=["plugin.name=hybrid", "data.packing=documents", *plugin])
+    """Rejected at validation (so `colo launch` reports it before starting any process)."""
     with pytest.raises(ValueError, match="set data.packing='fixed'") as error:
-        check_positions_reach_the_model(config)
+        load_config(overrides=["plugin.name=hybrid", "data.packing=documents", *plugin])
     assert message in str(error.value)
-    check_positions_reach_the_model(load_config(overrides=["plugin.name=hybrid", "plugin.tp=2"]))
+    load_config(overrides=["plugin.name=hybrid", "plugin.tp=2", "data.packing=documents"])
 
 
 def test_batches_count_their_real_tokens(tmp_path):

@@ -326,6 +326,29 @@ class LoraSection(_Section):
         return self.alpha / (self.r**0.5 if self.use_rslora else self.r)
 
 
+def check_positions_reach_the_model(config: RunConfig) -> None:
+    """Raise when ``data.packing='documents'`` meets a layout that does not pass a batch's ``position_ids`` on.
+
+    A pipeline (``pp > 1``) feeds its first stage ``input_ids`` only, and Ulysses / ring sequence parallelism
+    (``sp > 1``) gives each rank the positions of its sequence shard; both would silently train with positions
+    that do not restart per document.
+    """
+    plugin = config.plugin
+    if config.data.packing != "documents" or plugin.name != "hybrid":
+        return
+    if plugin.pp > 1:
+        raise ValueError(
+            f"data.packing='documents' needs per-document position_ids in the model, but the pipeline (plugin.pp="
+            f"{plugin.pp}) feeds its first stage input_ids only; set data.packing='fixed' or plugin.pp=1"
+        )
+    if plugin.sp > 1:
+        raise ValueError(
+            f"data.packing='documents' needs per-document position_ids in the model, but sequence parallelism "
+            f"(plugin.sp={plugin.sp}, {plugin.sp_mode}) sets each shard's own positions; set data.packing='fixed' "
+            "or plugin.sp=1"
+        )
+
+
 class RunConfig(_Section):
     """One training run of a Llama: model, parallelism, optimizer, schedule, data, checkpoints, logging, eval."""
 
@@ -361,6 +384,7 @@ class RunConfig(_Section):
                 f"data.global_batch_size={self.data.global_batch_size} does not divide into "
                 f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
             )
+        check_positions_reach_the_model(self)
         if self.schedule.stop_at_step is not None and self.schedule.stop_at_step > self.schedule.total_steps:
             raise ValueError(
                 f"schedule.stop_at_step={self.schedule.stop_at_step} is after schedule.total_steps="

@@ -98,7 +98,6 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
         )
-    check_positions_reach_the_model(config)
     dataset, tokens_per_row, description = build_dataset(data, tokenizer)
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
     num_train = len(dataset) - held_out
@@ -170,26 +169,3 @@ def build_dataset(data: DataSection, tokenizer) -> tuple[Dataset, np.ndarray | N
             f"data.task='pretrain': {error}; set data.task='sft' to train on chat records, or data.text_field to "
             "the records' text field"
         ) from None
-
-
-def check_positions_reach_the_model(config: RunConfig) -> None:
-    """Raise when ``data.packing='documents'`` meets a layout that does not pass a batch's ``position_ids`` on.
-
-    A pipeline (``pp > 1``) feeds its first stage ``input_ids`` only, and Ulysses / ring sequence parallelism
-    (``sp > 1``) gives each rank the positions of its sequence shard; both would silently train with positions
-    that do not restart per document.
-    """
-    plugin = config.plugin
-    if config.data.packing != "documents" or plugin.name != "hybrid":
-        return
-    if plugin.pp > 1:
-        raise ValueError(
-            f"data.packing='documents' needs per-document position_ids in the model, but the pipeline (plugin.pp="
-            f"{plugin.pp}) feeds its first stage input_ids only; set data.packing='fixed' or plugin.pp=1"
-        )
-    if plugin.sp > 1:
-        raise ValueError(
-            f"data.packing='documents' needs per-document position_ids in the model, but sequence parallelism "
-            f"(plugin.sp={plugin.sp}, {plugin.sp_mode}) sets each shard's own positions; set data.packing='fixed' "
-            "or plugin.sp=1"
-        )
