@@ -6,8 +6,12 @@ offload follows Ren et al., "ZeRO-Offload", 2021.
 - Stage 0 shards nothing: each chunk's gradient is all-reduced during backward (DDP's bucketed all-reduce) and
   every rank steps full fp32 masters; it is how data or pipeline parallelism gets `colo.zero.amp`'s mixed
   precision and loss scaling without sharding.
-- Stage 1 shards optimizer state: gradients accumulate locally in a full flat buffer per chunk; at the step
-  each chunk is reduce-scattered, the owner steps its fp32 master shard, and the chunk is all-gathered back.
+- Stage 1 shards optimizer state: gradients accumulate in a persistent full flat buffer per chunk (``.grad`` are
+  views into it). In a `ZeroOptimizer.backward` that syncs (outside `no_sync`: with gradient accumulation, the
+  last micro-step), a post-accumulate-grad hook starts each chunk's async reduce-scatter into its gradient shard
+  as soon as all the chunk's gradients are in, so it runs during the rest of backward; the step waits for it,
+  the owner steps its fp32 master shard, and the chunk is all-gathered back. Gradients accumulated any other
+  way (a bare ``loss.backward()``, a pipeline's weight-gradient steps) are reduced at the step.
 - Stage 2 also shards gradients: a post-accumulate-grad hook copies each gradient into its chunk's bucket and,
   once the chunk is complete, starts an async reduce-scatter into the fp32 gradient shard, during backward,
   every micro-step.
@@ -227,17 +231,26 @@ class ZeroOptimizer:
         self._swap_optimizer_params()
         self._ready: dict[int, int] = {chunk.index: 0 for chunk in self.chunks}
         self._pending: list = []
+        """Stages 0/2/3: ``(chunk, handle)`` of reductions in flight, each added into the chunk's gradient shard."""
+        self._in_flight: dict[int, tuple] = {}
+        """Stage 1: chunk index -> ``(handle, version of the full gradient buffer after the launch)`` of the one
+        reduction of the buffer in flight; it overwrites the shard, and is superseded if the buffer changes."""
+        self._in_backward = False
         self._grads_prepared = False
         self._sync_enabled = True
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._hooks = []
         self.gatherer: ChunkGatherer | None = None
-        if self.config.stage != 1:
-            for chunk in self.trainable_chunks:
-                for slot in chunk.slots:
+        for chunk in self.trainable_chunks:
+            for slot in chunk.slots:
+                if self.config.stage == 1:
+                    before = functools.partial(self._before_accumulate, chunk)
+                    self._hooks.append(slot.param.register_hook(before))
+                    hook = functools.partial(self._on_grad_accumulated, chunk, slot)
+                else:
                     hook = functools.partial(self._on_grad_ready, chunk, slot)
-                    self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
         if self.config.stage == 3:
             self.gatherer = ChunkGatherer(self.chunks, group=self.group)
             self.gatherer.install(model, self.chunk_of)
@@ -343,9 +356,30 @@ class ZeroOptimizer:
         elif self.gatherer is not None:
             self.gatherer.release(chunk)
 
+    def _before_accumulate(self, chunk: Chunk, _grad: torch.Tensor) -> None:
+        """Stage 1, before autograd adds a gradient into the chunk's buffer: if the buffer's reduction is still in
+        flight (another backward without `no_sync`), finish it first; it is superseded by the next one."""
+        if chunk.index in self._in_flight:
+            self._discard_reduction(chunk)
+
+    def _on_grad_accumulated(self, chunk: Chunk, slot, param: torch.Tensor) -> None:
+        """Stage 1: keep the gradient in the chunk's buffer; in a `backward` that syncs, start reducing the buffer
+        once every gradient of the chunk is in."""
+        region = chunk.slot_view(chunk.buffer("grad"), slot)
+        if param.grad.data_ptr() != region.data_ptr():  # ``.grad`` was None or replaced before this backward
+            region.copy_(param.grad)
+            param.grad = region
+        self._ready[chunk.index] += 1
+        if self._ready[chunk.index] < len(chunk.slots):
+            return
+        self._ready[chunk.index] = 0
+        if self._in_backward and self._sync_enabled:
+            self._reduce_grads(chunk)
+
     def _reduce_grads(self, chunk: Chunk) -> None:
-        """Start reducing the chunk's full gradient bucket: all-reduce at stage 0, reduce-scatter into the shard
-        otherwise; stages 0/2/3 then drop the bucket (stage 1 keeps its persistent full buffer)."""
+        """Start reducing the chunk's full gradient buffer: all-reduce at stage 0, reduce-scatter into the shard
+        otherwise; stages 0/2/3 then drop the bucket, stage 1 keeps its persistent buffer (the all-reduce form of
+        the reduce-scatter sums in it, see `_discard_reduction`)."""
         bucket = chunk.buffer("grad")
         if self.reduce_dtype is not None and bucket.dtype != self.reduce_dtype:
             bucket = bucket.to(self.reduce_dtype)
@@ -353,25 +387,56 @@ class ZeroOptimizer:
             handle = all_reduce(bucket, group=self.group, async_op=True) if self.group.size > 1 else _Done(bucket)
         else:
             handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True, donate=True)
-        self._pending.append((chunk, handle))
         self._ready[chunk.index] = 0
-        if self.config.stage != 1:
-            chunk.drop_buffer("grad")
+        if self.config.stage == 1:
+            self._in_flight[chunk.index] = (handle, chunk.buffer("grad")._version)
+            return
+        self._pending.append((chunk, handle))
+        chunk.drop_buffer("grad")
         if self.gatherer is not None:
             self.gatherer.release(chunk)
 
-    def _finish_grad_sync(self) -> None:
-        """Reduce whatever is not reduced yet and wait for every reduction to land in the gradient shards."""
-        if self.config.stage == 1:
-            for chunk in self.trainable_chunks:
-                grad = chunk.buffer("grad")
-                for slot in chunk.slots:  # the user may have replaced or dropped .grad
-                    region = chunk.slot_view(grad, slot)
+    def _discard_reduction(self, chunk: Chunk) -> None:
+        """Stage 1: wait for the reduction of the chunk's buffer in flight and discard it. When it ran in place (the
+        all-reduce form) the buffer holds the sum over ranks; divided by the rank count it is the mean, which the
+        next reduction sums back to the same total, so accumulating on top of it stays correct."""
+        handle, _ = self._in_flight.pop(chunk.index)
+        reduced = handle.wait()
+        grad = chunk.buffer("grad")
+        if reduced.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+            grad.div_(self.group.size)
+
+    def _sync_full_grads(self) -> None:
+        """Stage 1: reduce every chunk whose buffer was not reduced during backward, or no longer holds ``.grad``."""
+        for chunk in self.trainable_chunks:
+            launched = self._in_flight.get(chunk.index)
+            grad = chunk.buffer("grad")
+            if launched is not None and grad._version != launched[1]:
+                names = [slot.name for slot in chunk.slots][:3]
+                raise RuntimeError(
+                    f"ZeroOptimizer (stage 1): gradients of {names} were changed in place after backward had "
+                    "started reducing them; once backward returns, gradients belong to the optimizer (as at "
+                    "stages 2/3). Change them in a gradient hook during backward, or accumulate under no_sync() and "
+                    "change them before the last backward"
+                )
+            regions = [(slot, chunk.slot_view(grad, slot)) for slot in chunk.slots]
+            if any(s.param.grad is None or s.param.grad.data_ptr() != r.data_ptr() for s, r in regions):
+                if launched is not None:  # the user dropped or replaced .grad after backward
+                    self._discard_reduction(chunk)
+                for slot, region in regions:
                     if slot.param.grad is None:
                         region.zero_()
                     elif slot.param.grad.data_ptr() != region.data_ptr():
                         region.copy_(slot.param.grad)
+            if chunk.index not in self._in_flight:  # hooks that never completed, or gradients from outside autograd
                 self._reduce_grads(chunk)
+
+    def _finish_grad_sync(self) -> None:
+        """Reduce whatever is not reduced yet and wait for every reduction to land in the gradient shards."""
+        if self.config.stage == 1:
+            self._sync_full_grads()
+            self._pending = [(self.chunks[index], handle) for index, (handle, _) in self._in_flight.items()]
+            self._in_flight.clear()
         else:  # chunks with unused parameters, or accumulated under no_sync, still hold a bucket: every rank flushes
             for chunk in self.trainable_chunks:
                 if chunk.has_buffer("grad"):
@@ -379,7 +444,7 @@ class ZeroOptimizer:
         for chunk, handle in self._pending:
             reduced = handle.wait().to(self.state_device, non_blocking=True)
             shard = chunk.buffer("grad_shard")
-            if self.config.stage == 1:  # reduced once per step, from the accumulated full buffer
+            if self.config.stage == 1:  # one reduction of the accumulated full buffer: it overwrites the shard
                 torch.mul(reduced, 1.0 / self.group.size, out=reduced)
                 shard.copy_(reduced)
             else:  # stages 0/2/3 reduce every micro-step into the shard
@@ -413,11 +478,12 @@ class ZeroOptimizer:
     def no_sync(self):
         """Accumulate gradients locally, without communication, for the backward passes inside the context.
 
-        The next backward outside it (or `step`) reduces the sum. Stage 1 always accumulates locally, so this
-        changes nothing there. At stages 0/2/3 every trainable chunk keeps a full gradient bucket in the compute
-        dtype while accumulating: 2Ψ bytes (bf16) or 4Ψ (fp32) on every rank, the memory stages 2/3 otherwise
-        save; use it to trade that memory for fewer reductions (one per accumulation window instead of one per
-        micro-step).
+        The next backward outside it (or `step`) reduces the sum. Stage 1 accumulates in its persistent full
+        buffers either way, and reduces them once, in the backward outside it (several backward passes outside it
+        each reduce again; the last reduction wins). At stages 0/2/3 every trainable chunk keeps a full gradient
+        bucket in the compute dtype while accumulating: 2Ψ bytes (bf16) or 4Ψ (fp32) on every rank, the memory
+        stages 2/3 otherwise save; use it to trade that memory for fewer reductions (one per accumulation window
+        instead of one per micro-step).
         """
         previous, self._sync_enabled = self._sync_enabled, False
         try:
@@ -428,18 +494,31 @@ class ZeroOptimizer:
     # --- the training-loop API --------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled by the loss scaler when there is one."""
+        """``loss.backward()``, scaled by the loss scaler when there is one.
+
+        At stage 1, outside `no_sync`, it also reduce-scatters each chunk during the backward, as soon as all the
+        chunk's gradients are accumulated (a bare ``loss.backward()`` leaves that to `step`). From then until
+        `step` the gradients belong to the optimizer: replacing or dropping a ``.grad`` is honoured (the chunk is
+        reduced again), changing one in place is an error.
+        """
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
-        loss.backward()
+        if self.config.stage == 1:  # counts start afresh: a chunk left incomplete before (unused params) waits
+            self._ready = dict.fromkeys(self._ready, 0)
+        self._in_backward = True
+        try:
+            loss.backward()
+        finally:
+            self._in_backward = False
 
     def reduce_gradients(self) -> bool:
         """Reduce this step's gradients over the data axes now (``step()`` does it otherwise).
 
         The hook for a pipeline executor's ``on_backward_end`` callback: a pipeline's weight-gradient (W) steps
         accumulate outside autograd's hooks, so the sync must be driven explicitly after the step's last backward.
-        Stage 1 handles gradients however they were accumulated into ``.grad``; stages 2/3 rely on the
-        post-accumulate-grad hooks during backward. Idempotent within a step.
+        Stage 1 handles gradients however they were accumulated into ``.grad`` (it reduces during backward only
+        inside `backward`, which a pipeline does not call); stages 2/3 rely on the post-accumulate-grad hooks
+        during backward. Idempotent within a step.
 
         Returns:
             Whether the step will be skipped (an fp16 overflow).
@@ -490,6 +569,8 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Zero the gradient shards (and stage 1's full gradient buffers, which ``param.grad`` views)."""
+        for index in list(self._in_flight):  # stage 1, a backward not followed by a step: let its reductions land
+            self._discard_reduction(self.chunks[index])
         for chunk in self.trainable_chunks:
             chunk.buffer("grad_shard").zero_()
             if self.config.stage == 1:

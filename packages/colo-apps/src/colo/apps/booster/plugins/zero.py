@@ -76,7 +76,8 @@ class ZeroEngine(Engine):
     """Runs steps for `Zero` (and for the data-parallel part of `HybridParallel` without a pipeline)."""
 
     def __init__(self, plugin, *, model, optimizer: ZeroOptimizer, mesh, criterion) -> None:
-        # stage 1 accumulates locally anyway; stages 0/2/3 reduce every microbatch unless told to accumulate
+        # stage 1 accumulates in its full buffers and reduces (overlapped) in the last microbatch's backward, the
+        # others under no_sync; stages 0/2/3 reduce every microbatch unless told to accumulate
         sync_every = optimizer.config.stage != 1 and not getattr(plugin, "accumulate_without_sync", False)
         super().__init__(
             plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion, sync_every_microbatch=sync_every
