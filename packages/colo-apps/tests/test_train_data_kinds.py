@@ -288,3 +288,27 @@ def test_documents_run_resumes_exactly(tmp_path):
     for step, loss in {**stopped["losses"], **resumed["losses"]}.items():
         assert loss == straight["losses"][step], step
     assert resumed["eval_losses"][8] == straight["eval_losses"][8]
+
+
+def test_an_sft_sample_answers_the_prompt_through_the_chat_template():
+    """`complete` with a chat template: the prompt is the user's turn, generation starts after the assistant's
+    marker (the same ids the template gives a generation prompt) and the eos is not shown."""
+    from colo.apps import Llama, get_preset
+    from colo.apps.data import ByteTokenizer, ChatTemplate
+    from colo.apps.train.generate import chat_template_of, complete, generate
+
+    torch.manual_seed(0)
+    model = Llama(get_preset("tiny", vocab_size=320)).eval()
+    tokenizer, template = ByteTokenizer(), ChatTemplate()
+    messages = [{"role": "user", "content": "2+2?"}]
+    ids, _ = template.tokenize(messages, tokenizer, add_generation_prompt=True)
+    expected = generate(model, ids, max_new_tokens=6, vocab_limit=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
+    text = complete(model, tokenizer, "2+2?", chat_template=template, max_new_tokens=6)
+    rendered = template.render(messages, add_generation_prompt=True)
+    assert text == rendered + tokenizer.decode([t for t in expected if t != tokenizer.eos_id])
+    assert rendered.endswith("<|user|>\n2+2?\n<|assistant|>\n")
+    assert complete(model, tokenizer, "def ", max_new_tokens=6).startswith("def ")
+    assert chat_template_of({"config": {"data": {"task": "pretrain"}}}) is None
+    assert chat_template_of({"config": {"data": {"task": "sft", "chat_template": {"turn_end": "|"}}}}) == ChatTemplate(
+        turn_end="|"
+    )

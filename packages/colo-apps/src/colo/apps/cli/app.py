@@ -174,28 +174,40 @@ def generate(
     cache: Annotated[
         bool, typer.Option("--cache/--no-cache", help="Decode with a KV cache; --no-cache re-runs the whole context.")
     ] = True,
+    chat: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat/--raw",
+            help="Answer PROMPT as a user message through the run's chat template (default for SFT runs), or "
+            "continue it as raw text.",
+        ),
+    ] = None,
 ) -> None:
     """Generate text from a checkpoint in one process (greedy or top-p, with a KV cache)."""
     import torch
 
     from ..data import load_tokenizer
-    from ..train import generate as generate_ids
     from ..train import load_llama
+    from ..train.generate import chat_template_of, complete
 
     model, run = load_llama(checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
     tok = load_tokenizer(tokenizer if tokenizer is not None else run.get("tokenizer"))
-    new = generate_ids(
+    template = chat_template_of(run)
+    if chat and template is None:
+        typer.echo("colo: --chat needs a checkpoint of an SFT run (data.task='sft'); use --raw", err=True)
+        raise typer.Exit(2)
+    text = complete(
         model,
-        tok.encode(prompt),
+        tok,
+        prompt,
+        chat_template=template if chat is not False else None,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        vocab_limit=tok.vocab_size,
-        eos_id=tok.eos_id,
         generator=torch.Generator().manual_seed(seed),
         use_cache=cache,
     )
-    typer.echo(prompt + tok.decode(new))
+    typer.echo(text)
 
 
 @app.command()

@@ -158,3 +158,41 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
         keep = sorted_probs.cumsum(0) - sorted_probs < top_p  # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def chat_template_of(run: dict):
+    """The `ChatTemplate` an SFT run (``data.task='sft'``) trained with, from its checkpoint metadata; ``None``
+    for other runs."""
+    from ..data import ChatTemplate
+
+    data = (run.get("config") or {}).get("data") or {}
+    if data.get("task") != "sft":
+        return None
+    return ChatTemplate(**data.get("chat_template", {}))
+
+
+def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, **options) -> str:
+    """``prompt`` and its continuation as text: `generate` on the encoded prompt, decoded.
+
+    With ``chat_template`` (an SFT run's), ``prompt`` is the user's message: the conversation is rendered up to the
+    assistant's marker, the reply is generated until the eos token, and the rendered text with the reply is
+    returned (the eos itself not shown).
+
+    Args:
+        model: the `Llama`.
+        tokenizer: the run's tokenizer (``encode`` / ``decode``, ``eos_id``, ``vocab_size``).
+        prompt: the text to continue, or the user's message.
+        chat_template: a `ChatTemplate`, or ``None`` for plain continuation.
+        **options: `generate`'s settings (``max_new_tokens``, ``temperature``, ``top_p``, ``generator``,
+            ``use_cache``).
+    """
+    if chat_template is None:
+        ids, shown = tokenizer.encode(prompt), prompt
+    else:
+        messages = [{"role": "user", "content": prompt}]
+        ids, _ = chat_template.tokenize(messages, tokenizer, add_generation_prompt=True)
+        shown = chat_template.render(messages, add_generation_prompt=True)
+    new = generate(model, ids, vocab_limit=tokenizer.vocab_size, eos_id=tokenizer.eos_id, **options)
+    if new and new[-1] == tokenizer.eos_id:
+        new = new[:-1]
+    return shown + tokenizer.decode(new)

@@ -33,7 +33,7 @@ from ..mfu import mfu, peak_flops
 from ..models.llama import Llama, flops_per_token
 from .config import RunConfig
 from .data_setup import RunData, build_data
-from .generate import RUN_KEY, generate, load_llama
+from .generate import RUN_KEY, complete, load_llama
 from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line
 from .optim import build_optimizer, build_scheduler
 from .pretrained import load_pretrained_llama, pretrained_llama_config
@@ -344,7 +344,8 @@ class Trainer:
         return loss
 
     def sample(self, result: TrainResult) -> str | None:
-        """Generate ``sample.max_new_tokens`` after ``sample.prompt`` from the last checkpoint (rank 0)."""
+        """Generate ``sample.max_new_tokens`` after ``sample.prompt`` from the last checkpoint (rank 0); an SFT run
+        answers ``sample.prompt`` as a user message through its chat template."""
         settings = self.config.sample
         if settings.max_new_tokens == 0:
             return None
@@ -353,19 +354,19 @@ class Trainer:
             self.log.print("no sample: it is generated from the final checkpoint, and checkpointing is off")
             return None
         model, _ = load_llama(final, device=self.device)
-        generator = torch.Generator().manual_seed(self.config.seed)
-        new = generate(
+        sft = self.config.data.task == "sft"
+        text = complete(
             model,
-            self.tokenizer.encode(settings.prompt),
+            self.tokenizer,
+            settings.prompt,
+            chat_template=self.config.data.chat_template.template() if sft else None,
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
             top_p=settings.top_p,
-            vocab_limit=self.tokenizer.vocab_size,
-            eos_id=self.tokenizer.eos_id,
-            generator=generator,
+            generator=torch.Generator().manual_seed(self.config.seed),
         )
-        text = settings.prompt + self.tokenizer.decode(new)
-        self.log.print(f"sample ({'greedy' if settings.temperature == 0 else 'top-p'}, KV cache):\n{text}")
+        how = ("greedy" if settings.temperature == 0 else "top-p") + (", chat template" if sft else "")
+        self.log.print(f"sample ({how}, KV cache):\n{text}")
         return text
 
     def _summary(self, result: TrainResult) -> str:
