@@ -17,6 +17,9 @@ from ...checkpointing import apply_activation_checkpointing
 from ..microbatch import loss_of, split_batch
 from ..precision import check_precision
 
+IGNORE_INDEX = -100
+"""The label of tokens without a loss (Hugging Face's and colo's Llama convention)."""
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -35,6 +38,9 @@ class StepResult:
     skipped: bool
     lr: float | None
     num_microbatches: int
+
+
+LOSS_WEIGHTINGS = ("microbatch", "token")
 
 
 @dataclass(kw_only=True)
@@ -57,6 +63,12 @@ class Plugin:
     (keep matmul and attention outputs too), ``"offload"`` (keep saved activations in host memory); ``None``: off."""
     activation_checkpointing_every: int = 1
     """Checkpoint every k-th block only (``1``: every block)."""
+    loss_weighting: str = "microbatch"
+    """How a step's microbatch losses combine: ``"microbatch"`` (every microbatch's mean weighs the same, on every
+    data-parallel rank) or ``"token"`` (every labelled token of the step weighs the same: each microbatch's mean is
+    weighted by its count of labelled next-token targets over the step's total on all data-parallel ranks, one
+    all-reduce of a scalar per step; for padded or masked rows such as SFT). ``"token"`` needs ``labels`` in the
+    batch (``labels[:, 1:]`` are the targets, ``-100`` ignored) and a model without a pipeline."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -70,6 +82,8 @@ class Plugin:
                 f"{name}.activation_checkpointing={self.activation_checkpointing!r} is unknown; use one of "
                 f"{CHECKPOINTING_MODES} or None"
             )
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"{name}.loss_weighting={self.loss_weighting!r} is unknown; use one of {LOSS_WEIGHTINGS}")
         every = self.activation_checkpointing_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"{name}.activation_checkpointing_every={every!r} must be a positive integer")
@@ -198,18 +212,42 @@ class Engine:
         """One optimizer step over ``batch``; returns ``(mean loss over data ranks, grad norm, skipped)``."""
         micro_batches = split_batch(batch, self.plugin.num_microbatches)
         count = len(micro_batches)
+        if self.plugin.loss_weighting == "token":
+            shares = self.token_shares(micro_batches)
+        else:
+            shares = [1.0 / count] * count
         total = torch.zeros((), dtype=torch.float64)
         for index, micro in enumerate(micro_batches):
             last = index == count - 1
             context = contextlib.nullcontext() if last or self.sync_every_microbatch else self.no_sync()
             with context:
                 micro, weight = self.prepare_micro(micro)
-                loss = loss_of(self.forward(micro), micro, self.criterion) * (weight / count)
+                loss = loss_of(self.forward(micro), micro, self.criterion) * (weight * shares[index])
                 self.backward(loss)
             total += loss.detach().double().cpu()
         grad_norm, skipped = self.step()
         self.zero_grad()
         return self.mean_over_data_ranks(total), grad_norm, skipped
+
+    def token_shares(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
+        """Per microbatch, ``its labelled targets * ranks with different samples / the step's labelled targets on
+        all of them``: the factors that make the data-parallel mean of the weighted microbatch means the mean over
+        every labelled token of the step (``loss_weighting="token"``). One all-reduce of a scalar."""
+        counts = []
+        for micro in micro_batches:
+            labels = micro.get("labels") if isinstance(micro, Mapping) else None
+            if labels is None:
+                raise ValueError(
+                    f"{type(self.plugin).__name__}.loss_weighting='token' counts the batch's labelled tokens, but the "
+                    "batch has no 'labels'; pass labels or use loss_weighting='microbatch'"
+                )
+            counts.append(int((labels[:, 1:] != IGNORE_INDEX).sum()))
+        group = self.mesh.group(*self.plugin.sample_axes(self.mesh))
+        total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=_comm_device(group))
+        if group.size > 1:
+            all_reduce(total, group=group)
+        total = max(float(total.item()), 1.0)
+        return [n * group.size / total for n in counts]
 
     def mean_over_data_ranks(self, value: torch.Tensor) -> float:
         """The mean of a scalar over the data-parallel ranks (one tiny all-reduce)."""

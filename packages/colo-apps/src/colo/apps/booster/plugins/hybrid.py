@@ -75,6 +75,11 @@ class HybridParallel(Plugin):
                 "HybridParallel: sp_mode='megatron' with pp > 1 is not supported yet (it splits the sequence at the "
                 "first layer and gathers it at lm_head, on different stages); use it without a pipeline"
             )
+        if self.loss_weighting == "token" and self.pp > 1:
+            raise ValueError(
+                "HybridParallel: loss_weighting='token' with pp > 1 is not supported yet (the pipeline averages its "
+                "microbatch losses itself); use loss_weighting='microbatch'"
+            )
         if self.sp > 1 and self.pp > 1:
             raise ValueError(
                 f"HybridParallel: sp={self.sp} with pp={self.pp} is not supported yet (pipeline stages would pass "
