@@ -385,6 +385,13 @@ class RunConfig(_Section):
                 f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
             )
         check_positions_reach_the_model(self)
+        pipelined = self.plugin.name == "hybrid" and self.plugin.pp > 1
+        microbatches = self.schedule.num_microbatches
+        if pipelined and self.eval.every_steps and self.eval.batch_size % microbatches:
+            raise ValueError(
+                f"eval.batch_size={self.eval.batch_size}: with plugin.pp > 1 an eval batch is split into "
+                f"schedule.num_microbatches={microbatches}; make eval.batch_size a multiple of {microbatches}"
+            )
         if self.schedule.stop_at_step is not None and self.schedule.stop_at_step > self.schedule.total_steps:
             raise ValueError(
                 f"schedule.stop_at_step={self.schedule.stop_at_step} is after schedule.total_steps="

@@ -53,7 +53,7 @@ RUN_PRESETS: dict[str, dict] = {
         "schedule": {"total_steps": 500_000, "warmup_steps": 2000, "min_lr": 3e-5, "num_microbatches": 8},
         "data": {"seq_len": 4096, "global_batch_size": 1024},
         "checkpoint": {"every_steps": 1000, "keep_last": 3},
-        "eval": {"every_steps": 2000, "num_sequences": 512},
+        "eval": {"every_steps": 2000, "num_sequences": 512, "batch_size": 32},  # a multiple of the microbatches
     },
     # Llama-2-70B on 256 GPUs: tp8 x pp8 (interleaved 1F1B, 2 chunks per rank) x dp4, ZeRO-1, bf16; 4M tokens.
     "llama-70b": {
@@ -74,7 +74,7 @@ RUN_PRESETS: dict[str, dict] = {
         "schedule": {"total_steps": 500_000, "warmup_steps": 2000, "min_lr": 1.5e-5, "num_microbatches": 32},
         "data": {"seq_len": 4096, "global_batch_size": 1024},
         "checkpoint": {"every_steps": 500, "keep_last": 3},
-        "eval": {"every_steps": 2000, "num_sequences": 512},
+        "eval": {"every_steps": 2000, "num_sequences": 512, "batch_size": 32},  # a multiple of the microbatches
     },
 }
 """``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo) and ``llama-1b`` / ``llama-7b`` / ``llama-70b``
