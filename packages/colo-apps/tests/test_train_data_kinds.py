@@ -219,8 +219,12 @@ def test_sft_run_trains_on_assistant_tokens_only(tmp_path):
     model = initial_model(ranks[0]["llama_config"], config["seed"])
     with torch.no_grad():
         first = [rank["batches"][0] for rank in ranks]
-        by_hand = sum(float(model(b["input_ids"], labels=b["labels"]).loss) for b in first) / 2
+        # SFT defaults to plugin.loss_weighting='token': the mean over every labelled target of both ranks
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in first]
+        rank_means = [float(model(b["input_ids"], labels=b["labels"]).loss) for b in first]
+        by_hand = sum(mean * count for mean, count in zip(rank_means, counts)) / sum(counts)
         unmasked = sum(float(model(b["input_ids"], labels=b["input_ids"]).loss) for b in first) / 2
+    assert validate_config(config).plugin.loss_weighting == "token"
     # The same fp32 ops on the same batch and weights; the tolerance only covers summation order differences
     # between the pytest process and the ranks (in practice the losses agree to the last bit).
     assert ranks[0]["losses"][1] == pytest.approx(by_hand, rel=1e-6, abs=1e-6)

@@ -375,6 +375,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        if self._rows_vary_in_labelled_tokens() and "loss_weighting" not in self.plugin.model_fields_set:
+            self.plugin.loss_weighting = "token"  # every labelled token weighs the same (see LoRA/SFT docs)
         try:  # schedule checks of the plugin (pipeline microbatches) need schedule.num_microbatches
             self.plugin.build(num_microbatches=self.schedule.num_microbatches, seed=self.seed)
         except ValueError as error:
@@ -404,6 +406,12 @@ class RunConfig(_Section):
                 "lower data.seq_len or set model.max_position_embeddings"
             )
         return self
+
+    def _rows_vary_in_labelled_tokens(self) -> bool:
+        """SFT rows and rows of packed documents hold different numbers of labelled tokens: they default to
+        ``plugin.loss_weighting='token'`` (not with a pipeline, which averages its microbatches itself)."""
+        varying = self.data.task == "sft" or self.data.packing == "documents"
+        return varying and not (self.plugin.name == "hybrid" and self.plugin.pp > 1)
 
     @property
     def checkpoint_dir(self) -> str:

@@ -122,8 +122,11 @@ def format_validation_error(error: ValidationError) -> str:
 
 def validate_config(data: Mapping) -> RunConfig:
     """Validate a raw mapping into a `RunConfig`; a `ConfigError` naming each bad field otherwise."""
+    data = dict(data)
+    if isinstance(data.get("plugin"), Mapping) and "name" not in data["plugin"]:  # the default plugin, DDP
+        data["plugin"] = {"name": "ddp", **data["plugin"]}
     try:
-        return RunConfig.model_validate(dict(data))
+        return RunConfig.model_validate(data)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
 
