@@ -24,6 +24,22 @@ def _materialize_device(model: nn.Module) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+_INITIALIZER = "_colo_materialize_fn"
+
+
+def set_materialize_fn(model: nn.Module, init_fn) -> nn.Module:
+    """Have the Booster's Llama plan fill this meta-device model's modules with ``init_fn(name, module)`` when it
+    materializes them (each rank only its shards, one module at a time), instead of the seeded initialization:
+    e.g. `colo.apps.train.PretrainedLlamaWeights` to start from pretrained weights. Returns ``model``."""
+    model.__dict__[_INITIALIZER] = init_fn  # a plain attribute: not a submodule, not in the state dict
+    return model
+
+
+def materialize_fn_of(model: nn.Module):
+    """The ``init_fn`` `set_materialize_fn` gave ``model``, or ``None``."""
+    return model.__dict__.get(_INITIALIZER)
+
+
 class LlamaPlan(ModelPlan):
     """Tensor parallelism over ``tp`` (vocabulary-parallel loss without a pipeline) and a layer-range pipeline."""
 
@@ -49,10 +65,18 @@ class LlamaPlan(ModelPlan):
                 sequence_parallel=plugin.sp_mode == "megatron",
                 materialize=device,
                 seed=plugin.seed,
+                init_fn=materialize_fn_of(model),
             )
         elif device is not None:
             model.to_empty(device=device)
-            model.init_weights(plugin.seed)
+            init_fn = materialize_fn_of(model)
+            if init_fn is None:
+                model.init_weights(plugin.seed)
+            else:
+                for name, module in model.named_modules():
+                    init_fn(name, module)
+                if model.config.tie_word_embeddings and hasattr(model, "embed_tokens") and hasattr(model, "lm_head"):
+                    model.lm_head.weight = model.embed_tokens.weight
         if plugin.sp > 1:
             self.apply_sp(model, mesh=mesh, plugin=plugin)
         return model
@@ -102,6 +126,9 @@ class LlamaPlan(ModelPlan):
 
     def pipeline(self, model: Llama, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
         stages = llama_pipeline_stages(model, plugin.pp * plugin.num_model_chunks)
+        if materialize_fn_of(model) is not None:
+            for stage in stages:
+                set_materialize_fn(stage, materialize_fn_of(model))
         chunks = [self.apply(stages[i], mesh=mesh, plugin=plugin) for i in stage_ids]
         tied: dict[str, nn.Parameter] = {}
         for chunk in chunks:

@@ -19,11 +19,13 @@ from .generate import generate, load_llama
 from .loading import ConfigError, apply_overrides, load_config, read_config_file, validate_config
 from .optim import WarmupCosine, build_optimizer, build_scheduler, param_groups
 from .presets import RUN_PRESETS
+from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
 from .state import committed_checkpoints, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 from .trainer import Trainer, TrainResult, train
 
 __all__ = [
     "RUN_PRESETS",
+    "PretrainedLlamaWeights",
     "ConfigError",
     "RunConfig",
     "TrainResult",
@@ -36,7 +38,9 @@ __all__ = [
     "generate",
     "load_config",
     "load_llama",
+    "load_pretrained_llama",
     "param_groups",
+    "pretrained_llama_config",
     "prune_checkpoints",
     "read_config_file",
     "resolve_resume",

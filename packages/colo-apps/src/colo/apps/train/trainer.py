@@ -25,6 +25,7 @@ import torch.distributed as dist
 from colo.comm import all_gather_object, barrier, init_distributed
 
 from ..booster import Booster
+from ..booster.llama_plan import set_materialize_fn
 from ..booster.microbatch import loss_of
 from ..booster.plugins.hybrid import PipelineEngine
 from ..data import collate, load_tokenizer
@@ -36,7 +37,7 @@ from .data_setup import RunData, build_data
 from .generate import RUN_KEY, complete, load_llama
 from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line
 from .optim import build_optimizer, build_scheduler
-from .pretrained import load_pretrained_llama, pretrained_llama_config
+from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
 from .state import checkpoint_path, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 
 
@@ -135,11 +136,14 @@ class Trainer:
     def _build_model(self) -> Llama:
         """The run's model: pretrained (``model.init_from``) or fresh from the seed, with LoRA adapters when asked."""
         config = self.config
+        if config.plugin.name == "hybrid" and not config.lora.enabled:
+            with torch.device("meta"):  # each rank materializes only its shards: from the seed or init_from
+                model = Llama(self.llama_config)
+            if config.model.init_from is not None:
+                set_materialize_fn(model, PretrainedLlamaWeights(config.model.init_from, self.llama_config))
+            return model
         if config.model.init_from is not None:
             model = load_pretrained_llama(config.model.init_from, device=self.device)
-        elif config.plugin.name == "hybrid" and not config.lora.enabled:
-            with torch.device("meta"):  # each rank materializes only its shards, from the run seed
-                return Llama(self.llama_config)
         else:
             with torch.device(self.device):
                 model = Llama(self.llama_config)

@@ -179,6 +179,7 @@ def apply_tp(
     sequence_parallel: bool = False,
     materialize: torch.device | str | None = None,
     seed: int = 0,
+    init_fn=None,
 ) -> None:
     """Shard ``model`` (a `Llama`, or a pipeline stage of one) over ``axis`` with `llama_tp_plan`, in place.
 
@@ -196,6 +197,8 @@ def apply_tp(
             rank only its shards (see `colo.tensor.parallelize`). Default: ``None``.
         seed (int): the model seed for materialization (`Llama.init_weights` gives the full model the same
             values). Default: ``0``.
+        init_fn: ``init_fn(name, module)`` fills a materialized module's own tensors instead of the seeded
+            `init_llama_module` (e.g. pretrained weights, module by module). Default: ``None``.
     """
     config: LlamaConfig = model.config
     embed, lm_head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
@@ -216,7 +219,8 @@ def apply_tp(
     tied = config.tie_word_embeddings and embed is not None and lm_head is not None
     if tied and lm_head.weight is embed.weight:
         lm_head.weight = nn.Parameter(embed.weight.detach(), requires_grad=embed.weight.requires_grad)
-    init_fn = functools.partial(init_llama_module, config=config, seed=seed)
+    if init_fn is None:
+        init_fn = functools.partial(init_llama_module, config=config, seed=seed)
     parallelize(model, mesh, plan, axis=axis, materialize=materialize, init_fn=init_fn)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
@@ -239,6 +243,7 @@ def parallelize_llama(
     sequence_parallel: bool = False,
     materialize: torch.device | str | None = None,
     seed: int = 0,
+    init_fn=None,
 ) -> nn.Module:
     """Apply colo's parallelisms to a `Llama` (or a `LlamaStage`) from outside, in place.
 
@@ -257,6 +262,9 @@ def parallelize_llama(
             only its shards (peak memory: its shards plus one module's full weights). Default: ``None``.
         seed (int): the model seed used when materializing; ``Llama.init_weights(seed)`` gives the unsharded
             model exactly the values these shards are slices of. Default: ``0``.
+        init_fn: ``init_fn(name, module)`` fills each materialized module's own tensors instead of the seeded
+            initialization, e.g. `colo.apps.train.PretrainedLlamaWeights` (pretrained weights: each rank reads one
+            module's full tensors at a time and keeps its shards). Default: ``None``.
 
     Returns:
         nn.Module: ``model``.
@@ -285,5 +293,6 @@ def parallelize_llama(
         sequence_parallel=sequence_parallel,
         materialize=materialize,
         seed=seed,
+        init_fn=init_fn,
     )
     return model
