@@ -135,3 +135,39 @@ def test_trainer_init_from_under_hybrid_matches_the_eager_ddp_run(tmp_path):
     assert sorted(hybrid) == [1, 2]
     for step in (1, 2):
         assert hybrid[step] == pytest.approx(eager[step], rel=1e-5)
+
+
+def _meta_lora_run(base: str):
+    from colo.apps import Booster, Llama
+    from colo.apps.booster import HybridParallel
+    from colo.apps.booster.llama_plan import set_materialize_fn
+    from colo.apps.hf.llama_io import load_llama_from_hf
+    from colo.apps.lora import add_lora, lora_layers
+    from colo.apps.train import PretrainedLlamaWeights, pretrained_llama_config
+    from colo.comm import all_gather_object
+
+    expected_loss = load_llama_from_hf(base)(**batch()).loss.item()
+    config = pretrained_llama_config(base)
+    with torch.device("meta"):
+        model = Llama(config)
+    set_materialize_fn(model, PretrainedLlamaWeights(base, config))
+    add_lora(model, r=4, alpha=8.0)
+    booster = Booster(HybridParallel(tp=2))
+    booster.boost(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    replicated = {}
+    for name, layer in lora_layers(model):
+        for half in ("lora_A", "lora_B"):
+            module = getattr(layer, half)["default"]
+            if type(module) is torch.nn.Linear:  # the replicated half: A of a column layer, B of a row layer
+                replicated[f"{name}.{half}"] = module.weight.detach().clone()
+    everyone = all_gather_object(replicated)
+    same_everywhere = all(torch.equal(everyone[0][k], other[k]) for other in everyone for k in replicated)
+    loss = booster.train_step(batch()).loss  # B starts at zero: the first loss is the base model's
+    return len(replicated), same_everywhere, any(p.is_meta for p in model.parameters()), loss, expected_loss
+
+
+def test_lora_on_a_meta_model_gets_the_same_adapters_on_every_rank(tmp_path):
+    base = write_base(tmp_path)
+    for count, same, any_meta, loss, expected_loss in run_distributed(_meta_lora_run, base, world_size=2):
+        assert count == 2 * 5 and same and not any_meta
+        assert loss == pytest.approx(expected_loss, rel=1e-5)

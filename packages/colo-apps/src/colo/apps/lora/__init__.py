@@ -27,7 +27,13 @@ from .adapters import (
     merge_lora,
 )
 from .export import has_lora_tensors, merge_lora_tensors, peft_adapter_state, write_peft_adapter
-from .tensor_parallel import DetachedLora, attach_lora_layers, detach_lora_layers, restore_lora_layers
+from .tensor_parallel import (
+    DetachedLora,
+    attach_lora_layers,
+    detach_lora_layers,
+    materialize_lora_adapters,
+    restore_lora_layers,
+)
 
 __all__ = [
     "HF_LLAMA_TARGETS",
@@ -43,6 +49,7 @@ __all__ = [
     "lora_layers",
     "lora_parameters",
     "lora_scaling",
+    "materialize_lora_adapters",
     "merge_lora",
     "merge_lora_tensors",
     "peft_adapter_state",

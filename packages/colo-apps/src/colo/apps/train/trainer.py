@@ -136,19 +136,18 @@ class Trainer:
     def _build_model(self) -> Llama:
         """The run's model: pretrained (``model.init_from``) or fresh from the seed, with LoRA adapters when asked."""
         config = self.config
-        if config.plugin.name == "hybrid" and not config.lora.enabled:
+        if config.plugin.name == "hybrid":
             with torch.device("meta"):  # each rank materializes only its shards: from the seed or init_from
                 model = Llama(self.llama_config)
             if config.model.init_from is not None:
                 set_materialize_fn(model, PretrainedLlamaWeights(config.model.init_from, self.llama_config))
-            return model
-        if config.model.init_from is not None:
+        elif config.model.init_from is not None:
             model = load_pretrained_llama(config.model.init_from, device=self.device)
         else:
             with torch.device(self.device):
                 model = Llama(self.llama_config)
             model.init_weights(config.seed)
-        if config.lora.enabled:
+        if config.lora.enabled:  # (on a meta-device model the plugin initializes the adapters from the seed)
             torch.manual_seed(config.seed)  # the same adapters on every rank
             add_lora(
                 model,
