@@ -1,6 +1,7 @@
 """Document sources: text files, globs, directories, JSON Lines, saved Hugging Face datasets, default corpus."""
 
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -73,15 +74,11 @@ def test_clear_errors(tmp_path):
         list(read_documents(missing, format="csv"))
 
 
-def test_hf_dataset_needs_datasets(tmp_path):
+def test_hf_dataset_needs_datasets(tmp_path, monkeypatch):
     _write(tmp_path / "ds" / "dataset_info.json", "{}")
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="pip install datasets"):
-            list(read_documents(tmp_path / "ds"))
-    else:
-        pytest.skip("datasets is installed; test_hf_dataset_round_trip covers it")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed: `import datasets` fails
+    with pytest.raises(ImportError, match="pip install datasets"):
+        list(read_documents(tmp_path / "ds"))
 
 
 def test_hf_dataset_round_trip(tmp_path):
