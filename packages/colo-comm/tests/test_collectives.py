@@ -121,9 +121,9 @@ def _reduce_scatter(algorithm, dim, op, dtype):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all"])
 @pytest.mark.parametrize("dim", [0, 2])
-@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
 def test_reduce_scatter_equals_local_reduction_then_chunk(world_size, algorithm, dim, op):
     run_distributed(_reduce_scatter, algorithm, dim, op, torch.bfloat16, world_size=world_size)
 
@@ -270,11 +270,12 @@ def _donated_reduce_scatter(algorithm):
     return part, shares_memory
 
 
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all"])
 def test_a_donated_reduce_scatter_gives_the_same_part_without_a_copy(algorithm):
     for rank, (part, shares_memory) in enumerate(run_distributed(_donated_reduce_scatter, algorithm, world_size=2)):
         assert torch.equal(part, (torch.arange(8.0) * 3)[rank * 4 : (rank + 1) * 4])
-        assert shares_memory == (algorithm == "all_reduce")  # the all-reduce form reduces in the bucket itself
+        # the all-reduce form reduces in the bucket itself, the all-to-all form writes into the bucket's own part
+        assert shares_memory == (algorithm in ("all_reduce", "all_to_all"))
 
 
 def _bad_out():

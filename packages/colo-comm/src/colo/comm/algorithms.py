@@ -1,15 +1,17 @@
 """Which implementation runs a collective, per backend and message size.
 
-Some backends are slow or incomplete for some collectives: gloo's reduce_scatter is slower than its
-all_reduce from about 1 MB up (an all-reduce followed by a local slice is then faster despite moving twice
-the bytes), and gloo has no uneven all-gather (colo pads). The table below maps ``backend -> op -> [(min_bytes,
-algorithm), ...]``: the last entry whose ``min_bytes`` does not exceed the message size wins.
+Some backends are slow or incomplete for some collectives: gloo's own reduce_scatter is 2-4x slower than an
+all-to-all of the parts followed by a local reduction of each rank's copies (which moves the same bytes), and
+slower than its all_reduce from about 1 MB up (an all-reduce and a local slice, twice the bytes); gloo has no
+uneven all-gather (colo pads). The table below maps ``backend -> op -> [(min_bytes, algorithm), ...]``: the last
+entry whose ``min_bytes`` does not exceed the message size wins.
 
-The built-in table holds the crossovers that ``python -m colo.comm.bench --calibrate --rounds 7`` measured on a
-2-core CPU machine with 2 ranks (``benchmarks/results/comm_algorithms_cpu.json``: reduce_scatter as all-reduce from
-1 MiB; gloo's own all-gather stays faster than the all-reduce form at every size up to 16 MiB); run the
-calibration on your own machine and point ``COLO_COMM_ALGORITHMS`` at the
-JSON file it writes (or call `load_algorithm_table`) to use your figures.
+The built-in table holds what ``python -m colo.comm.bench --nprocs 2 --calibrate PATH --rounds 7`` measured on a
+2-core CPU machine with 2 ranks (``benchmarks/results/comm_algorithms_cpu.json``: reduce_scatter as all-to-all at
+every size from 4 KiB to 16 MiB, e.g. 8.5 ms against 13.3 ms native and 15.5 ms as all-reduce at 16 MiB; gloo's own
+all-gather is kept: the all-reduce form was within 2% of it only at 16 MiB and slower below); run the calibration
+on your own machine and point ``COLO_COMM_ALGORITHMS`` at the JSON file it writes (or call
+`load_algorithm_table`) to use your figures.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
-    "reduce_scatter": ("native", "all_reduce"),
+    "reduce_scatter": ("native", "all_reduce", "all_to_all"),
     "all_gather": ("native", "all_reduce"),
 }
 """For each collective with a choice, its implementations: ``native`` is torch.distributed's own."""
 
 BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
     "gloo": {
-        "reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")],
+        "reduce_scatter": [(0, "all_to_all")],
         "all_gather": [(0, "native")],
     },
     "nccl": {"reduce_scatter": [(0, "native")], "all_gather": [(0, "native")]},

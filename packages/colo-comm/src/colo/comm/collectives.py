@@ -263,16 +263,18 @@ def reduce_scatter(
 ):
     """Reduce ``tensor`` over the group and return this rank's equal part of the result along ``dim``.
 
-    The implementation is picked per backend and size by `colo.comm.algorithms` (on gloo, an all-reduce and a
-    local slice from about 1 MB up, where gloo's own reduce_scatter is slower).
+    The implementation is picked per backend and size by `colo.comm.algorithms`: torch's own, an all-reduce and a
+    local slice, or an all-to-all of the parts and a local reduction of this rank's copies (on gloo, where its own
+    reduce_scatter is slow; the all-to-all moves the reduce-scatter's bytes, the all-reduce twice as many).
 
     Args:
         tensor: the full tensor; its extent along ``dim`` must divide by the group size.
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
         group: the group to reduce over (``None``: the world).
         dim: the dimension to split.
-        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, and
-            the result may be a view of it (ZeRO's gradient buckets, dropped right after).
+        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, the
+            all-to-all form writes the result into its own part, and the result may be a view of it (ZeRO's
+            gradient buckets, dropped right after).
         async_op: return a `Handle` instead of waiting.
 
     Returns:
@@ -295,7 +297,21 @@ def reduce_scatter(
     impl_volume = 2 * volume if algorithm == "all_reduce" else volume
     record("reduce_scatter", group.name, n, tensor.dtype, volume, impl_volume, algorithm)
 
-    if algorithm == "all_reduce":
+    if algorithm == "all_to_all":  # every rank sends each rank its part, then reduces the n copies of its own
+        received = torch.empty_like(full)
+        output = (
+            full.narrow(0, me * part, part)
+            if donate
+            else torch.empty((part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        )
+
+        def start() -> list:
+            return [dist.all_to_all_single(received, full, group=group.process_group, async_op=True)]
+
+        def local_part() -> torch.Tensor:
+            _reduce_copies(received.view(n, part, *full.shape[1:]), op, out=output)
+            return output
+    elif algorithm == "all_reduce":
         buffer = full.clone() if full is tensor and not donate else full
 
         def start() -> list:
@@ -320,6 +336,17 @@ def reduce_scatter(
         return result.movedim(0, dim) if dim else result
 
     return issue("reduce_scatter", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _reduce_copies(copies: torch.Tensor, op: str, *, out: torch.Tensor) -> None:
+    """Reduce the group's copies of this rank's part (dim 0, in rank order) into ``out``; sums of 16-bit floats
+    accumulate in fp32 and round once, as a reduction in one step would."""
+    if op in ("max", "min"):
+        (torch.amax if op == "max" else torch.amin)(copies, dim=0, out=out)
+    elif copies.is_floating_point() and copies.element_size() < 4:
+        out.copy_(copies.sum(dim=0, dtype=torch.float32))
+    else:
+        torch.sum(copies, dim=0, out=out)
 
 
 def all_to_all(
