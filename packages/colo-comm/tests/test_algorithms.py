@@ -17,9 +17,9 @@ def _fresh_table():
     algorithms._table.clear()
 
 
-def test_gloo_reduce_scatters_by_all_to_all_at_every_measured_size():
-    assert choose_algorithm("reduce_scatter", "gloo", 1) == "all_to_all"
-    assert choose_algorithm("reduce_scatter", "gloo", 1 << 30) == "all_to_all"
+def test_gloo_switches_reduce_scatter_to_all_reduce_at_the_measured_size():
+    assert choose_algorithm("reduce_scatter", "gloo", (1 << 20) - 1) == "native"
+    assert choose_algorithm("reduce_scatter", "gloo", 1 << 20) == "all_reduce"
     assert choose_algorithm("reduce_scatter", "nccl", 1 << 30) == "native"
     assert choose_algorithm("all_gather", "gloo", 1 << 30) == "native"
     assert choose_algorithm("all_reduce", "gloo", 1 << 30) == "native"

@@ -274,8 +274,7 @@ def _donated_reduce_scatter(algorithm):
 def test_a_donated_reduce_scatter_gives_the_same_part_without_a_copy(algorithm):
     for rank, (part, shares_memory) in enumerate(run_distributed(_donated_reduce_scatter, algorithm, world_size=2)):
         assert torch.equal(part, (torch.arange(8.0) * 3)[rank * 4 : (rank + 1) * 4])
-        # the all-reduce form reduces in the bucket itself, the all-to-all form writes into the bucket's own part
-        assert shares_memory == (algorithm in ("all_reduce", "all_to_all"))
+        assert shares_memory == (algorithm == "all_reduce")  # the all-reduce form reduces in the bucket itself
 
 
 def _bad_out():

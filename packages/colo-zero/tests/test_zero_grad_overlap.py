@@ -1,8 +1,8 @@
 """ZeRO-1 reduce-scatters each chunk during the backward that syncs, as soon as all the chunk's gradients are in,
 and still matches a single process: with accumulation under ``no_sync``, with several backward passes without it
 (each reduction superseding the last), with gradients replaced or dropped after backward, and whichever form the
-reduce-scatter takes (gloo's own, the all-reduce form, the all-to-all form; none may change the persistent
-gradient buffer, which stage 1 does not donate).
+reduce-scatter takes (gloo's own and the all-to-all form, which only read the persistent gradient buffer, or the
+all-reduce form, which sums in the buffer itself).
 
 Tolerances (fp32): rtol = atol = 1e-5 against a single process, for the reduction-order reasons given in
 test_zero_stages.py.
@@ -34,7 +34,7 @@ def _load_models():
 _models = _load_models()
 ROWS_PER_RANK = 4
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
-ALGORITHMS = ["native", "all_reduce", "all_to_all"]  # the reduce-scatter forms
+ALGORITHMS = ["native", "all_reduce", "all_to_all"]  # the reduce-scatter forms: read / sum in / read the buffer
 
 
 def _stage1(model, mesh):
@@ -133,7 +133,8 @@ def test_no_sync_then_one_reducing_backward_equals_the_big_batch(algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_backward_passes_without_no_sync_each_reduce_and_the_last_one_wins(algorithm):
-    # the first three reductions must leave the buffer as it was: the next backward adds its gradient to it
+    # with the all-reduce form the first three reductions leave the rank sum in the buffer, which the next backward
+    # must not add its gradient to as it is
     for calls, num_chunks in run_distributed(_accumulation_against_reference, algorithm, False, world_size=2):
         assert calls == [4 * num_chunks] * 3  # every backward reduces again; the shard keeps the last reduction
 

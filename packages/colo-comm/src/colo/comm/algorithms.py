@@ -1,17 +1,18 @@
 """Which implementation runs a collective, per backend and message size.
 
-Some backends are slow or incomplete for some collectives: gloo's own reduce_scatter is 2-4x slower than an
-all-to-all of the parts followed by a local reduction of each rank's copies (which moves the same bytes), and
-slower than its all_reduce from about 1 MB up (an all-reduce and a local slice, twice the bytes); gloo has no
-uneven all-gather (colo pads). The table below maps ``backend -> op -> [(min_bytes, algorithm), ...]``: the last
-entry whose ``min_bytes`` does not exceed the message size wins.
-
-The built-in table holds what ``python -m colo.comm.bench --nprocs 2 --calibrate PATH --rounds 7`` measured on a
-2-core CPU machine with 2 ranks (``benchmarks/results/comm_algorithms_cpu.json``: reduce_scatter as all-to-all at
-every size from 4 KiB to 16 MiB, e.g. 8.5 ms against 13.3 ms native and 15.5 ms as all-reduce at 16 MiB; gloo's own
-all-gather is kept: the all-reduce form was within 2% of it only at 16 MiB and slower below); run the calibration
-on your own machine and point ``COLO_COMM_ALGORITHMS`` at the JSON file it writes (or call
-`load_algorithm_table`) to use your figures.
+Some backends are slow or incomplete for some collectives: gloo's own reduce_scatter is slower than its
+all_reduce from about 1 MB up (an all-reduce and a local slice, twice the bytes, is then faster), and gloo has no
+uneven all-gather (colo pads). A third form of reduce_scatter, an all-to-all of the parts followed by a local
+reduction of this rank's copies (the reduce-scatter's own bytes), is the fastest in isolation on gloo
+(``python -m colo.comm.bench --nprocs 2 --calibrate PATH``: 8.5 ms at 16 MiB against 13.3 ms native and 15.5 ms as
+all-reduce), but not inside ZeRO: its local reduction runs on the caller's thread when the handle is waited on, and
+its receive buffer (the message's size) stays alive per reduction in flight; ZeRO-2 on 2 CPU ranks measured 4-12%
+fewer tokens/s and ~100 MB more memory with it (`benchmarks/zero_dp.py`, alternated A/B). So the built-in table
+keeps the earlier calibration (``benchmarks/results/comm_algorithms_cpu.json`` records both): reduce_scatter as
+all-reduce from 1 MiB; gloo's own all-gather at every size. The table maps ``backend -> op -> [(min_bytes,
+algorithm), ...]``: the last entry whose ``min_bytes`` does not exceed the message size wins; calibrate on your
+own machine and point ``COLO_COMM_ALGORITHMS`` at the JSON file it writes (or call `load_algorithm_table`), or
+`force_algorithm`, to use other choices.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ALTERNATIVES: dict[str, tuple[str, ...]] = {
 
 BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
     "gloo": {
-        "reduce_scatter": [(0, "all_to_all")],
+        "reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")],
         "all_gather": [(0, "native")],
     },
     "nccl": {"reduce_scatter": [(0, "native")], "all_gather": [(0, "native")]},

@@ -272,9 +272,9 @@ def reduce_scatter(
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
         group: the group to reduce over (``None``: the world).
         dim: the dimension to split.
-        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, the
-            all-to-all form writes the result into its own part, and the result may be a view of it (ZeRO's
-            gradient buckets, dropped right after).
+        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, and the
+            result may be a view of it (ZeRO's gradient buckets, dropped right after); the other forms only read
+            it.
         async_op: return a `Handle` instead of waiting.
 
     Returns:
@@ -299,11 +299,7 @@ def reduce_scatter(
 
     if algorithm == "all_to_all":  # every rank sends each rank its part, then reduces the n copies of its own
         received = torch.empty_like(full)
-        output = (
-            full.narrow(0, me * part, part)
-            if donate
-            else torch.empty((part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        )
+        output = torch.empty((part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
         def start() -> list:
             return [dist.all_to_all_single(received, full, group=group.process_group, async_op=True)]

@@ -378,18 +378,15 @@ class ZeroOptimizer:
 
     def _reduce_grads(self, chunk: Chunk) -> None:
         """Start reducing the chunk's full gradient buffer: all-reduce at stage 0, reduce-scatter into the shard
-        otherwise; stages 0/2/3 then drop the bucket, stage 1 keeps its persistent buffer (not donated: the
-        collective only reads it)."""
+        otherwise; stages 0/2/3 then drop the bucket, stage 1 keeps its persistent buffer (the all-reduce form of
+        the reduce-scatter sums in it, see `_discard_reduction`)."""
         bucket = chunk.buffer("grad")
         if self.reduce_dtype is not None and bucket.dtype != self.reduce_dtype:
             bucket = bucket.to(self.reduce_dtype)
         if self.config.stage == 0:
             handle = all_reduce(bucket, group=self.group, async_op=True) if self.group.size > 1 else _Done(bucket)
         else:
-            # stages 2/3 give their bucket up; stage 1's persistent buffer keeps accumulating, so the collective
-            # must leave it as it is (every form then reads it only)
-            donate = self.config.stage != 1
-            handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True, donate=donate)
+            handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True, donate=True)
         self._ready[chunk.index] = 0
         if self.config.stage == 1:
             self._in_flight[chunk.index] = (handle, chunk.buffer("grad")._version)
@@ -400,10 +397,14 @@ class ZeroOptimizer:
             self.gatherer.release(chunk)
 
     def _discard_reduction(self, chunk: Chunk) -> None:
-        """Stage 1: wait for the reduction of the chunk's buffer in flight and discard it (the buffer is not
-        donated, so it still holds this rank's accumulated gradients; the next reduction supersedes this one)."""
+        """Stage 1: wait for the reduction of the chunk's buffer in flight and discard it. When it ran in place (the
+        all-reduce form) the buffer holds the sum over ranks; divided by the rank count it is the mean, which the
+        next reduction sums back to the same total, so accumulating on top of it stays correct."""
         handle, _ = self._in_flight.pop(chunk.index)
-        handle.wait()
+        reduced = handle.wait()
+        grad = chunk.buffer("grad")
+        if reduced.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+            grad.div_(self.group.size)
 
     def _sync_full_grads(self) -> None:
         """Stage 1: reduce every chunk whose buffer was not reduced during backward, or no longer holds ``.grad``."""
