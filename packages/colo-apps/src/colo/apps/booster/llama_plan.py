@@ -14,14 +14,12 @@ from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_posi
 from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
 from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
-from .plans import ModelPlan, PipelinePart, register_plan
+from .plans import ModelPlan, PipelinePart, materialize_device, register_plan
 
 
 def _materialize_device(model: nn.Module) -> torch.device | None:
     """Where to initialize a meta-device model (the current CUDA device, else the CPU); ``None`` for a real one."""
-    if not any(p.is_meta for p in model.parameters()):
-        return None
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return materialize_device() if any(p.is_meta for p in model.parameters()) else None
 
 
 _INITIALIZER = "_colo_materialize_fn"

@@ -16,6 +16,11 @@ from torch import nn
 from colo.comm import Mesh
 
 
+def materialize_device() -> torch.device:
+    """Where meta-device tensors are materialized: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class PipelinePart:
     """This rank's share of a pipeline: its model chunks, the loss the last stage computes, and tied parameters."""

@@ -12,7 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from colo.tensor.checkpoint import export_hf, load_checkpoint, read_index
 
+from ..hf.llama_io import llama_config_to_hf, save_llama_as_hf
 from ..lora import has_lora_tensors, write_peft_adapter
+from ..models.llama import LlamaConfig
 from .generate import RUN_KEY, load_llama
 
 _INDEX = "model.safetensors.index.json"
@@ -21,34 +23,6 @@ _INDEX = "model.safetensors.index.json"
 def hf_name(name: str) -> str:
     """The Hugging Face name of a checkpoint tensor: ``model.`` prefixed, except ``lm_head``."""
     return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-def hf_config(llama_config: dict, *, dtype: str) -> dict:
-    """The ``config.json`` of ``transformers.LlamaForCausalLM`` for a colo `LlamaConfig` (as a dict)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-        **{
-            key: llama_config[key]
-            for key in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "max_position_embeddings",
-                "rms_norm_eps",
-                "rope_theta",
-                "tie_word_embeddings",
-                "initializer_range",
-            )
-        },
-    }
 
 
 def export_llama_hf(
@@ -94,15 +68,13 @@ def export_llama_hf(
         index["weight_map"] = {hf_name(name): shard for name, shard in index["weight_map"].items()}
         with open(index_path, "w", encoding="utf-8") as file:
             json.dump(index, file, indent=2)
-    dtype_name = str(dtype or torch.float32).removeprefix("torch.")
+    config = llama_config_to_hf(LlamaConfig(**run["llama_config"]), dtype=dtype or torch.float32)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as file:
-        json.dump(hf_config(run["llama_config"], dtype=dtype_name), file, indent=2)
+        json.dump(config, file, indent=2)
     return [os.path.join(out_dir, name) for name in (*files, "config.json")]
 
 
 def _export_merged_lora(checkpoint: str, out_dir: str, *, dtype: torch.dtype | None, overwrite: bool) -> list[str]:
-    from ..hf.llama_io import save_llama_as_hf
-
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace an earlier export")
     model, _ = load_llama(checkpoint)

@@ -17,7 +17,7 @@ from ...lora.tensor_parallel import (
     materialize_lora_adapters,
     restore_lora_layers,
 )
-from ..plans import plan_for
+from ..plans import materialize_device, plan_for
 from .base import Engine, Plugin
 from .zero import ZeroEngine
 
@@ -145,7 +145,7 @@ class HybridParallel(Plugin):
         init_distributed()
         mesh = self.build_mesh()
         if lora and any(p.is_meta for p in model.parameters()):  # adapters added to a meta-device model
-            materialize_lora_adapters(lora, device=_materialize_device_of(), seed=self.seed)
+            materialize_lora_adapters(lora, device=materialize_device(), seed=self.seed)
         part = None
         if self.pp == 1:
             plan.apply(model, mesh=mesh, plugin=self)
@@ -174,11 +174,6 @@ class HybridParallel(Plugin):
         if part is None:
             return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
         return PipelineEngine(self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target)
-
-
-def _materialize_device_of() -> torch.device:
-    """Where meta-device tensors are materialized: the current CUDA device, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _mixed_precision(plugin: HybridParallel):
