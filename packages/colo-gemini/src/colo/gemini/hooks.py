@@ -3,12 +3,13 @@ pattern (`colo.zero.ChunkGatherer`), with the gathering done by the `ChunkManage
 prefetch from the policy) instead of an all-gather into fresh memory.
 
 From `ChunkGatherer` this keeps: the hook installation, the forward hook that releases a chunk once every module
-owning it has run, and the wrapping of module outputs so that backward re-gathers the chunks. It adds:
+owning it has run, the wrapping of module outputs so that backward re-gathers the chunks, and the saved-tensor
+hooks around the model's forward (autograd saves views of parameters for backward, ``addmm`` saves
+``weight.t()``; here those would point into arena blocks that are reused once the chunk is evicted, so a saved
+tensor lying in a gathered chunk is packed as ``(chunk, offset, size, stride)`` and rebuilt in backward from the
+chunk's current copy: no saved tensor pins or aliases device memory). It locates saved tensors and gathers
+chunks through the manager, and adds:
 
-- saved-tensor hooks around the model's forward: autograd saves views of parameters for backward (``addmm``
-  saves ``weight.t()``), and those views point into arena blocks that are reused once the chunk is evicted. A
-  saved tensor lying in a gathered chunk is packed as ``(chunk, offset, size, stride)`` and unpacked in backward
-  by gathering the chunk again and viewing its current copy, so no saved tensor pins or aliases device memory;
 - for frozen chunks (whose release cannot wait for gradients), an identity on the module's inputs whose backward
   releases the chunk once the module's backward has run; a frozen chunk owned by several modules stays gathered
   until the step.
@@ -57,37 +58,16 @@ class GeminiGatherer(ChunkGatherer):
 
     # --- saved tensors ----------------------------------------------------------------------------------------
 
-    def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> None:
-        """Register the module hooks (see `ChunkGatherer.install`) and the saved-tensor hooks around the model."""
-        super().install(model, chunk_of)
-        self._saved_hooks: list = []
-        self.handles.append(model.register_forward_pre_hook(self._enter_saved_hooks))
-        self.handles.append(model.register_forward_hook(self._exit_saved_hooks, always_call=True))
+    def locate_saved(self, tensor: torch.Tensor) -> tuple[Chunk, int] | None:
+        """``(chunk, offset in its full copy)`` when ``tensor`` lies in a gathered chunk's arena block."""
+        if tensor.device != self.manager.device:
+            return None
+        return self.manager.locate(tensor)
 
-    def _enter_saved_hooks(self, module, args) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        hooks.__enter__()
-        self._saved_hooks.append(hooks)
-
-    def _exit_saved_hooks(self, module, args, output) -> None:
-        if self._saved_hooks:
-            self._saved_hooks.pop().__exit__(None, None, None)
-
-    def _pack(self, tensor: torch.Tensor):
-        if tensor.device != self.manager.device or tensor.layout != torch.strided:
-            return tensor
-        found = self.manager.locate(tensor)
-        if found is None:
-            return tensor
-        chunk, offset = found
-        return _SavedChunkView(chunk, offset, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-
-    def _unpack(self, packed):
-        if not isinstance(packed, _SavedChunkView):
-            return packed
-        self.manager.gather(packed.chunk, backward=True)
-        full = self.manager.full_copy(packed.chunk)
-        return full.as_strided(packed.size, packed.stride, full.storage_offset() + packed.offset)
+    def full_copy_for_backward(self, chunk: Chunk) -> torch.Tensor:
+        """Gather the chunk for backward through the manager and return its full copy."""
+        self.manager.gather(chunk, backward=True)
+        return self.manager.full_copy(chunk)
 
     # --- module hooks -----------------------------------------------------------------------------------------
 
@@ -123,12 +103,3 @@ class _ReleaseAfterBackward(torch.autograd.Function):
         for chunk in ctx.chunks:
             ctx.gatherer.release(chunk)
         return (None, None, *grads)
-
-
-class _SavedChunkView:
-    """A tensor autograd saved that lies in a chunk's gathered copy: where in the chunk, not the memory."""
-
-    __slots__ = ("chunk", "offset", "size", "stride", "dtype")
-
-    def __init__(self, chunk: Chunk, offset: int, size: tuple, stride: tuple, dtype: torch.dtype) -> None:
-        self.chunk, self.offset, self.size, self.stride, self.dtype = chunk, offset, size, stride, dtype

@@ -11,7 +11,12 @@ Hooks, installed on every module that owns parameters directly:
   reduce-scattered (done by `ZeroOptimizer`'s gradient hooks).
 
 Parameters keep their identity: gathering sets ``param.data`` to a view of the chunk's full buffer, freeing
-sets it to an empty tensor. Limits: prefetch follows packing order (pack in execution order with
+sets it to an empty tensor. Full buffers come from a `BufferPool` and go back to it when freed, so a step reuses
+a few buffers instead of allocating one per gather. Autograd would keep a freed buffer alive (and unusable for
+reuse) through the weights a forward saves for backward (``F.linear`` saves ``weight.t()``, a view of it), so
+while the model's forward runs with gradients, saved-tensor hooks store such a tensor as *where it lies in
+which chunk* and rebuild it from the chunk's current full copy when backward unpacks it (gathering the chunk if
+it is not gathered then). A buffer anything else still references is not reused. Limits: prefetch follows packing order (pack in execution order with
 ``param_order=execution_order(...)`` when registration order differs); a parameter used by a module that does
 not own it (``F.linear(x, other.weight)``) must be registered on that module too (tie it as
 ``lm_head.weight = embed.weight``); a module called twice per forward makes its chunks be gathered twice.
@@ -20,10 +25,21 @@ not own it (``F.linear(x, other.weight)``) must be registered on that module too
 from __future__ import annotations
 
 import torch
+from torch.nn import Parameter
 
 from colo.comm import Group, Handle, all_gather
 
+from .buffer_pool import BufferPool
 from .chunk import Chunk
+
+
+class SavedChunkView:
+    """A tensor autograd saved that lies inside a chunk's full copy: where it lies, not the memory itself."""
+
+    __slots__ = ("chunk", "offset", "size", "stride")
+
+    def __init__(self, chunk: Chunk, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.chunk, self.offset, self.size, self.stride = chunk, offset, size, stride
 
 
 class ChunkGatherer:
@@ -32,17 +48,22 @@ class ChunkGatherer:
     Args:
         chunks: all chunks, in packing order.
         group: the data-parallel group the shards are spread over.
+        pool: where full buffers come from and go back to (a pool of its own by default).
     """
 
-    def __init__(self, chunks: list[Chunk], *, group: Group) -> None:
+    def __init__(self, chunks: list[Chunk], *, group: Group, pool: BufferPool | None = None) -> None:
         self.chunks = chunks
         self.group = group
-        self.in_flight: dict[int, Handle] = {}
+        self.pool = pool if pool is not None else BufferPool()
+        self.in_flight: dict[int, tuple[Handle, torch.Tensor]] = {}
+        self.gathered_at: dict[int, Chunk] = {}
+        """Gathered chunks by the data pointer of their full buffer (what the saved-tensor hook looks up)."""
         self.users: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
         self.finished: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
         self.module_chunks: dict[int, list[Chunk]] = {}
         self.needed_in_backward: set[int] = set()
         self.handles: list = []
+        self._saved_hooks: list = []
         self.num_gathers = 0
         """Chunks gathered for use (forward and backward), since construction."""
         self.num_prefetch_hits = 0
@@ -58,7 +79,10 @@ class ChunkGatherer:
         """Start the all-gather of ``chunk`` unless it is gathered or already in flight."""
         if self.is_gathered(chunk) or chunk.index in self.in_flight:
             return
-        self.in_flight[chunk.index] = all_gather(chunk.buffer("param_shard"), group=self.group, async_op=True)
+        shard = chunk.buffer("param_shard")
+        full = self.pool.take(chunk.numel, shard.dtype, shard.device)
+        handle = all_gather(shard, group=self.group, out=full, async_op=True)
+        self.in_flight[chunk.index] = (handle, full)
 
     def gather(self, chunk: Chunk) -> None:
         """Make the chunk's parameters views of its full compute copy (all-gathering it if needed)."""
@@ -67,17 +91,25 @@ class ChunkGatherer:
         self.num_gathers += 1
         self.num_prefetch_hits += chunk.index in self.in_flight
         self.prefetch(chunk)
-        full = self.in_flight.pop(chunk.index).wait()
+        handle, full = self.in_flight.pop(chunk.index)
+        handle.wait()
         chunk.set_buffer("param", full)
         chunk.bind_params(full)
+        self.gathered_at[full.data_ptr()] = chunk
 
     def release(self, chunk: Chunk) -> None:
-        """Free the chunk's full compute copy."""
+        """Free the chunk's full compute copy (back to the pool unless something still references it)."""
         if chunk.index in self.in_flight:  # a prefetch nobody used: finish it so the collective order holds
-            self.in_flight.pop(chunk.index).wait()
+            handle, full = self.in_flight.pop(chunk.index)
+            handle.wait()
+            del handle
+            self.pool.give(full)
         if self.is_gathered(chunk):
             chunk.unbind_params()
+            full = chunk.buffer("param")
             chunk.drop_buffer("param")
+            del self.gathered_at[full.data_ptr()]
+            self.pool.give(full)
         self.finished[chunk.index].clear()
         # released in backward once its gradients are reduced: not to be prefetched again this step (a forward
         # release is followed, in the same hook, by marking the chunk needed again)
@@ -95,10 +127,42 @@ class ChunkGatherer:
         if earlier:
             self.prefetch(self.chunks[max(earlier)])
 
+    # --- saved tensors ----------------------------------------------------------------------------------------
+
+    def locate_saved(self, tensor: torch.Tensor) -> tuple[Chunk, int] | None:
+        """``(chunk, element offset in its full copy)`` when ``tensor`` lies in a gathered chunk, else ``None``."""
+        chunk = self.gathered_at.get(tensor.untyped_storage().data_ptr())
+        return None if chunk is None else (chunk, tensor.storage_offset())
+
+    def full_copy_for_backward(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's full compute copy, gathered if it is not (a saved tensor is being unpacked from it)."""
+        self.gather(chunk)
+        return chunk.buffer("param")
+
+    def pack_saved(self, tensor: torch.Tensor):
+        """Saved-tensor pack hook: a tensor lying in a gathered chunk becomes a `SavedChunkView`."""
+        if tensor.layout is not torch.strided or type(tensor) not in (torch.Tensor, Parameter) or tensor.is_meta:
+            return tensor
+        found = self.locate_saved(tensor)
+        if found is None:
+            return tensor
+        chunk, offset = found
+        return SavedChunkView(chunk, offset, tuple(tensor.shape), tuple(tensor.stride()))
+
+    def unpack_saved(self, saved):
+        """Saved-tensor unpack hook: a `SavedChunkView` becomes a view of the chunk's current full copy."""
+        if not isinstance(saved, SavedChunkView):
+            return saved
+        full = self.full_copy_for_backward(saved.chunk)
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+
     # --- hooks ------------------------------------------------------------------------------------------------
 
     def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> None:
-        """Register the forward hooks on every module that owns parameters of the chunks."""
+        """Register the forward hooks on every module that owns parameters of the chunks, and the saved-tensor
+        hooks around ``model``'s own forward."""
+        self.handles.append(model.register_forward_pre_hook(self._enter_saved_hooks))
+        self.handles.append(model.register_forward_hook(self._exit_saved_hooks, always_call=True))
         for module in model.modules():
             owned = []
             for param in module.parameters(recurse=False):
@@ -118,6 +182,18 @@ class ChunkGatherer:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+    def _enter_saved_hooks(self, module: torch.nn.Module, args) -> None:
+        context = None
+        if torch.is_grad_enabled():
+            context = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
+            context.__enter__()
+        self._saved_hooks.append(context)
+
+    def _exit_saved_hooks(self, module: torch.nn.Module, args, output) -> None:
+        context = self._saved_hooks.pop() if self._saved_hooks else None
+        if context is not None:
+            context.__exit__(None, None, None)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
         owned = self.module_chunks[id(module)]
