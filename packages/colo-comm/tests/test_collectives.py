@@ -103,7 +103,7 @@ def _all_gather_checked(shape, dim, dtype, uneven):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 @pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "p2p"])
 def test_all_gather_concatenates_in_rank_order(world_size, dim, uneven, algorithm):
     run_distributed(_all_gather, (2, 3, 4), dim, torch.float16, uneven, algorithm, world_size=world_size)
 
@@ -121,7 +121,7 @@ def _reduce_scatter(algorithm, dim, op, dtype):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all", "p2p"])
 @pytest.mark.parametrize("dim", [0, 2])
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
 def test_reduce_scatter_equals_local_reduction_then_chunk(world_size, algorithm, dim, op):
@@ -251,7 +251,7 @@ def _gather_into_out(algorithm):
     return results
 
 
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "p2p"])
 def test_all_gather_into_a_given_output_also_in_place(algorithm):
     expected = torch.arange(2).repeat_interleave(2).float()[:, None].expand(4, 3)
     for results in run_distributed(_gather_into_out, algorithm, world_size=2):
@@ -270,11 +270,37 @@ def _donated_reduce_scatter(algorithm):
     return part, shares_memory
 
 
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all", "p2p"])
 def test_a_donated_reduce_scatter_gives_the_same_part_without_a_copy(algorithm):
     for rank, (part, shares_memory) in enumerate(run_distributed(_donated_reduce_scatter, algorithm, world_size=2)):
         assert torch.equal(part, (torch.arange(8.0) * 3)[rank * 4 : (rank + 1) * 4])
-        assert shares_memory == (algorithm == "all_reduce")  # the all-reduce form reduces in the bucket itself
+        # the all-reduce form reduces in the bucket itself, the p2p form adds the copies it got into its own part
+        assert shares_memory == (algorithm in ("all_reduce", "p2p"))
+
+
+def _overlapping_p2p_collectives():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with force_algorithm("all_gather", "p2p"), force_algorithm("reduce_scatter", "p2p"):
+        pieces = [torch.full((3, 2), 10.0 * k + rank) for k in range(3)]
+        bucket = torch.arange(4.0 * n) * (rank + 1)
+        handles = [all_gather(pieces[0], async_op=True), reduce_scatter(bucket, async_op=True)]
+        handles.append(all_reduce(torch.full((5,), float(rank)), async_op=True))
+        handles += [all_gather(piece, async_op=True) for piece in pieces[1:]]
+        return [handle.wait() for handle in handles]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_p2p_collectives_in_flight_together_match_each_one_alone(world_size):
+    # point-to-point messages between a pair are matched in the order they were posted, so several p2p
+    # collectives in flight at once (ZeRO-3's prefetch) and a collective between them all land where they belong
+    n = world_size
+    total = sum(range(1, n + 1))
+    for rank, results in enumerate(run_distributed(_overlapping_p2p_collectives, world_size=n)):
+        gathered = [results[0], *results[3:]]
+        for k, result in enumerate(gathered):
+            assert torch.equal(result, torch.cat([torch.full((3, 2), 10.0 * k + r) for r in range(n)]))
+        assert torch.equal(results[1], (torch.arange(4.0 * n) * total)[rank * 4 : (rank + 1) * 4])
+        assert torch.equal(results[2], torch.full((5,), float(sum(range(n)))))
 
 
 def _bad_out():

@@ -7,13 +7,15 @@ AdamW's normalisation can amplify those bits a little in the parameters; hence r
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
 import pathlib
 
 import pytest
 import torch
 
-from colo.comm import CommTracker, Mesh
+from colo.comm import CommTracker, Mesh, force_algorithm
 from colo.comm.testing import run_distributed
 from colo.zero import DynamicLossScaler, MixedPrecision, ZeroOptimizer, estimate_memory
 
@@ -40,7 +42,12 @@ ROWS_PER_RANK = 4
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _train_against_reference(stage, *, num_steps=5, num_microsteps=1, max_norm=None, chunk_numel=48):
+def _train_against_reference(stage, *, num_steps=5, num_microsteps=1, max_norm=None, chunk_numel=48, forms=None):
+    if forms is not None:  # run under the given collective implementations: {op: algorithm}
+        with contextlib.ExitStack() as stack:
+            for op, algorithm in forms.items():
+                stack.enter_context(force_algorithm(op, algorithm))
+            return _train_against_reference(stage, num_steps=num_steps, chunk_numel=chunk_numel)
     mesh = Mesh(dp=torch.distributed.get_world_size())
     n, rank = mesh.size("dp"), mesh.rank("dp")
     model, reference = make_models()
@@ -106,6 +113,58 @@ def test_stage_matches_single_process_adamw_on_two_ranks(stage):
     assert results[0][1] > 2  # several chunks, so bucketing and prefetch are exercised
     mean_losses = [sum(step) / len(step) for step in zip(*per_rank_losses)]
     assert mean_losses == pytest.approx(_reference_losses(5, 2), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "forms",
+    [
+        {"all_gather": "p2p", "reduce_scatter": "p2p"},
+        {"all_gather": "all_reduce", "reduce_scatter": "all_to_all"},
+        {"all_gather": "native", "reduce_scatter": "native"},
+    ],
+    ids=["p2p", "all_reduce-all_to_all", "native"],
+)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stage_matches_under_every_collective_form(stage, forms):
+    # the tests' chunks are small enough for the default table's small-message forms; force each of the others
+    results = run_distributed(_train_against_reference, stage, forms=forms, world_size=2)
+    mean_losses = [sum(step) / len(step) for step in zip(*(losses for losses, _ in results))]
+    assert mean_losses == pytest.approx(_reference_losses(5, 2), rel=1e-5)
+
+
+def _deep_mlp_with_pooled_buffers(num_layers, num_steps):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    n, rank = mesh.size("dp"), mesh.rank("dp")
+    torch.manual_seed(0)
+    layers = [module for _ in range(num_layers) for module in (torch.nn.Linear(8, 8), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    # one layer (64 + 8 elements) per chunk: every chunk has the same size, so all share the pool's buffers
+    zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh=mesh, stage=3, chunk_numel=72)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(num_steps):
+        inputs = torch.randn(4 * n, 8, generator=torch.Generator().manual_seed(step))
+        reference(inputs).square().mean().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        zero.backward(model(inputs[rank * 4 : (rank + 1) * 4]).square().mean() * 1.0)
+        zero.step()
+        zero.zero_grad()
+    params = zero.full_params()
+    for name, expected in reference.named_parameters():
+        torch.testing.assert_close(params[name], expected.detach(), **FP32, msg=name)
+    return len(zero.chunks), zero.gatherer.num_gathers, zero.pool.num_allocated
+
+
+def test_stage3_gathers_and_buckets_reuse_a_few_pooled_buffers():
+    # each of 8 chunks is gathered in forward and again in backward and fills a gradient bucket, 3 steps long; the
+    # weights autograd saves are packed as chunk positions, so a released buffer goes back to the pool (reused by
+    # the next gather: the parameters still match the single-process run), and the buffers ever allocated stay at
+    # the most in use at once (current + prefetched gathers, buckets in flight), not one per gather
+    for num_chunks, num_gathers, num_allocated in run_distributed(_deep_mlp_with_pooled_buffers, 8, 3, world_size=2):
+        assert num_chunks == 8
+        assert num_gathers == 2 * 8 * 3
+        assert num_allocated <= 6, f"{num_allocated} buffers allocated for {num_gathers} gathers"
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -299,6 +358,8 @@ def test_memory_report_agrees_with_an_independent_count_and_the_formula(stage):
     for report, independent, psi, n in run_distributed(_memory, stage, True, world_size=2):
         step_scalars = 2 * 2 * 4  # AdamW's fp32 ``step`` scalar per master (two chunks' worth of slack)
         assert report.total == pytest.approx(independent, rel=0.02)
+        # free pooled buffers (stage 1 keeps persistent gradient buffers instead of buckets) are not model state
+        assert (report.workspace > 0) == (stage != 1)
         # the ZeRO paper's mixed-precision formulas over the padded parameter count Ψ: bf16 compute copy and
         # gradients (2Ψ each), fp32 master + Adam moments (12Ψ); the gradient shards are kept in bf16 (the
         # reduce dtype), and stage 1's shard is the own region of its full gradient buffer

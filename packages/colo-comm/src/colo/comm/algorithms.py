@@ -1,18 +1,29 @@
 """Which implementation runs a collective, per backend and message size.
 
 Some backends are slow or incomplete for some collectives: gloo's own reduce_scatter is slower than its
-all_reduce from about 1 MB up (an all-reduce and a local slice, twice the bytes, is then faster), and gloo has no
-uneven all-gather (colo pads). A third form of reduce_scatter, an all-to-all of the parts followed by a local
-reduction of this rank's copies (the reduce-scatter's own bytes), is the fastest in isolation on gloo
-(``python -m colo.comm.bench --nprocs 2 --calibrate PATH``: 8.5 ms at 16 MiB against 13.3 ms native and 15.5 ms as
-all-reduce), but not inside ZeRO: its local reduction runs on the caller's thread when the handle is waited on, and
-its receive buffer (the message's size) stays alive per reduction in flight; ZeRO-2 on 2 CPU ranks measured 4-12%
-fewer tokens/s and ~100 MB more memory with it (`benchmarks/zero_dp.py`, alternated A/B). So the built-in table
-keeps the earlier calibration (``benchmarks/results/comm_algorithms_cpu.json`` records both): reduce_scatter as
-all-reduce from 1 MiB; gloo's own all-gather at every size. The table maps ``backend -> op -> [(min_bytes,
-algorithm), ...]``: the last entry whose ``min_bytes`` does not exceed the message size wins; calibrate on your
-own machine and point ``COLO_COMM_ALGORITHMS`` at the JSON file it writes (or call `load_algorithm_table`), or
-`force_algorithm`, to use other choices.
+all_reduce from about 1 MB up (an all-reduce and a local slice, twice the bytes, is then faster), its own
+all_gather is about half as fast as sending each piece straight to each rank from 1 MB up, and gloo has no uneven
+all-gather (colo pads). The forms:
+
+- ``native``: torch.distributed's own collective.
+- ``all_reduce``: reduce_scatter as an all-reduce and a local slice; all_gather as an all-reduce of a zero buffer
+  holding this rank's piece (twice the bytes in both cases).
+- ``all_to_all`` (reduce_scatter): an all-to-all of the parts, then a local reduction of this rank's copies.
+- ``p2p``: batched point-to-point sends and receives between every pair of ranks (a direct exchange, fine within
+  a host, not a ring for many ranks): all_gather sends this rank's piece to each rank and receives theirs into
+  their regions of the output; reduce_scatter sends each rank its part and adds the copies of its own it gets.
+
+Calibrated on 2 CPU ranks (``python -m colo.comm.bench --nprocs 2 --calibrate PATH``; the figures are in
+``benchmarks/results/comm_algorithms_cpu.json``): all_gather at 16 MiB takes 6.8 ms as p2p against 13.2 ms native,
+so gloo's table uses p2p from 1 MiB; inside ZeRO-3 it also measured faster and lighter (no gloo staging buffer).
+The all-to-all and p2p reduce_scatter forms are the fastest in isolation (8.8-9.9 ms at 16 MiB against 16.3 ms as
+all-reduce and 18.6 ms native), but not inside ZeRO: their local reduction runs on the caller's thread when the
+handle is waited on and their receive buffer stays alive per reduction in flight; ZeRO-2 measured 4-12% fewer
+tokens/s with the all-to-all form and ZeRO-3 no gain with the p2p one (`benchmarks/zero_dp.py`,
+`benchmarks/zero_profile.py`, alternated A/B), so reduce_scatter stays an all-reduce from 1 MiB. The table maps
+``backend -> op -> [(min_bytes, algorithm), ...]``: the last entry whose ``min_bytes`` does not exceed the message
+size wins; calibrate on your own machine and point ``COLO_COMM_ALGORITHMS`` at the JSON file it writes (or call
+`load_algorithm_table`), or `force_algorithm`, to use other choices.
 """
 
 from __future__ import annotations
@@ -24,15 +35,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
-    "reduce_scatter": ("native", "all_reduce", "all_to_all"),
-    "all_gather": ("native", "all_reduce"),
+    "reduce_scatter": ("native", "all_reduce", "all_to_all", "p2p"),
+    "all_gather": ("native", "all_reduce", "p2p"),
 }
 """For each collective with a choice, its implementations: ``native`` is torch.distributed's own."""
 
 BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
     "gloo": {
         "reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")],
-        "all_gather": [(0, "native")],
+        "all_gather": [(0, "native"), (1 << 20, "p2p")],
     },
     "nccl": {"reduce_scatter": [(0, "native")], "all_gather": [(0, "native")]},
 }

@@ -136,6 +136,10 @@ def all_gather(
 ):
     """Concatenate every rank's ``tensor`` along ``dim``, in group-rank order.
 
+    The implementation is picked per backend and size by `colo.comm.algorithms`: torch's own, point-to-point
+    sends of each piece to every rank (on gloo from 1 MiB, where its own all-gather is about half as fast), or an
+    all-reduce of a zero buffer holding this rank's piece.
+
     Args:
         tensor: this rank's piece; all pieces agree on every dimension but ``dim``.
         group: the group to gather over (``None``: the world).
@@ -180,7 +184,7 @@ def all_gather(
     if out is not None:
         _check_gather_out(out, piece, n, sizes, dim)
     algorithm = choose_algorithm("all_gather", group.backend, n * _nbytes(piece))
-    if tensor.dtype == torch.bool or tensor.is_complex():
+    if tensor.dtype == torch.bool or tensor.is_complex() or (algorithm == "p2p" and (sizes is not None or dim)):
         algorithm = "native"
     if algorithm == "all_reduce":
         # Every rank writes its piece into a zero buffer and the sum assembles them: x + 0 == x exactly
@@ -199,6 +203,24 @@ def all_gather(
 
         def start() -> list:
             return [dist.all_reduce(flat, group=group.process_group, async_op=True)]
+    elif algorithm == "p2p" and sizes is None and dim == 0:
+        # every rank sends its piece straight to every other and receives theirs into their regions of the result
+        result = (
+            out if out is not None else torch.empty((total, *piece.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        )
+
+        def start() -> list:
+            own = result.narrow(0, me * extent, extent)
+            if own.data_ptr() != piece.data_ptr():
+                own.copy_(piece)
+            ops = []
+            for peer in range(n):
+                if peer != me:
+                    peer_rank = group.global_rank(peer)
+                    ops.append(dist.P2POp(dist.isend, piece, peer_rank, group=group.process_group))
+                    region = result.narrow(0, peer * extent, extent)
+                    ops.append(dist.P2POp(dist.irecv, region, peer_rank, group=group.process_group))
+            return dist.batch_isend_irecv(ops)
     elif sizes is None and dim == 0:
         # the common case: gather straight into the result, no reshaping afterwards
         result = (
@@ -264,17 +286,18 @@ def reduce_scatter(
     """Reduce ``tensor`` over the group and return this rank's equal part of the result along ``dim``.
 
     The implementation is picked per backend and size by `colo.comm.algorithms`: torch's own, an all-reduce and a
-    local slice, or an all-to-all of the parts and a local reduction of this rank's copies (on gloo, where its own
-    reduce_scatter is slow; the all-to-all moves the reduce-scatter's bytes, the all-reduce twice as many).
+    local slice, or an exchange of the parts (one all-to-all, or point-to-point sends) and a local reduction of
+    this rank's copies (on gloo, where its own reduce_scatter is slow; the exchanges move the reduce-scatter's
+    bytes, the all-reduce twice as many).
 
     Args:
         tensor: the full tensor; its extent along ``dim`` must divide by the group size.
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
         group: the group to reduce over (``None``: the world).
         dim: the dimension to split.
-        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, and the
-            result may be a view of it (ZeRO's gradient buckets, dropped right after); the other forms only read
-            it.
+        donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, the p2p
+            form adds the copies it receives into this rank's part of it, and the result may be a view of it
+            (ZeRO's gradient buckets, dropped right after); the other forms only read it.
         async_op: return a `Handle` instead of waiting.
 
     Returns:
@@ -306,6 +329,29 @@ def reduce_scatter(
 
         def local_part() -> torch.Tensor:
             _reduce_copies(received.view(n, part, *full.shape[1:]), op, out=output)
+            return output
+    elif algorithm == "p2p":  # every rank sends each other rank its part, then adds the copies of its own it got
+        received = torch.empty(((n - 1) * part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        peers = [peer for peer in range(n) if peer != me]
+
+        def start() -> list:
+            ops, pg = [], group.process_group
+            for k, peer in enumerate(peers):
+                peer_rank = group.global_rank(peer)
+                ops.append(dist.P2POp(dist.isend, full.narrow(0, peer * part, part), peer_rank, group=pg))
+                ops.append(dist.P2POp(dist.irecv, received.narrow(0, k * part, part), peer_rank, group=pg))
+            return dist.batch_isend_irecv(ops)
+
+        def local_part() -> torch.Tensor:
+            own = full.narrow(0, me * part, part)
+            copies = received.view(n - 1, part, *full.shape[1:])
+            if op in ("sum", "avg") and (n == 2 or tensor.element_size() >= 4):
+                result = own if donate else own.clone()
+                for copy in copies:
+                    result.add_(copy)
+                return result
+            output = own if donate else torch.empty_like(own)
+            _reduce_copies(torch.cat([own.unsqueeze(0), copies]), op, out=output)
             return output
     elif algorithm == "all_reduce":
         buffer = full.clone() if full is tensor and not donate else full

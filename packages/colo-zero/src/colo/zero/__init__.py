@@ -13,6 +13,7 @@ Example::
 """
 
 from .amp import DynamicLossScaler, MixedPrecision
+from .buffer_pool import BufferPool
 from .chunk import BUFFER_NAMES, TIERS, Chunk, ChunkBuffer, ChunkPlan, ParamSlot, execution_order, plan_chunks
 from .clip import clip_coefficient, global_grad_norm
 from .memory import MemoryEstimate, MemoryReport, estimate_memory, memory_report
@@ -22,6 +23,7 @@ from .zero_optimizer import ZeroConfig, ZeroOptimizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "BufferPool",
     "BUFFER_NAMES",
     "TIERS",
     "Chunk",

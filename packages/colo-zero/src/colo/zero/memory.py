@@ -25,6 +25,9 @@ class MemoryReport:
     """Bytes, among the above, that hold chunk padding rather than parameters."""
     host: int = 0
     """Bytes, among the above, on the host tier (ZeRO-Offload: masters, gradient shards, optimizer state)."""
+    workspace: int = 0
+    """Bytes of free full-chunk buffers kept for reuse (`BufferPool`: stage 3's gathers, gradient buckets): at most
+    the most that were in use at once. Not model state, so not in `total` (as the ZeRO formulas count it)."""
 
     @property
     def total(self) -> int:
@@ -63,7 +66,7 @@ def memory_report(zero) -> MemoryReport:
             if isinstance(value, torch.Tensor):
                 nbytes = count("optimizer_states", value)
                 host += nbytes if zero.offload else 0  # they live beside the masters
-    return MemoryReport(padding=padding, host=host, **totals)
+    return MemoryReport(padding=padding, host=host, workspace=zero.pool.nbytes, **totals)
 
 
 def _shard_padding(chunk) -> int:

@@ -16,10 +16,12 @@ a few buffers instead of allocating one per gather. Autograd would keep a freed 
 reuse) through the weights a forward saves for backward (``F.linear`` saves ``weight.t()``, a view of it), so
 while the model's forward runs with gradients, saved-tensor hooks store such a tensor as *where it lies in
 which chunk* and rebuild it from the chunk's current full copy when backward unpacks it (gathering the chunk if
-it is not gathered then). A buffer anything else still references is not reused. Limits: prefetch follows packing order (pack in execution order with
-``param_order=execution_order(...)`` when registration order differs); a parameter used by a module that does
-not own it (``F.linear(x, other.weight)``) must be registered on that module too (tie it as
-``lm_head.weight = embed.weight``); a module called twice per forward makes its chunks be gathered twice.
+it is not gathered then). A buffer anything else still references is not reused.
+
+Limits: prefetch follows packing order (pack in execution order with ``param_order=execution_order(...)`` when
+registration order differs); a parameter used by a module that does not own it (``F.linear(x, other.weight)``)
+must be registered on that module too (tie it as ``lm_head.weight = embed.weight``); a module called twice per
+forward makes its chunks be gathered twice.
 """
 
 from __future__ import annotations

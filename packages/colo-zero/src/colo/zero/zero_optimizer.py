@@ -34,6 +34,7 @@ import torch
 from colo.comm import Mesh, all_gather, all_reduce, reduce_scatter
 
 from .amp import DynamicLossScaler, MixedPrecision
+from .buffer_pool import BufferPool
 from .chunk import Chunk, plan_chunks
 from .clip import clip_coefficient, global_grad_norm
 from .optimizer_setup import OptimizerLike, param_group_index, resolve_optimizer
@@ -67,6 +68,10 @@ class ZeroConfig:
     parameter sharded over an axis (its colo layout says `Shard`) on every rank of it and a replicated one once."""
     pipeline_axis: str | None = None
     """The mesh axis of pipeline stages, whose parameters are disjoint: the gradient norm sums over it too."""
+    max_reductions_in_flight: int = 2
+    """Stages 0/2/3: gradient buckets whose reduction may be in flight at once; the next bucket first waits for
+    the oldest to land in its shard. At most this many + 1 full buckets exist during backward (they are reused
+    from step to step), instead of one per chunk until the step."""
     overlap_param_gather: bool = True
     """Stages 1/2: start the all-gather of the updated parameters at the end of `step` and wait for each chunk
     only before the first module using it runs in the next forward (Megatron's overlapped parameter gather).
@@ -84,6 +89,11 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.chunk_numel={self.chunk_numel} must be positive, or None to search")
         if self.max_chunk_numel < 1:
             raise ValueError(f"ZeroConfig.max_chunk_numel={self.max_chunk_numel} must be positive")
+        if self.max_reductions_in_flight < 1:
+            raise ValueError(
+                f"ZeroConfig.max_reductions_in_flight={self.max_reductions_in_flight} must be at least 1 (1: each "
+                "bucket waits for the previous reduction)"
+            )
         if isinstance(self.tensor_parallel_axes, str):
             self.tensor_parallel_axes = (self.tensor_parallel_axes,)
         self.tensor_parallel_axes = tuple(self.tensor_parallel_axes)
@@ -230,11 +240,18 @@ class ZeroOptimizer:
         self._build_buffers()
         self._swap_optimizer_params()
         self._ready: dict[int, int] = {chunk.index: 0 for chunk in self.chunks}
+        self.pool = BufferPool()
+        """Reused full-chunk buffers: gradient buckets, and stage 3's gathered parameters."""
         self._pending: list = []
-        """Stages 0/2/3: ``(chunk, handle)`` of reductions in flight, each added into the chunk's gradient shard."""
+        """``(chunk, handle, bucket)`` of reductions in flight, oldest first, each added into (stages 0/2/3) or
+        written over (stage 1) the chunk's gradient shard; ``bucket`` goes back to the pool once it has landed."""
         self._in_flight: dict[int, tuple] = {}
         """Stage 1: chunk index -> ``(handle, version of the full gradient buffer after the launch)`` of the one
         reduction of the buffer in flight; it overwrites the shard, and is superseded if the buffer changes."""
+        self._written: dict[int, set[int]] = {}
+        """Stages 0/2/3: per chunk with a bucket, the offsets of the slots a gradient was written to."""
+        self._shard_zero: set[int] = set()
+        """Stages 0/2/3: chunks whose gradient shard counts as zero (since `zero_grad`) though it is not zeroed."""
         self._in_backward = False
         self._grads_prepared = False
         self._sync_enabled = True
@@ -252,7 +269,7 @@ class ZeroOptimizer:
                     hook = functools.partial(self._on_grad_ready, chunk, slot)
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
         if self.config.stage == 3:
-            self.gatherer = ChunkGatherer(self.chunks, group=self.group)
+            self.gatherer = ChunkGatherer(self.chunks, group=self.group, pool=self.pool)
             self.gatherer.install(model, self.chunk_of)
         self._param_gathers: dict[int, object] = {}
         self._overlap_gathers = self.config.stage in (1, 2) and self.config.overlap_param_gather
@@ -344,8 +361,15 @@ class ZeroOptimizer:
     def _on_grad_ready(self, chunk: Chunk, slot, param: torch.Tensor) -> None:
         """Stages 0/2/3: add the gradient into its chunk's bucket; reduce the bucket once it is complete."""
         if not chunk.has_buffer("grad"):
-            chunk.set_buffer("grad", torch.zeros(chunk.numel, dtype=param.grad.dtype, device=self.device))
-        chunk.slot_view(chunk.buffer("grad"), slot).add_(param.grad)  # add: ``no_sync`` accumulates in the bucket
+            chunk.set_buffer("grad", self._take_bucket(chunk.numel, param.grad.dtype))
+            self._written[chunk.index] = set()
+        region = chunk.slot_view(chunk.buffer("grad"), slot)
+        written = self._written[chunk.index]
+        if slot.offset in written:  # ``no_sync`` accumulates in the bucket
+            region.add_(param.grad)
+        else:  # the bucket is not zeroed: its first gradient of a slot is copied in
+            region.copy_(param.grad)
+            written.add(slot.offset)
         param.grad = None
         self._ready[chunk.index] += 1
         if self._ready[chunk.index] < len(chunk.slots):
@@ -355,6 +379,39 @@ class ZeroOptimizer:
             self._reduce_grads(chunk)
         elif self.gatherer is not None:
             self.gatherer.release(chunk)
+
+    def _take_bucket(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A gradient bucket from the pool (contents undefined until `_on_grad_ready` writes a slot), once fewer than
+        ``max_reductions_in_flight`` reductions are in flight."""
+        while len(self._pending) >= self.config.max_reductions_in_flight:
+            self._land_oldest()
+        return self.pool.take(numel, dtype, self.device)
+
+    def _zero_unwritten(self, chunk: Chunk, bucket: torch.Tensor) -> None:
+        """Zero the regions of a bucket no gradient was written to: unused parameters and the padding."""
+        written = self._written.pop(chunk.index, set())
+        for slot in chunk.slots:
+            if slot.offset not in written:
+                chunk.slot_view(bucket, slot).zero_()
+        bucket.narrow(0, chunk.used_numel, chunk.padding_numel).zero_()
+
+    def _land_oldest(self) -> None:
+        """Wait for the oldest reduction in flight and put it in its chunk's gradient shard; its bucket goes back to
+        the pool (nothing here keeps a reference to it: the handle and the result are dropped first)."""
+        chunk, handle, bucket = self._pending.pop(0)
+        reduced = handle.wait().to(self.state_device, non_blocking=True)
+        shard = chunk.buffer("grad_shard")
+        if self.config.stage == 1:  # one reduction of the accumulated full buffer: it overwrites the shard
+            torch.mul(reduced, 1.0 / self.group.size, out=reduced)
+            shard.copy_(reduced)
+        elif chunk.index in self._shard_zero:  # the step's first reduction of the chunk writes the shard
+            torch.mul(reduced.to(shard.dtype), 1.0 / self.group.size, out=shard)
+            self._shard_zero.discard(chunk.index)
+        else:  # stages 0/2/3 reduce every micro-step into the shard
+            shard.add_(reduced.to(shard.dtype), alpha=1.0 / self.group.size)
+        del reduced, handle
+        if bucket is not None:
+            self.pool.give(bucket)
 
     def _before_accumulate(self, chunk: Chunk, _grad: torch.Tensor) -> None:
         """Stage 1, before autograd adds a gradient into the chunk's buffer: if the buffer's reduction is still in
@@ -381,18 +438,26 @@ class ZeroOptimizer:
         otherwise; stages 0/2/3 then drop the bucket, stage 1 keeps its persistent buffer (the all-reduce form of
         the reduce-scatter sums in it, see `_discard_reduction`)."""
         bucket = chunk.buffer("grad")
+        if self.config.stage != 1:
+            self._zero_unwritten(chunk, bucket)
+        sent = bucket
         if self.reduce_dtype is not None and bucket.dtype != self.reduce_dtype:
-            bucket = bucket.to(self.reduce_dtype)
+            sent = bucket.to(self.reduce_dtype)
         if self.config.stage == 0:
-            handle = all_reduce(bucket, group=self.group, async_op=True) if self.group.size > 1 else _Done(bucket)
+            handle = all_reduce(sent, group=self.group, async_op=True) if self.group.size > 1 else _Done(sent)
         else:
-            handle = reduce_scatter(bucket, "sum", group=self.group, async_op=True, donate=True)
+            handle = reduce_scatter(sent, "sum", group=self.group, async_op=True, donate=True)
         self._ready[chunk.index] = 0
         if self.config.stage == 1:
-            self._in_flight[chunk.index] = (handle, chunk.buffer("grad")._version)
+            self._in_flight[chunk.index] = (handle, bucket._version)
             return
-        self._pending.append((chunk, handle))
         chunk.drop_buffer("grad")
+        if sent is bucket:  # the reduction holds the bucket until it lands
+            self._pending.append((chunk, handle, bucket))
+        else:
+            self._pending.append((chunk, handle, None))
+            del sent
+            self.pool.give(bucket)
         if self.gatherer is not None:
             self.gatherer.release(chunk)
 
@@ -435,21 +500,17 @@ class ZeroOptimizer:
         """Reduce whatever is not reduced yet and wait for every reduction to land in the gradient shards."""
         if self.config.stage == 1:
             self._sync_full_grads()
-            self._pending = [(self.chunks[index], handle) for index, (handle, _) in self._in_flight.items()]
+            self._pending = [(self.chunks[index], handle, None) for index, (handle, _) in self._in_flight.items()]
             self._in_flight.clear()
         else:  # chunks with unused parameters, or accumulated under no_sync, still hold a bucket: every rank flushes
             for chunk in self.trainable_chunks:
                 if chunk.has_buffer("grad"):
                     self._reduce_grads(chunk)
-        for chunk, handle in self._pending:
-            reduced = handle.wait().to(self.state_device, non_blocking=True)
-            shard = chunk.buffer("grad_shard")
-            if self.config.stage == 1:  # one reduction of the accumulated full buffer: it overwrites the shard
-                torch.mul(reduced, 1.0 / self.group.size, out=reduced)
-                shard.copy_(reduced)
-            else:  # stages 0/2/3 reduce every micro-step into the shard
-                shard.add_(reduced.to(shard.dtype), alpha=1.0 / self.group.size)
-        self._pending.clear()
+        while self._pending:
+            self._land_oldest()
+        for index in self._shard_zero:  # chunks no gradient reached this step
+            self.chunks[index].buffer("grad_shard").zero_()
+        self._shard_zero.clear()
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies into host memory
 
@@ -572,12 +633,13 @@ class ZeroOptimizer:
         for index in list(self._in_flight):  # stage 1, a backward not followed by a step: let its reductions land
             self._discard_reduction(self.chunks[index])
         for chunk in self.trainable_chunks:
-            chunk.buffer("grad_shard").zero_()
             if self.config.stage == 1:
+                chunk.buffer("grad_shard").zero_()
                 grad = chunk.buffer("grad").zero_()
                 for slot in chunk.slots:
                     slot.param.grad = chunk.slot_view(grad, slot)
-            else:
+            else:  # zero in effect: the first reduction landing in the shard overwrites it (see `_land_oldest`)
+                self._shard_zero.add(chunk.index)
                 for slot in chunk.slots:
                     slot.param.grad = None
         self._grads_prepared = False
