@@ -163,7 +163,9 @@ def test_stage3_gathers_and_buckets_reuse_a_few_pooled_buffers():
     # the most in use at once (current + prefetched gathers, buckets in flight), not one per gather
     for num_chunks, num_gathers, num_allocated in run_distributed(_deep_mlp_with_pooled_buffers, 8, 3, world_size=2):
         assert num_chunks == 8
-        assert num_gathers == 2 * 8 * 3
+        # forward and backward gather each chunk, but the one forward ends with stays gathered for backward once the
+        # first forward has shown which it is
+        assert num_gathers == 2 * 8 * 3 - (3 - 1)
         assert num_allocated <= 6, f"{num_allocated} buffers allocated for {num_gathers} gathers"
 
 

@@ -33,7 +33,7 @@ class GeminiGatherer(ChunkGatherer):
     """
 
     def __init__(self, chunks: list[Chunk], *, manager: ChunkManager) -> None:
-        super().__init__(chunks, group=manager.group)
+        super().__init__(chunks, group=manager.group, keep_last_for_backward=False)  # the policy decides
         self.manager = manager
 
     def is_gathered(self, chunk: Chunk) -> bool:

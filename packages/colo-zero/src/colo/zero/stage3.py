@@ -8,7 +8,8 @@ Hooks, installed on every module that owns parameters directly:
   module's outputs in `_RegatherInBackward`, whose backward gathers the chunks again before the module's own
   backward needs them and starts the all-gather of the chunk that backward needs next (the nearest earlier one
   whose outputs were wrapped in this forward). The chunk is freed again once all its gradients have been
-  reduce-scattered (done by `ZeroOptimizer`'s gradient hooks).
+  reduce-scattered (done by `ZeroOptimizer`'s gradient hooks). The chunk a forward with gradients finishes with is
+  not freed at all: backward would gather it again first thing.
 
 Parameters keep their identity: gathering sets ``param.data`` to a view of the chunk's full buffer, freeing
 sets it to an empty tensor. Full buffers come from a `BufferPool` and go back to it when freed, so a step reuses
@@ -51,12 +52,25 @@ class ChunkGatherer:
         chunks: all chunks, in packing order.
         group: the data-parallel group the shards are spread over.
         pool: where full buffers come from and go back to (a pool of its own by default).
+        keep_last_for_backward: leave the chunk a forward with gradients finishes with gathered, since backward
+            starts by gathering it again (FSDP2 does the same for its root module); learned from the first forward.
     """
 
-    def __init__(self, chunks: list[Chunk], *, group: Group, pool: BufferPool | None = None) -> None:
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        *,
+        group: Group,
+        pool: BufferPool | None = None,
+        keep_last_for_backward: bool = True,
+    ) -> None:
         self.chunks = chunks
         self.group = group
         self.pool = pool if pool is not None else BufferPool()
+        self.keep_last_for_backward = keep_last_for_backward
+        self.kept_for_backward: int | None = None
+        """The chunk forward finishes with (known after the first forward with gradients), kept gathered."""
+        self._last_finished: int | None = None
         self.in_flight: dict[int, tuple[Handle, torch.Tensor]] = {}
         self.gathered_at: dict[int, Chunk] = {}
         """Gathered chunks by the data pointer of their full buffer (what the saved-tensor hook looks up)."""
@@ -163,8 +177,8 @@ class ChunkGatherer:
     def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> None:
         """Register the forward hooks on every module that owns parameters of the chunks, and the saved-tensor
         hooks around ``model``'s own forward."""
-        self.handles.append(model.register_forward_pre_hook(self._enter_saved_hooks))
-        self.handles.append(model.register_forward_hook(self._exit_saved_hooks, always_call=True))
+        self.handles.append(model.register_forward_pre_hook(self._before_model_forward))
+        self.handles.append(model.register_forward_hook(self._after_model_forward, always_call=True))
         for module in model.modules():
             owned = []
             for param in module.parameters(recurse=False):
@@ -185,17 +199,20 @@ class ChunkGatherer:
             handle.remove()
         self.handles.clear()
 
-    def _enter_saved_hooks(self, module: torch.nn.Module, args) -> None:
+    def _before_model_forward(self, module: torch.nn.Module, args) -> None:
         context = None
         if torch.is_grad_enabled():
             context = torch.autograd.graph.saved_tensors_hooks(self.pack_saved, self.unpack_saved)
             context.__enter__()
         self._saved_hooks.append(context)
+        self._last_finished = None
 
-    def _exit_saved_hooks(self, module: torch.nn.Module, args, output) -> None:
+    def _after_model_forward(self, module: torch.nn.Module, args, output) -> None:
         context = self._saved_hooks.pop() if self._saved_hooks else None
         if context is not None:
             context.__exit__(None, None, None)
+            if self.keep_last_for_backward and self.kept_for_backward is None:
+                self.kept_for_backward = self._last_finished
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
         owned = self.module_chunks[id(module)]
@@ -210,7 +227,12 @@ class ChunkGatherer:
         for chunk in owned:
             done = self.finished[chunk.index]
             done.add(id(module))
-            if done >= self.users[chunk.index]:
+            if done < self.users[chunk.index]:
+                continue
+            self._last_finished = chunk.index
+            if chunk.index == self.kept_for_backward and torch.is_grad_enabled():
+                done.clear()  # backward starts with it: it stays gathered until its gradients are reduced
+            else:
                 self.release(chunk)
         if not torch.is_grad_enabled():
             return output
