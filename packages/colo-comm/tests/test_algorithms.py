@@ -19,7 +19,7 @@ def _fresh_table():
 
 def test_gloo_switches_forms_at_the_measured_sizes():
     assert choose_algorithm("reduce_scatter", "gloo", (1 << 20) - 1) == "native"
-    assert choose_algorithm("reduce_scatter", "gloo", 1 << 20) == "all_reduce"
+    assert choose_algorithm("reduce_scatter", "gloo", 1 << 20) == "p2p"
     assert choose_algorithm("reduce_scatter", "nccl", 1 << 30) == "native"
     assert choose_algorithm("all_gather", "gloo", (1 << 20) - 1) == "native"
     assert choose_algorithm("all_gather", "gloo", 1 << 20) == "p2p"

@@ -311,3 +311,35 @@ def _bad_out():
 
 def test_a_wrong_output_is_rejected_before_communicating():
     assert run_distributed(_bad_out, world_size=2) == [2.0, 2.0]
+
+
+def _exchange_forms_reuse_their_receive_buffer(algorithm):
+    from colo.comm import scratch
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    scratch.release_scratch()
+    results = []
+    with force_algorithm("reduce_scatter", algorithm):
+        for step in range(3):  # one after the other: the second and third reuse the first one's buffer
+            results.append(reduce_scatter(torch.arange(4.0 * n) * (rank + 1) + step))
+        held_after_sequential = scratch.held_bytes()
+        handles = [reduce_scatter(torch.full((4 * n,), float(k + rank)), async_op=True) for k in range(2)]
+        results += [handle.wait() for handle in handles]  # two in flight at once: two buffers
+    return results, held_after_sequential, scratch.held_bytes()
+
+
+@pytest.mark.parametrize("algorithm", ["all_to_all", "p2p"])
+def test_exchange_forms_reuse_their_receive_buffer(algorithm):
+    n = 2
+    scale = sum(range(1, n + 1))
+    for rank, (results, held_sequential, held_after) in enumerate(
+        run_distributed(_exchange_forms_reuse_their_receive_buffer, algorithm, world_size=n)
+    ):
+        part = slice(rank * 4, (rank + 1) * 4)
+        for step in range(3):
+            assert torch.equal(results[step], (torch.arange(4.0 * n) * scale + n * step)[part])
+        for k in range(2):
+            assert torch.equal(results[3 + k], torch.full((4,), float(n * k + sum(range(n)))))
+        received = 4 * n * 4 if algorithm == "all_to_all" else 4 * (n - 1) * 4  # bytes one call receives into
+        assert held_sequential == received
+        assert held_after == 2 * received

@@ -34,7 +34,8 @@ def _load_models():
 _models = _load_models()
 ROWS_PER_RANK = 4
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
-ALGORITHMS = ["native", "all_reduce", "all_to_all"]  # the reduce-scatter forms: read / sum in / read the buffer
+# the reduce-scatter forms: read the buffer / sum in it / read it / sum in its own part
+ALGORITHMS = ["native", "all_reduce", "all_to_all", "p2p"]
 
 
 def _stage1(model, mesh):

@@ -22,11 +22,13 @@ from .launch import launch
 from .mesh import Mesh
 from .objects import all_gather_object, broadcast_object, gather_object
 from .p2p import P2POp, batch_send_recv, irecv, isend, recv, send
+from .scratch import release_scratch
 from .tracker import CommRecord, CommTracker
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "release_scratch",
     "CommError",
     "CommRecord",
     "CommTimeoutError",

@@ -42,7 +42,7 @@ ALTERNATIVES: dict[str, tuple[str, ...]] = {
 
 BUILTIN_TABLE: dict[str, dict[str, list[tuple[int, str]]]] = {
     "gloo": {
-        "reduce_scatter": [(0, "native"), (1 << 20, "all_reduce")],
+        "reduce_scatter": [(0, "native"), (1 << 20, "p2p")],
         "all_gather": [(0, "native"), (1 << 20, "p2p")],
     },
     "nccl": {"reduce_scatter": [(0, "native")], "all_gather": [(0, "native")]},

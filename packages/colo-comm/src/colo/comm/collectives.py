@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import scratch
 from .algorithms import choose_algorithm
 from .group import Group, as_group
 from .handle import issue
@@ -321,7 +322,7 @@ def reduce_scatter(
     record("reduce_scatter", group.name, n, tensor.dtype, volume, impl_volume, algorithm)
 
     if algorithm == "all_to_all":  # every rank sends each rank its part, then reduces the n copies of its own
-        received = torch.empty_like(full)
+        received = scratch.take(full.numel(), tensor.dtype, tensor.device).view(full.shape)
         output = torch.empty((part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
         def start() -> list:
@@ -329,9 +330,11 @@ def reduce_scatter(
 
         def local_part() -> torch.Tensor:
             _reduce_copies(received.view(n, part, *full.shape[1:]), op, out=output)
+            scratch.give(received.view(-1))
             return output
     elif algorithm == "p2p":  # every rank sends each other rank its part, then adds the copies of its own it got
-        received = torch.empty(((n - 1) * part, *full.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        received = scratch.take((n - 1) * part * _inner_numel(full, 0), tensor.dtype, tensor.device)
+        received = received.view((n - 1) * part, *full.shape[1:])
         peers = [peer for peer in range(n) if peer != me]
 
         def start() -> list:
@@ -346,12 +349,13 @@ def reduce_scatter(
             own = full.narrow(0, me * part, part)
             copies = received.view(n - 1, part, *full.shape[1:])
             if op in ("sum", "avg") and (n == 2 or tensor.element_size() >= 4):
-                result = own if donate else own.clone()
+                output = own if donate else own.clone()
                 for copy in copies:
-                    result.add_(copy)
-                return result
-            output = own if donate else torch.empty_like(own)
-            _reduce_copies(torch.cat([own.unsqueeze(0), copies]), op, out=output)
+                    output.add_(copy)
+            else:
+                output = own if donate else torch.empty_like(own)
+                _reduce_copies(torch.cat([own.unsqueeze(0), copies]), op, out=output)
+            scratch.give(received.view(-1))
             return output
     elif algorithm == "all_reduce":
         buffer = full.clone() if full is tensor and not donate else full

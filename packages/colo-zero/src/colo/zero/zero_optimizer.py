@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colo.comm import Mesh, all_gather, all_reduce, reduce_scatter
+from colo.comm import Mesh, all_gather, all_reduce, choose_algorithm, reduce_scatter
 
 from .amp import DynamicLossScaler, MixedPrecision
 from .buffer_pool import BufferPool
@@ -446,7 +446,13 @@ class ZeroOptimizer:
         if self.config.stage == 0:
             handle = all_reduce(sent, group=self.group, async_op=True) if self.group.size > 1 else _Done(sent)
         else:
-            handle = reduce_scatter(sent, "sum", group=self.group, async_op=True, donate=True)
+            donate = True
+            if self.config.stage == 1 and sent is bucket:
+                # stage 1 goes on accumulating in its buffer: a reduction may sum in it only where
+                # `_discard_reduction` can undo that (the all-reduce form sums every part, the p2p form only its own)
+                nbytes = sent.numel() * sent.element_size()
+                donate = choose_algorithm("reduce_scatter", self.group.backend, nbytes) == "all_reduce"
+            handle = reduce_scatter(sent, "sum", group=self.group, async_op=True, donate=donate)
         self._ready[chunk.index] = 0
         if self.config.stage == 1:
             self._in_flight[chunk.index] = (handle, bucket._version)
