@@ -343,3 +343,33 @@ def test_exchange_forms_reuse_their_receive_buffer(algorithm):
         received = 4 * n * 4 if algorithm == "all_to_all" else 4 * (n - 1) * 4  # bytes one call receives into
         assert held_sequential == received
         assert held_after == 2 * received
+
+
+def _user_p2p_around_p2p_collectives():
+    from colo.comm import irecv, isend
+
+    rank = dist.get_rank()
+    user = torch.full((4, 2), 100.0 + rank)
+    piece = torch.full((4, 2), float(rank))
+    bucket = torch.arange(16.0) * (rank + 1)
+    with force_algorithm("all_gather", "p2p"), force_algorithm("reduce_scatter", "p2p"):
+        if rank == 0:  # a user's send (say, a pipeline's activations) goes out before the collectives
+            sent = isend(user, dst=1)
+            gathered = all_gather(piece)
+            part = reduce_scatter(bucket)
+            sent.wait()
+            received = None
+        else:  # and is received after them: same pair, same sizes, opposite order
+            gathered = all_gather(piece)
+            part = reduce_scatter(bucket)
+            received = irecv(torch.empty(4, 2), src=0).wait()
+    return gathered, part, received
+
+
+def test_user_p2p_in_flight_is_not_matched_with_a_p2p_collective():
+    results = run_distributed(_user_p2p_around_p2p_collectives, world_size=2)
+    (gathered0, part0, _), (gathered1, part1, received) = results
+    expected = torch.cat([torch.zeros(4, 2), torch.ones(4, 2)])
+    assert torch.equal(gathered0, expected) and torch.equal(gathered1, expected)
+    assert torch.equal(part0, (torch.arange(16.0) * 3)[:8]) and torch.equal(part1, (torch.arange(16.0) * 3)[8:])
+    assert torch.equal(received, torch.full((4, 2), 100.0))

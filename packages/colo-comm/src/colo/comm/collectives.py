@@ -17,6 +17,11 @@ from .handle import issue
 from .tracker import record
 
 # torch 2.13 renamed the flat-buffer collectives; older torch (2.6-2.12) has only the old names.
+P2P_FORM_TAG = 0x636F6C6F
+"""Tag of the point-to-point messages of the p2p collective forms: messages between a pair of ranks are matched per
+tag in posting order, so a user's own sends and receives (tag 0 by default, e.g. a pipeline's activations) in
+flight at the same time cannot be matched with a collective's."""
+
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -218,9 +223,9 @@ def all_gather(
             for peer in range(n):
                 if peer != me:
                     peer_rank = group.global_rank(peer)
-                    ops.append(dist.P2POp(dist.isend, piece, peer_rank, group=group.process_group))
+                    ops.append(dist.P2POp(dist.isend, piece, peer_rank, group=group.process_group, tag=P2P_FORM_TAG))
                     region = result.narrow(0, peer * extent, extent)
-                    ops.append(dist.P2POp(dist.irecv, region, peer_rank, group=group.process_group))
+                    ops.append(dist.P2POp(dist.irecv, region, peer_rank, group=group.process_group, tag=P2P_FORM_TAG))
             return dist.batch_isend_irecv(ops)
     elif sizes is None and dim == 0:
         # the common case: gather straight into the result, no reshaping afterwards
@@ -341,8 +346,9 @@ def reduce_scatter(
             ops, pg = [], group.process_group
             for k, peer in enumerate(peers):
                 peer_rank = group.global_rank(peer)
-                ops.append(dist.P2POp(dist.isend, full.narrow(0, peer * part, part), peer_rank, group=pg))
-                ops.append(dist.P2POp(dist.irecv, received.narrow(0, k * part, part), peer_rank, group=pg))
+                sent, into = full.narrow(0, peer * part, part), received.narrow(0, k * part, part)
+                ops.append(dist.P2POp(dist.isend, sent, peer_rank, group=pg, tag=P2P_FORM_TAG))
+                ops.append(dist.P2POp(dist.irecv, into, peer_rank, group=pg, tag=P2P_FORM_TAG))
             return dist.batch_isend_irecv(ops)
 
         def local_part() -> torch.Tensor:
