@@ -14,7 +14,9 @@ max over ranks):
   including its copies), and at stage 3 ``gather_forward`` / ``gather_backward`` (``ChunkGatherer.gather``,
   waiting on all-gathers);
 - ``local``: both ranks train their own replica with no communication at all, the compute floor when two ranks
-  share the machine.
+  share the machine;
+- the minor page faults per step (``getrusage``): memory touched for the first time, which on the host costs a
+  fault and a zero fill per 4 KiB page (what ZeRO's pooled buffers avoid).
 
 ``--comm`` times the collectives themselves on this machine (2 ranks, gloo), at the size of the whole model in
 fp32 (colo's default chunk search packs this model into one chunk): ``torch.distributed.all_reduce``, native
@@ -35,6 +37,7 @@ import argparse
 import functools
 import itertools
 import json
+import resource
 import statistics
 import sys
 import time
@@ -134,6 +137,7 @@ def profile_row(impl: str, batch: int, seq: int, num_steps: int, num_warmup: int
     timer = PhaseTimer()
     train_model, backward, step, zero_grad, info = _setup(impl, model, timer, chunk_numel)
     profiler = None
+    faults: list[int] = []
     for index in range(num_warmup + num_steps):
         if index == num_warmup:
             dist.barrier()
@@ -142,6 +146,7 @@ def profile_row(impl: str, batch: int, seq: int, num_steps: int, num_warmup: int
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 profiler.__enter__()
         tokens = token_batch(0, index, rank, batch, seq)
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         clocks = [(time.perf_counter(), time.process_time())]
         timer.mode = "forward"
         loss = train_model(input_ids=tokens, labels=tokens, use_cache=False).loss
@@ -156,6 +161,8 @@ def profile_row(impl: str, batch: int, seq: int, num_steps: int, num_warmup: int
         for name, (begin, end) in zip(("forward", "backward", "step", "zero_grad"), itertools.pairwise(clocks)):
             timer.add(name, end[0] - begin[0], end[1] - begin[1])
         timer.add("total", clocks[-1][0] - clocks[0][0], clocks[-1][1] - clocks[0][1])
+        if index >= num_warmup:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
         timer.end_step()
     table = None
     if profiler is not None:
@@ -164,6 +171,7 @@ def profile_row(impl: str, batch: int, seq: int, num_steps: int, num_warmup: int
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     names = sorted({name for step in timer.steps for name in step})
     medians = {name: statistics.median(step.get(name, 0.0) for step in timer.steps) for name in names}
+    info = {**info, "page_faults_per_step": statistics.median(faults)}
     return {"rank": rank, "phases_s": medians, "info": info, "profile": table}
 
 
@@ -231,6 +239,7 @@ def main() -> int:
         )  # fmt: skip
         phases = {name: 1e3 * max(r["phases_s"].get(name, 0.0) for r in per_rank) for name in per_rank[0]["phases_s"]}
         output["rows"][impl] = {"phases_ms": phases, **per_rank[0]["info"]}
+        output["rows"][impl]["page_faults_per_step"] = max(r["info"]["page_faults_per_step"] for r in per_rank)
         if per_rank[0]["profile"]:
             print(f"--- {impl}: torch.profiler, rank 0\n{per_rank[0]['profile']}")
     order = ["total", "forward", "backward", "step", "zero_grad"]
@@ -244,6 +253,9 @@ def main() -> int:
         for impl, row in output["rows"].items():
             cells = "".join(f"{row['phases_ms'].get(prefix + name, float('nan')):>{width}.1f}" for name in columns)
             print(f"{impl:<12}{cells}")
+    print("\nminor page faults per step (fresh memory touched; median over steps, max over ranks): " + ", ".join(
+        f"{impl} {row['page_faults_per_step']:.0f}" for impl, row in output["rows"].items()
+    ))  # fmt: skip
     for impl, row in output["rows"].items():
         if "num_chunks" in row:
             print(f"{impl}: {row['num_chunks']} chunk(s) of {row['chunk_numel']} elements")
