@@ -209,6 +209,34 @@ def test_communication_volume_per_step(stage, ratio):
         assert gathered == pytest.approx((ratio - 0.5) * ddp)  # stage 3 gathers in forward and in backward
 
 
+def _discarded_backward_leaves_no_trace(stage, use_no_sync):
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    n, rank = mesh.size("dp"), mesh.rank("dp")
+    model, reference = make_models()
+    zero = ZeroOptimizer(model, torch.optim.AdamW(param_groups(model), lr=1e-2), mesh=mesh, stage=stage, chunk_numel=48)
+    reference_optimizer = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    discarded_tokens, discarded_targets = batch(50, rows=n * ROWS_PER_RANK)
+    with zero.no_sync() if use_no_sync else contextlib.nullcontext():
+        zero.backward(model(discarded_tokens[mine], discarded_targets[mine]))
+    zero.zero_grad()  # no step: these gradients (reduced, in flight or accumulating) are dropped
+    tokens, targets = batch(0, rows=n * ROWS_PER_RANK)
+    zero.backward(model(tokens[mine], targets[mine]))
+    zero.step()
+    reference(tokens, targets).backward()
+    reference_optimizer.step()
+    params = zero.full_params()
+    for name, expected in reference.named_parameters():
+        if expected.requires_grad:
+            torch.testing.assert_close(params[name], expected.detach(), **FP32, msg=name)
+
+
+@pytest.mark.parametrize("use_no_sync", [False, True], ids=["synced", "no_sync"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_after_a_backward_without_a_step_discards_its_gradients(stage, use_no_sync):
+    run_distributed(_discarded_backward_leaves_no_trace, stage, use_no_sync, world_size=2)
+
+
 def _bad_input():
     mesh = Mesh(dp=torch.distributed.get_world_size())
     errors = {}

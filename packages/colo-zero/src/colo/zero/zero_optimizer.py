@@ -635,9 +635,23 @@ class ZeroOptimizer:
         return skipped
 
     def zero_grad(self) -> None:
-        """Zero the gradient shards (and stage 1's full gradient buffers, which ``param.grad`` views)."""
+        """Zero the gradient shards (and stage 1's full gradient buffers, which ``param.grad`` views), discarding
+        reductions still in flight and gradients accumulated under `no_sync` (a backward not followed by a step)."""
         for index in list(self._in_flight):  # stage 1, a backward not followed by a step: let its reductions land
             self._discard_reduction(self.chunks[index])
+        while self._pending:  # stages 0/2/3, likewise: the reductions finish (collective order) and are dropped
+            _, handle, bucket = self._pending.pop(0)
+            handle.wait()
+            del handle
+            if bucket is not None:
+                self.pool.give(bucket)
+        for chunk in self.trainable_chunks:  # buckets still accumulating (no_sync) are dropped too
+            if self.config.stage != 1 and chunk.has_buffer("grad"):
+                bucket = chunk.buffer("grad")
+                chunk.drop_buffer("grad")
+                self.pool.give(bucket)
+                self._written.pop(chunk.index, None)
+                self._ready[chunk.index] = 0
         for chunk in self.trainable_chunks:
             if self.config.stage == 1:
                 chunk.buffer("grad_shard").zero_()
