@@ -371,14 +371,20 @@ class ZeroOptimizer:
             region.copy_(param.grad)
             written.add(slot.offset)
         param.grad = None
-        self._ready[chunk.index] += 1
-        if self._ready[chunk.index] < len(chunk.slots):
+        if not self._all_grads_in(chunk):
             return
-        self._ready[chunk.index] = 0
         if self._sync_enabled:
             self._reduce_grads(chunk)
         elif self.gatherer is not None:
             self.gatherer.release(chunk)
+
+    def _all_grads_in(self, chunk: Chunk) -> bool:
+        """Count one more gradient of the chunk in; whether that was its last (the count then starts afresh)."""
+        self._ready[chunk.index] += 1
+        if self._ready[chunk.index] < len(chunk.slots):
+            return False
+        self._ready[chunk.index] = 0
+        return True
 
     def _take_bucket(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A gradient bucket from the pool (contents undefined until `_on_grad_ready` writes a slot), once fewer than
@@ -426,10 +432,8 @@ class ZeroOptimizer:
         if param.grad.data_ptr() != region.data_ptr():  # ``.grad`` was None or replaced before this backward
             region.copy_(param.grad)
             param.grad = region
-        self._ready[chunk.index] += 1
-        if self._ready[chunk.index] < len(chunk.slots):
+        if not self._all_grads_in(chunk):
             return
-        self._ready[chunk.index] = 0
         if self._in_backward and self._sync_enabled:
             self._reduce_grads(chunk)
 
@@ -645,23 +649,22 @@ class ZeroOptimizer:
             del handle
             if bucket is not None:
                 self.pool.give(bucket)
-        for chunk in self.trainable_chunks:  # buckets still accumulating (no_sync) are dropped too
-            if self.config.stage != 1 and chunk.has_buffer("grad"):
-                bucket = chunk.buffer("grad")
-                chunk.drop_buffer("grad")
-                self.pool.give(bucket)
-                self._written.pop(chunk.index, None)
-                self._ready[chunk.index] = 0
         for chunk in self.trainable_chunks:
             if self.config.stage == 1:
                 chunk.buffer("grad_shard").zero_()
                 grad = chunk.buffer("grad").zero_()
                 for slot in chunk.slots:
                     slot.param.grad = chunk.slot_view(grad, slot)
-            else:  # zero in effect: the first reduction landing in the shard overwrites it (see `_land_oldest`)
-                self._shard_zero.add(chunk.index)
-                for slot in chunk.slots:
-                    slot.param.grad = None
+                continue
+            if chunk.has_buffer("grad"):  # a bucket still accumulating (no_sync) is dropped too
+                bucket = chunk.buffer("grad")
+                chunk.drop_buffer("grad")
+                self.pool.give(bucket)
+                self._written.pop(chunk.index, None)
+                self._ready[chunk.index] = 0
+            self._shard_zero.add(chunk.index)  # zero in effect: the first reduction to land overwrites the shard
+            for slot in chunk.slots:
+                slot.param.grad = None
         self._grads_prepared = False
 
     def _register_optimizer_state(self) -> None:
