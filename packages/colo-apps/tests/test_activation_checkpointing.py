@@ -303,3 +303,58 @@ def test_ddp_with_full_checkpointing_gives_the_same_losses():
     for (plain, plain_marks), (checkpointed, marks) in run_distributed(_ddp_with_and_without, world_size=2):
         assert plain_marks == [None] * LAYERS and marks == ["full"] * LAYERS
         assert checkpointed == plain  # recomputation repeats the same ops: bit-identical losses
+
+
+# --- Hugging Face models with their KV cache on (use_cache=True, the config default) ---------------------------------
+
+
+def _loss_and_grads(model: nn.Module, ids: torch.Tensor):
+    """Loss, gradients and the returned KV cache's length (``None``: no cache) of one training forward called as a
+    user would: ``use_cache`` left to the config."""
+    output = model(input_ids=ids, labels=ids)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    cache = output.past_key_values
+    return output.loss.detach(), grads, None if cache is None else cache.get_seq_length()
+
+
+@pytest.mark.parametrize("mode, every", [("selective", 1), ("full", 1), ("selective", 2)])
+def test_hf_llama_with_the_default_use_cache_checkpoints_like_without(mode, every):
+    model = hf_llama()
+    assert model.config.use_cache  # the default: every forward builds a KV cache the blocks write
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    expected_loss, expected_grads, _ = _loss_and_grads(model, ids)
+
+    model = hf_llama()
+    checkpointing.apply_activation_checkpointing(model, mode=mode, every=every)
+    loss, grads, cache_length = _loss_and_grads(model, ids)
+    assert cache_length is None or cache_length <= SEQ  # no block appended its keys and values twice
+    # the recomputation repeats the forward's ops on the same inputs; the only difference is that checkpointed
+    # blocks write no KV cache, which the forward's attention reads back unchanged: equal to the last bit in fp32
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=f"{mode}, every={every}: {name}")
+
+
+def _hf_ddp_losses(activation_checkpointing):
+    from colo.apps import DDP, Booster
+
+    rank = torch.distributed.get_rank()
+    model = hf_llama()  # use_cache=True, the config default
+    booster = Booster(DDP(activation_checkpointing=activation_checkpointing))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = []
+    for step in range(2):
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        losses.append(booster.train_step({"input_ids": tokens, "labels": tokens}).loss)
+    return losses
+
+
+def _hf_ddp_with_and_without():
+    return _hf_ddp_losses(None), _hf_ddp_losses("selective")
+
+
+def test_ddp_with_selective_checkpointing_of_a_default_hf_llama_gives_the_same_losses():
+    for plain, checkpointed in run_distributed(_hf_ddp_with_and_without, world_size=2):
+        # same ops on the same inputs (and DDP's same all-reduce): bit-identical, as for colo's Llama above
+        torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)

@@ -57,8 +57,11 @@ def make_training(seed: int = 0):
     return model, optimizer, scheduler
 
 
-def reference_run(steps, world_size, max_grad_norm):
+def reference_run(steps, world_size, max_grad_norm, initial=None):
+    """The single-process run; ``initial``: the parameters to start from (default: the seeded model's)."""
     model, optimizer, scheduler = make_training()
+    if initial is not None:
+        model.load_state_dict(initial)
     results = []
     for step in steps:
         loss = model(**global_batch(step, world_size))
@@ -72,11 +75,13 @@ def reference_run(steps, world_size, max_grad_norm):
 
 
 def make_plugin(name: str):
-    from colo.apps.booster import DDP, Zero
+    from colo.apps.booster import DDP, Gemini, Zero
 
     common = {"num_microbatches": 2, "max_grad_norm": 0.5}
     if name == "ddp":
         return DDP(**common)
+    if name == "gemini":
+        return Gemini(placement="static", chunk_numel=64, **common)
     return Zero(stage=int(name[-1]), chunk_numel=64, **common)
 
 
@@ -111,6 +116,33 @@ def test_plugin_matches_the_single_process_run(plugin_name):
             assert norm == pytest.approx(ref_norm, rel=1e-5)
             assert lr == pytest.approx(ref_lr) and not skipped
         assert expected[0][1] > 0.5  # the norm is above max_grad_norm: clipping was exercised
+        for name, value in expected_params.items():
+            torch.testing.assert_close(params[name], value, **TOLERANCE, msg=name)
+
+
+def _unseeded_run(plugin_name, steps):
+    from colo.apps.booster import Booster
+
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model, optimizer, scheduler = make_training(seed=1000 + rank)  # every rank initialises another model
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    booster = Booster(make_plugin(plugin_name))
+    booster.boost(model, optimizer, lr_scheduler=scheduler)
+    losses = [booster.train_step(local_batch(global_batch(step, world_size), rank)).loss for step in steps]
+    return initial, losses, full_params(booster, model)
+
+
+@pytest.mark.parametrize("plugin_name", ["ddp", "zero1", "zero2", "zero3", "gemini"])
+def test_ranks_that_initialise_differently_train_rank_0s_model(plugin_name):
+    """Like DDP, every plugin starts from rank 0's parameters: the run equals the single-process run of the model
+    rank 0 built (same tolerances as above), though every rank built another one."""
+    steps = range(3)
+    results = run_distributed(_unseeded_run, plugin_name, steps, world_size=2)
+    rank_0_initial = results[0][0]
+    assert not torch.equal(results[1][0]["head.weight"], rank_0_initial["head.weight"])  # they did differ
+    expected, expected_params = reference_run(steps, 2, 0.5, initial=rank_0_initial)
+    for _, losses, params in results:
+        assert losses == pytest.approx([loss for loss, _, _ in expected], rel=1e-5)
         for name, value in expected_params.items():
             torch.testing.assert_close(params[name], value, **TOLERANCE, msg=name)
 
@@ -172,3 +204,47 @@ def test_invalid_plugin_settings_name_the_field():
         split_batch({"input_ids": torch.zeros(6, 3)}, 4)
     with pytest.raises(ValueError, match=r"disagree on dim 0"):
         split_batch({"input_ids": torch.zeros(6, 3), "labels": torch.zeros(4, 3)}, 2)
+
+
+def _read_parameters_right_after(plugin_name, path):
+    """Parameters read at once by user code after `load`, after a step (`model.state_dict()`) and through `unwrap`,
+    each with the values the optimizer holds (the ZeRO-1/2 parameter all-gather is overlapped with the next
+    forward, so whatever hands parameters out must first wait for it)."""
+    from colo.apps.booster import Booster
+
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model, optimizer, scheduler = make_training()
+    booster = Booster(make_plugin(plugin_name))
+    booster.boost(model, optimizer, lr_scheduler=scheduler)
+    booster.train_step(local_batch(global_batch(0, world_size), rank))
+    booster.save(path)
+    saved = full_params(booster, model)
+
+    model, optimizer, scheduler = make_training(seed=1)  # another initialisation: all state must come from disk
+    booster = Booster(make_plugin(plugin_name))
+    booster.boost(model, optimizer, lr_scheduler=scheduler)
+    booster.load(path)
+    after_load = {name: p.detach().clone() for name, p in model.named_parameters()}  # no forward in between
+
+    booster.train_step(local_batch(global_batch(1, world_size), rank))
+    state_dict = {name: t.clone() for name, t in model.state_dict().items()}
+    after_step = full_params(booster, model)
+
+    booster.train_step(local_batch(global_batch(2, world_size), rank))
+    unwrapped = {name: p.detach().clone() for name, p in booster.unwrap().named_parameters()}
+    after_unwrap = full_params(booster, model)
+    return saved, after_load, state_dict, after_step, unwrapped, after_unwrap
+
+
+@pytest.mark.parametrize("plugin_name", ["zero1", "zero2"])
+def test_parameters_handed_out_are_current_right_after_load_and_step(plugin_name, tmp_path):
+    for saved, after_load, state_dict, after_step, unwrapped, after_unwrap in run_distributed(
+        _read_parameters_right_after, plugin_name, str(tmp_path / "ckpt"), world_size=2
+    ):
+        assert set(after_load) == set(saved) == set(state_dict) == set(unwrapped)
+        stale = [name for name in saved if not torch.equal(after_load[name], saved[name])]
+        assert not stale, f"parameters read right after load differ from the checkpoint: {stale}"
+        stale = [name for name in after_step if not torch.equal(state_dict[name], after_step[name])]
+        assert not stale, f"model.state_dict() right after a step is stale: {stale}"
+        stale = [name for name in after_unwrap if not torch.equal(unwrapped[name], after_unwrap[name])]
+        assert not stale, f"booster.unwrap()'s parameters right after a step are stale: {stale}"

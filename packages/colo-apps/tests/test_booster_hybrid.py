@@ -44,11 +44,14 @@ def make_optimizer(model, groups: bool = False):
     )
 
 
-def reference_run(groups: bool = False):
+def reference_run(groups: bool = False, *, initial: dict[str, torch.Tensor] | None = None, steps: int = STEPS):
+    """The single-process run; ``initial``: the parameters to start from (default: the seeded model's)."""
     model = make_model()
+    if initial is not None:
+        model.load_state_dict(initial)
     optimizer = make_optimizer(model, groups)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         loss = model(**global_batch(step)).loss
         loss.backward()
         optimizer.step()
@@ -74,7 +77,6 @@ def full_of(reference: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def _hybrid_run(settings):
     from colo.apps import Booster
     from colo.apps.booster import HybridParallel
-    from colo.tensor import layout_of
 
     settings = dict(settings)
     groups = settings.pop("groups", False)
@@ -91,6 +93,14 @@ def _hybrid_run(settings):
         batch = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in global_batch(step).items()}
         losses.append(booster.train_step(batch).loss)
     params = booster.engine.optimizer.full_params()
+    return losses, expected_losses, len(params), _mismatches(booster, params, expected)
+
+
+def _mismatches(booster, params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """The gathered parameters of this rank's stage that differ from the reference (tensor-parallel shards from
+    the matching slice of it)."""
+    from colo.tensor import layout_of
+
     named = dict(booster.engine.model.named_parameters())
     mismatches = []
     for name, value in params.items():
@@ -102,7 +112,7 @@ def _hybrid_run(settings):
             torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-4)
         except AssertionError as error:
             mismatches.append(f"{name}: {error}")
-    return losses, expected_losses, len(params), mismatches
+    return mismatches
 
 
 @pytest.mark.parametrize(
@@ -132,6 +142,53 @@ def test_hybrid_parallel_matches_the_single_process_llama(settings):
     for losses, expected_losses, num_params, mismatches in run_distributed(
         _hybrid_run, settings, world_size=world_size
     ):
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert num_params > 0 and not mismatches, mismatches
+
+
+def _unseeded_hybrid_run(settings):
+    from colo.apps import Booster
+    from colo.apps.booster import HybridParallel
+    from colo.comm import broadcast_object
+
+    rank = torch.distributed.get_rank()
+    model = make_model(seed=1000 + rank)  # every rank initialises another model
+    mine = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rank_0s = broadcast_object(mine if rank == 0 else None, src=0)
+    differed = not torch.equal(mine["embed_tokens.weight"], rank_0s["embed_tokens.weight"])
+    expected_losses, expected = reference_run(initial=rank_0s, steps=3)
+    booster = Booster(HybridParallel(**settings))
+    booster.boost(model, make_optimizer(model))
+    mesh = booster.engine.mesh
+    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
+    rows = ROWS // dp
+    losses = []
+    for step in range(3):
+        batch = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in global_batch(step).items()}
+        losses.append(booster.train_step(batch).loss)
+    params = booster.engine.optimizer.full_params()
+    return losses, expected_losses, len(params), _mismatches(booster, params, expected), differed
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"tp": 2, "world_size": 2},
+        {"world_size": 2},  # dp2, ZeRO-1
+        {"pp": 2, "num_microbatches": 2, "world_size": 2},
+        {"tp": 2, "world_size": 4},  # tp2 x dp2, ZeRO-1
+    ],
+    ids=["tp2", "dp2", "pp2", "tp2-dp2"],
+)
+def test_ranks_that_initialise_differently_train_rank_0s_llama(settings):
+    """The model is rank 0's before the plan cuts it: every tensor-parallel shard is the matching slice of rank 0's
+    weights and every stage holds rank 0's layers, so the run equals the single-process run of rank 0's model (same
+    tolerances as above), though every rank built another one."""
+    settings = dict(settings)
+    world_size = settings.pop("world_size")
+    results = run_distributed(_unseeded_hybrid_run, settings, world_size=world_size)
+    assert any(differed for *_, differed in results)
+    for losses, expected_losses, num_params, mismatches, _ in results:
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert num_params > 0 and not mismatches, mismatches
 

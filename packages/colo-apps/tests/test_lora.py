@@ -18,15 +18,18 @@ pytest.importorskip("peft")
 STEPS, ROWS, SEQ, LR, RANK, ALPHA = 4, 8, 16, 1e-2, 4, 8.0
 
 
-def make_lora_model(seed: int = 0):
+def make_lora_model(seed: int = 0, adapter_seed: int | None = None):
     """The tiny Llama with adapters on every projection; ``B`` drawn at random (peft starts it at zero, which
-    would leave ``A`` without a gradient in the first step and the test weaker)."""
+    would leave ``A`` without a gradient in the first step and the test weaker). ``adapter_seed``: reseed the
+    torch RNG that draws ``A`` (``add_lora`` draws it from the torch RNG)."""
     from colo.apps import Llama, get_preset
     from colo.apps.lora import add_lora, lora_layers
 
     torch.manual_seed(seed)
     model = Llama(get_preset("tiny"))
     model.init_weights(seed)
+    if adapter_seed is not None:
+        torch.manual_seed(adapter_seed)
     add_lora(model, r=RANK, alpha=ALPHA)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -46,11 +49,14 @@ def make_optimizer(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def reference_run():
-    """Single process: the losses, the trained adapters and the merged weights."""
+def reference_run(initial: dict[str, torch.Tensor] | None = None):
+    """Single process: the losses, the trained adapters and the merged weights; ``initial``: the parameters to
+    start from (default: the seeded model's)."""
     from colo.apps.lora import merge_lora
 
     model = make_lora_model()
+    if initial is not None:
+        model.load_state_dict(initial)
     optimizer = make_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -171,6 +177,39 @@ def test_lora_under_each_plugin_matches_the_single_process_lora_model(kind, sett
         assert result["trainable"] and all(".lora_" in name for name in result["trainable"]), result["trainable"]
         assert not result["frozen_changed"], result["frozen_changed"]
         assert not result["merged_mismatches"], result["merged_mismatches"]
+
+
+def _unseeded_adapters_run():
+    from colo.apps import Booster
+    from colo.apps.booster import HybridParallel
+    from colo.comm import broadcast_object
+    from colo.tensor import layout_of
+
+    rank = torch.distributed.get_rank()
+    model = make_lora_model(adapter_seed=1000 + rank)  # the same base; A drawn from each rank's own RNG
+    mine = dict(model.state_dict())
+    rank_0s = broadcast_object(mine if rank == 0 else None, src=0)
+    name = next(n for n in mine if ".lora_A." in n)
+    differed = not torch.equal(mine[name], rank_0s[name])
+    expected_losses, expected_adapters, _ = reference_run(initial=rank_0s)
+    booster = Booster(HybridParallel(tp=2, zero_stage=1))  # A replicated or sharded to match its layer
+    booster.boost(model, make_optimizer(model))
+    losses = [booster.train_step(global_batch(step)).loss for step in range(STEPS)]
+    adapters = booster.engine.optimizer.full_params()
+    params = dict(model.named_parameters())
+    sharded = any(layout_of(params[n]) is not None for n in adapters)
+    return losses, expected_losses, differed, sharded, _compare(adapters, expected_adapters, params)
+
+
+def test_adapters_drawn_differently_on_each_rank_start_as_rank_0s():
+    """`Booster.boost` makes the adapters rank 0's before sharding them: the run equals the single-process run of
+    rank 0's model (tolerances as above)."""
+    results = run_distributed(_unseeded_adapters_run, world_size=2)
+    assert any(differed for _, _, differed, _, _ in results)
+    for losses, expected_losses, _, sharded, mismatches in results:
+        assert sharded
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert not mismatches, mismatches
 
 
 def test_only_adapters_train_and_merging_keeps_the_function():

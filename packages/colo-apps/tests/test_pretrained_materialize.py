@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colo.comm import CommTracker
 from colo.comm.testing import run_distributed
 
 
@@ -53,7 +54,11 @@ def _materialized_run(base: str, settings: dict):
         model = Llama(config)
     set_materialize_fn(model, PretrainedLlamaWeights(base, config))
     booster = Booster(HybridParallel(**settings))
-    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with CommTracker() as tracker:
+        booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    # every rank materializes the same values: no broadcast of the model over the world (as for a model built on
+    # every rank, which may have been built unseeded)
+    world_broadcasts = tracker.calls("broadcast", axis="world")
     engine = booster.engine
     values = engine.optimizer.full_params()  # this pipeline stage's parameters, gathered over data ranks
     params = dict(engine.model.named_parameters())
@@ -66,14 +71,16 @@ def _materialized_run(base: str, settings: dict):
         if not torch.equal(value, reference_value):
             mismatches.append(name)
     loss = booster.train_step(batch()).loss
-    return len(values), mismatches, loss, expected_loss
+    return len(values), mismatches, loss, expected_loss, world_broadcasts
 
 
 @pytest.mark.parametrize("settings", [{"tp": 2}, {"pp": 2, "num_microbatches": 2}], ids=["tp2", "pp2"])
 def test_meta_model_materializes_pretrained_shards(tmp_path, settings):
     base = write_base(tmp_path)
-    for count, mismatches, loss, expected_loss in run_distributed(_materialized_run, base, settings, world_size=2):
+    results = run_distributed(_materialized_run, base, settings, world_size=2)
+    for count, mismatches, loss, expected_loss, world_broadcasts in results:
         assert count > 0 and not mismatches, mismatches
+        assert world_broadcasts == 0
         assert loss == pytest.approx(expected_loss, rel=1e-5)
 
 

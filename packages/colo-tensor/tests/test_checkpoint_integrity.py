@@ -129,3 +129,42 @@ def test_loading_verifying_and_exporting_never_unpickle(tmp_path, monkeypatch, c
     export_hf(path, tmp_path / "hf")
     assert main(["info", str(path)]) == 0
     capsys.readouterr()
+
+
+def test_a_tensor_held_but_written_by_no_rank_fails_the_save_and_commits_nothing(tmp_path):
+    # a replica flag that does not match the layout: every holder takes another rank for the writer
+    held = {**STATE, "c": FlatShard(torch.ones(8), (2, 4), 0, replica=True)}
+    with pytest.raises(
+        CheckpointError,
+        match=r"nothing was committed: 1 tensors are held .* no rank wrote .*'c' \(held by ranks \[0\]\)",
+    ):
+        save_checkpoint(tmp_path / "ckpt", held)
+    assert not any(tmp_path.iterdir())  # nothing committed, no temporary directory left
+
+
+def test_expected_names_that_no_rank_holds_fail_the_save(tmp_path):
+    with pytest.raises(CheckpointError, match=r"expects 1 tensors that no rank holds: \['layers.2.w'\]"):
+        save_checkpoint(tmp_path / "ckpt", STATE, expected_names=["a", "b", "layers.2.w"])
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_index_records_what_it_must_hold_and_every_reader_refuses_what_lacks_it(tmp_path):
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, STATE, expected_names=["a"])
+    index = read_index(path)
+    assert index.expected == {"a": (8, 8), "b": (6, 8)}
+    # an index that lost a tensor (a writer that dropped it): load, verify, export and `latest` refuse it
+    document = json.loads((path / "index.json").read_text())
+    del document["tensors"]["b"]
+    (path / "index.json").write_text(json.dumps(document))
+    message = r"incomplete: it lacks 1 of the 2 tensors it was saved to hold \(b\)"
+    with pytest.raises(CheckpointError, match=message):
+        read_index(path)
+    with pytest.raises(CheckpointError, match=message):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, {"a": torch.empty(8, 8)})
+    with pytest.raises(CheckpointError, match=message):
+        export_hf(path, tmp_path / "hf")
+    assert latest_checkpoint(tmp_path) is None
+    assert main(["verify", str(path)]) != 0

@@ -110,12 +110,40 @@ class _OffloadToHost(save_on_cpu):
         self.pack_hook, self.unpack_hook = pack, unpack
 
 
+_HF_CACHE_ARGUMENTS = ("cache", "past_key_value", "past_key_values", "layer_past")
+"""The keyword arguments through which Hugging Face blocks read and write their KV cache."""
+
+
+def _without_kv_cache(kwargs: dict, *, keep_cache: bool) -> dict:
+    """A recomputed block's keyword arguments without a KV cache to write: the recomputation in backward would
+    write it a second time (keys and values appended twice) and, under ``"selective"``, run other ops than the
+    forward did (attention over the longer cache), which torch refuses. As transformers' own gradient checkpointing
+    does, ``use_cache`` becomes ``False`` and a Hugging Face cache ``None`` (unless the block only reads its cache:
+    ``_can_checkpoint_with_cache``); in training the cache would only hold this forward's keys and values, which
+    the block computes anyway. colo's ``kv_cache`` (decoding) is refused: decode under ``torch.no_grad()``."""
+    if kwargs.get("kv_cache") is not None:
+        raise ValueError(
+            "apply_activation_checkpointing: a checkpointed block got a kv_cache while gradients are recorded; its "
+            "recomputation in backward would write the cache twice. Decode under torch.no_grad() (checkpointed "
+            "blocks then run as they are)"
+        )
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not keep_cache:
+        for name in _HF_CACHE_ARGUMENTS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+    return kwargs
+
+
 class _CheckpointedForward:
     """A block's ``forward`` run under one checkpointing mode; installed as the block's instance attribute."""
 
-    def __init__(self, forward: Callable, mode: str) -> None:
+    def __init__(self, forward: Callable, mode: str, *, keep_cache: bool = False) -> None:
         self.forward = forward
         self.mode = mode
+        self.keep_cache = keep_cache
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing is saved for backward
@@ -123,6 +151,7 @@ class _CheckpointedForward:
         if self.mode == "offload":
             with _OffloadToHost():
                 return self.forward(*args, **kwargs)
+        kwargs = _without_kv_cache(kwargs, keep_cache=self.keep_cache)  # the block's forward runs twice
         if self.mode == "selective":
             return checkpoint(self.forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
@@ -212,6 +241,9 @@ def apply_activation_checkpointing(
     names, parameters and the state dict do not change. Gradients are those of the unmodified model: ``"full"``
     and ``"selective"`` recompute the same ops on the same inputs (with the RNG state restored, so dropout draws
     the same masks), ``"offload"`` recomputes nothing. In evaluation (``torch.no_grad``) the blocks run as before.
+    While gradients are recorded, ``"full"`` and ``"selective"`` blocks write no KV cache (a Hugging Face model's
+    ``use_cache=True``, its config default, is turned off for them and their cache argument dropped, as
+    transformers' own gradient checkpointing does): the recomputation would write it a second time.
 
     Args:
         model (nn.Module): the model, after parallelization and before ``torch.compile``.
@@ -251,6 +283,7 @@ def apply_activation_checkpointing(
                 "sets activation_checkpointing)"
             )
     for _, block in chosen:
-        block.forward = _CheckpointedForward(block.forward, mode)
+        keep_cache = bool(getattr(block, "_can_checkpoint_with_cache", False))  # transformers' read-only caches
+        block.forward = _CheckpointedForward(block.forward, mode, keep_cache=keep_cache)
         setattr(block, _MARK, mode)
     return [name for name, _ in chosen]

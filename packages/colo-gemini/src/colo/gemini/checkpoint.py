@@ -17,6 +17,7 @@ import os
 import torch
 
 from colo.tensor.checkpoint import CheckpointError, FlatShard, load_checkpoint, read_index, save_checkpoint
+from colo.zero.state import flat_pieces, slot_checkpoint_names
 
 from .optimizer import STATE_NAMES
 
@@ -26,27 +27,24 @@ METADATA_KEY = "gemini"
 """Metadata key of Gemini's own state (the loss scaler)."""
 
 
-def _ranges(chunk):
-    """``(slot, start in the shard, flat start in the parameter, length)`` for each parameter of the chunk."""
-    shard_start, shard_end = chunk.shard_offset, chunk.shard_offset + chunk.shard_numel
-    for slot in chunk.slots:
-        low = max(slot.offset, shard_start)
-        high = min(slot.offset + slot.numel, shard_end)
-        if high <= low:  # this rank holds none of it: an empty piece (saves nothing, loads nothing)
-            yield slot, 0, 0, 0
-        else:
-            yield slot, low - shard_start, low - slot.offset, high - low
-
-
-def _pieces(chunk, buffers: dict[str, torch.Tensor]) -> dict[str, FlatShard]:
+def _pieces(gemini, chunk, buffers: dict[str, torch.Tensor]) -> dict[str, FlatShard]:
+    """Name -> `FlatShard` of this rank's part of ``chunk``'s weights (``buffers["master"]``) and optimizer states,
+    under the checkpoint names (`colo.zero.state.flat_pieces`, as ZeRO names them)."""
     result = {}
-    for slot, start, flat_start, length in _ranges(chunk):
-        shape = tuple(slot.shape)
-        result[slot.name] = FlatShard(buffers["master"].narrow(0, start, length), shape, flat_start)
-        for name in STATE_NAMES:
-            if name in buffers:
-                piece = FlatShard(buffers[name].narrow(0, start, length), shape, flat_start)
-                result[f"optim/{slot.name}/{name}"] = piece
+    saved_ranges: set[tuple[int, int]] = set()
+    for slot in chunk.slots:
+        placement = {"global_shape": tuple(slot.shape), "replica": False}
+        for name, start, end, fields in flat_pieces(
+            chunk, slot, checkpoint_names=gemini.checkpoint_names, placement=placement
+        ):
+            # a range saved under several names (LoRA's A shared by q, k and v) is copied for the later names: a
+            # safetensors file holds no aliases
+            copy = (lambda t: t.clone()) if (start, end) in saved_ranges else (lambda t: t)
+            saved_ranges.add((start, end))
+            result[name] = FlatShard(copy(buffers["master"][start:end]), **fields)
+            for state in STATE_NAMES:
+                if state in buffers:
+                    result[f"optim/{name}/{state}"] = FlatShard(copy(buffers[state][start:end]), **fields)
     return result
 
 
@@ -54,13 +52,14 @@ def _json_safe(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def save_gemini(gemini, path: str | os.PathLike, *, metadata: dict | None = None) -> None:
+def save_gemini(gemini, path: str | os.PathLike, *, metadata: dict | None = None, expected_names=None) -> None:
     """Save ``gemini``'s masters, moments and frozen weights to the checkpoint directory ``path`` (a collective).
 
     Args:
         gemini: a `GeminiOptimizer`.
         path: a new directory (committed by a rename once every rank has written).
         metadata: JSON-serialisable user state (step, data position) stored beside Gemini's own.
+        expected_names: tensors the checkpoint must hold besides this rank's (`save_checkpoint`'s).
     """
     tensors: dict[str, FlatShard] = {}
     scalars: dict[str, dict] = {}
@@ -69,10 +68,11 @@ def save_gemini(gemini, path: str | os.PathLike, *, metadata: dict | None = None
             buffers = {name: t.detach().to("cpu") for name, t in gemini.hybrid.read(chunk).items()}
             step = float(gemini.hybrid.states[chunk.index].step.item())
             for slot in chunk.slots:
-                scalars[slot.name] = {"step": [step, "float32"]}
+                for name in slot_checkpoint_names(slot, gemini.checkpoint_names):
+                    scalars[name] = {"step": [step, "float32"]}
         else:
             buffers = {"master": gemini.manager.read_params(chunk)}
-        tensors.update(_pieces(chunk, buffers))
+        tensors.update(_pieces(gemini, chunk, buffers))
     groups = [
         {key: _json_safe(value) for key, value in group.items() if key != "params"}
         for group in gemini.optimizer.param_groups
@@ -86,7 +86,9 @@ def save_gemini(gemini, path: str | os.PathLike, *, metadata: dict | None = None
             else {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "num_skipped": scaler.num_skipped}
         },
     }
-    save_checkpoint(path, tensors, metadata={**(metadata or {}), **own}, group=gemini.group)
+    save_checkpoint(
+        path, tensors, metadata={**(metadata or {}), **own}, group=gemini.group, expected_names=expected_names
+    )
 
 
 @torch.no_grad()
@@ -116,7 +118,12 @@ def load_gemini(gemini, path: str | os.PathLike) -> dict:
             f"{directory}: the checkpoint has {len(saved['param_groups'])} optimizer param groups, this optimizer "
             f"{len(gemini.optimizer.param_groups)}; build the optimizer with the same param groups"
         )
-    model_names = {slot.name for chunk in gemini.chunks for slot in chunk.slots}
+    model_names = {
+        name
+        for chunk in gemini.chunks
+        for slot in chunk.slots
+        for name in slot_checkpoint_names(slot, gemini.checkpoint_names)
+    }
     stored = {name for name in index.tensors if not name.startswith("optim/")}
     if stored != model_names:
         raise CheckpointError(
@@ -131,7 +138,7 @@ def load_gemini(gemini, path: str | os.PathLike) -> dict:
         else:
             buffers = {"master": torch.zeros(chunk.shard_numel, dtype=gemini.manager.dtype_of(chunk))}
         staged[chunk.index] = buffers
-        pieces = _pieces(chunk, buffers)
+        pieces = _pieces(gemini, chunk, buffers)
         targets.update({name: piece for name, piece in pieces.items() if name in index.tensors})
     metadata, _ = load_checkpoint(directory, targets, strict=False)
     for group, saved_group in zip(gemini.optimizer.param_groups, saved["param_groups"]):
@@ -141,7 +148,8 @@ def load_gemini(gemini, path: str | os.PathLike) -> dict:
     for chunk in gemini.chunks:
         buffers = staged[chunk.index]
         if chunk.trainable:
-            step = saved["scalars"].get(chunk.slots[0].name, {}).get("step", [0.0, None])[0]
+            first = slot_checkpoint_names(chunk.slots[0], gemini.checkpoint_names)[0]
+            step = saved["scalars"].get(first, {}).get("step", [0.0, None])[0]
             gemini.hybrid.load(chunk, buffers, step=int(step))
         gemini.manager.write_params(chunk, buffers["master"].to(gemini.manager.dtype_of(chunk)), "host")
     scaler = (metadata.get(METADATA_KEY) or {}).get("loss_scaler") or (metadata.get("zero") or {}).get("loss_scaler")

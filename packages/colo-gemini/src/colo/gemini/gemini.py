@@ -60,6 +60,9 @@ class GeminiOptimizer:
         mesh: the mesh holding ``config.data_axes``.
         config: a `GeminiConfig`; or pass its fields as keyword arguments (``placement="auto"``).
         loss_scaler: a `colo.zero.DynamicLossScaler`; created over the data group when computing in fp16.
+        checkpoint_names: ``fn(name, parameter) -> [(checkpoint name, first row, rows), ...] | None`` giving the
+            names checkpoints use for a parameter, as `colo.zero.ZeroOptimizer` takes it (a fused q/k/v weight
+            saved as q, k and v, so checkpoints are interchangeable with ZeRO's); ``None``: parameter names.
 
     Example::
 
@@ -79,6 +82,7 @@ class GeminiOptimizer:
         mesh: Mesh,
         config: GeminiConfig | None = None,
         loss_scaler: DynamicLossScaler | None = None,
+        checkpoint_names=None,
         **config_fields,
     ) -> None:
         if config is not None and config_fields:
@@ -86,6 +90,7 @@ class GeminiOptimizer:
         self.config = config if config is not None else GeminiConfig(**config_fields)
         self.model = model
         self.mesh = mesh
+        self.checkpoint_names = checkpoint_names
         unknown = [axis for axis in self.config.data_axes if axis not in mesh.axis_names]
         if unknown:
             raise ValueError(
@@ -459,12 +464,12 @@ class GeminiOptimizer:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike, *, metadata: dict | None = None) -> None:
+    def save(self, path: str | os.PathLike, *, metadata: dict | None = None, expected_names=None) -> None:
         """Save masters, Adam moments and frozen weights to the new checkpoint directory ``path`` (every rank calls
         it), in colo's sharded format with colo.zero's metadata; see `colo.gemini.checkpoint.save_gemini`."""
         from .checkpoint import save_gemini
 
-        save_gemini(self, path, metadata=metadata)
+        save_gemini(self, path, metadata=metadata, expected_names=expected_names)
 
     def load(self, path: str | os.PathLike) -> dict:
         """Load a Gemini or ZeRO checkpoint saved at any data-parallel size and placement; returns its metadata.

@@ -55,48 +55,61 @@ def _slot_range(chunk: Chunk, slot: ParamSlot) -> tuple[int, int, int] | None:
 def _placement_of(zero: ZeroOptimizer, slot: ParamSlot) -> dict:
     """Where the parameter of ``slot`` lies in the global tensor: ``global_shape``, ``rect_offsets`` /
     ``rect_shape`` (its tensor-parallel shard, from its colo layout) and ``replica`` (another tensor-parallel rank
-    holds the same elements and writes them), as `FlatShard` keyword arguments."""
-    from colo.tensor import Shard, layout_of
+    holds the same elements and writes them: `ZeroOptimizer.is_tensor_parallel_replica`), as `FlatShard` keyword
+    arguments."""
+    from colo.tensor import layout_of
 
     layout = layout_of(slot.param)
-    shape = tuple(slot.shape)
-    if layout is None:  # replicated over any tensor-parallel axis: coordinate 0 writes
-        replica = any(zero.mesh.rank(axis) != 0 for axis in zero.config.tensor_parallel_axes)
-        return {"global_shape": shape, "replica": replica}
-    sharded = {axis for axis, p in zip(layout.mesh.axis_names, layout.placements) if isinstance(p, Shard)}
-    replica_axes = [a for a in layout.mesh.axis_names if a not in sharded and a not in zero.config.data_axes]
+    replica = zero.is_tensor_parallel_replica(slot.param)
+    if layout is None:
+        return {"global_shape": tuple(slot.shape), "replica": replica}
     return {
         "global_shape": tuple(layout.global_shape),
         "rect_offsets": tuple(layout.local_offsets()),
         "rect_shape": tuple(layout.local_shape()),
-        "replica": any(layout.mesh.rank(axis) != 0 for axis in replica_axes),
+        "replica": replica,
     }
 
 
-def _parts(zero: ZeroOptimizer, slot: ParamSlot) -> list[tuple[str, int, int]] | None:
+def _parts(checkpoint_names, slot: ParamSlot) -> list[tuple[str, int, int]] | None:
     """The checkpoint names of ``slot``'s parameter as ``(name, first row, rows)`` of its global tensor, from
-    ``zero.checkpoint_names``; ``None``: saved under its own name."""
-    if zero.checkpoint_names is None:
+    ``checkpoint_names``; ``None``: saved under its own name."""
+    if checkpoint_names is None:
         return None
-    return zero.checkpoint_names(slot.name, slot.param)
+    return checkpoint_names(slot.name, slot.param)
+
+
+def slot_checkpoint_names(slot: ParamSlot, checkpoint_names) -> list[str]:
+    """The names ``slot``'s parameter is saved under, given a ``checkpoint_names`` function as `ZeroOptimizer`
+    takes it (``None``: its own name)."""
+    parts = _parts(checkpoint_names, slot)
+    return [slot.name] if not parts else [name for name, _, _ in parts]
 
 
 def checkpoint_names_of(zero: ZeroOptimizer, slot: ParamSlot) -> list[str]:
     """The names ``slot``'s parameter is saved under."""
-    parts = _parts(zero, slot)
-    return [slot.name] if not parts else [name for name, _, _ in parts]
+    return slot_checkpoint_names(slot, zero.checkpoint_names)
 
 
-def _named_pieces(zero: ZeroOptimizer, chunk: Chunk, slot: ParamSlot) -> list[tuple[str, int, int, dict]]:
+def flat_pieces(
+    chunk: Chunk, slot: ParamSlot, *, checkpoint_names, placement: dict
+) -> list[tuple[str, int, int, dict]]:
     """What this rank saves (and loads) of ``slot``: ``(checkpoint name, start, end, FlatShard fields)`` with
     ``[start, end)`` in shard coordinates. A parameter the names split by rows (a fused q/k/v weight saved as q,
-    k and v) becomes one flat range per part it overlaps."""
+    k and v) becomes one flat range per part it overlaps. Shared by ZeRO and Gemini checkpoints.
+
+    Args:
+        chunk: the chunk holding ``slot``.
+        slot: the parameter.
+        checkpoint_names: ``fn(name, parameter) -> [(checkpoint name, first row, rows), ...] | None`` or ``None``.
+        placement: `FlatShard` fields of the parameter's place in its global tensor: ``global_shape``,
+            ``replica`` and, for a tensor-parallel shard, ``rect_offsets`` / ``rect_shape``.
+    """
     where = _slot_range(chunk, slot)
     if where is None:
         return []
     start, end, flat_start = where
-    placement = _placement_of(zero, slot)
-    parts = _parts(zero, slot)
+    parts = _parts(checkpoint_names, slot)
     global_shape = placement["global_shape"]
     if not parts:
         return [(slot.name, start, end, {"flat_start": flat_start, **placement})]
@@ -120,6 +133,11 @@ def _named_pieces(zero: ZeroOptimizer, chunk: Chunk, slot: ParamSlot) -> list[tu
             }
             pieces.append((name, start + low - flat_start, start + high - flat_start, fields))
     return pieces
+
+
+def _named_pieces(zero: ZeroOptimizer, chunk: Chunk, slot: ParamSlot) -> list[tuple[str, int, int, dict]]:
+    """`flat_pieces` of ``slot`` with ``zero``'s names and the parameter's tensor-parallel placement."""
+    return flat_pieces(chunk, slot, checkpoint_names=zero.checkpoint_names, placement=_placement_of(zero, slot))
 
 
 def _value_shard(zero: ZeroOptimizer, chunk: Chunk) -> torch.Tensor:
@@ -240,7 +258,8 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
     """Load parameters and optimizer state saved by `save_state` (at any data-parallel size) into ``zero``.
 
     Every rank reads only the flat ranges its chunk shards hold; the compute copies are then rebuilt from the
-    loaded masters (an all-gather per chunk at stages 1/2). Call it on every rank, before or between steps.
+    loaded masters (an all-gather per chunk at stages 1/2), which have landed when it returns: the model's
+    parameters hold the loaded values. Call it on every rank, before or between steps.
 
     Returns:
         The checkpoint's metadata (including what was passed to `save_state`).
@@ -294,6 +313,7 @@ def load_state(zero: ZeroOptimizer, path: str | os.PathLike) -> dict:
             setattr(zero.loss_scaler, key, value)
     zero._register_optimizer_state()
     _rebuild_compute_copies(zero)
+    zero.wait_params()  # the compute copies' all-gather (overlapped after a step) must land before load returns
     return metadata
 
 

@@ -75,7 +75,10 @@ class ZeroConfig:
     overlap_param_gather: bool = True
     """Stages 1/2: start the all-gather of the updated parameters at the end of `step` and wait for each chunk
     only before the first module using it runs in the next forward (Megatron's overlapped parameter gather).
-    Read parameters outside a forward only after `wait_params` (`full_params`, checkpoints do it)."""
+    Between `step` and the next forward the parameters (``model.parameters()``, read directly) may still hold the
+    old values: call `wait_params` before reading them there. What hands parameters out waits itself:
+    ``model.state_dict()`` (of the model or any submodule), `full_params`, `checkpoint_state` / `save` and `load`
+    (which returns with the loaded values in place)."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -316,24 +319,30 @@ class ZeroOptimizer:
         precision). They are converted to fp32 for unscaling, clipping and the step, transiently."""
         return self.reduce_dtype or torch.float32
 
+    def is_tensor_parallel_replica(self, param: torch.Tensor) -> bool:
+        """Whether another rank holds the same elements of ``param`` as this one and stands for both: ``param`` is
+        replicated over a tensor-parallel axis (not `Shard` there in its colo layout, or without a layout) and
+        this rank is not at coordinate 0 of it. The one rule for what is counted once (the gradient norm) and
+        written once (checkpoints). Only the tensor-parallel axes replicate a parameter: the data axes shard it,
+        and the pipeline axis holds different parameters on each stage (a stage's layout may say `Replicate` over
+        ``pp``, but no other stage holds its elements)."""
+        from colo.tensor import Shard, layout_of
+
+        layout = layout_of(param)
+        sharded_over = set()
+        if layout is not None:
+            sharded_over = {a for a, p in zip(layout.mesh.axis_names, layout.placements) if isinstance(p, Shard)}
+        return any(axis not in sharded_over and self.mesh.rank(axis) != 0 for axis in self.config.tensor_parallel_axes)
+
     def _counted_ranges(self) -> dict[int, list[tuple[int, int]]]:
         """Per chunk, the ranges of this rank's shard whose squares the global gradient norm counts here: all of
         them without tensor parallelism; with it, a parameter replicated over a tensor-parallel axis counts only
         at coordinate 0 of that axis (so it is counted once), a sharded one everywhere."""
-        from colo.tensor import Shard, layout_of
-
-        tp_axes = self.config.tensor_parallel_axes
         ranges: dict[int, list[tuple[int, int]]] = {}
         for chunk in self.chunks:
             counted = []
             for slot in chunk.slots:
-                layout = layout_of(slot.param)
-                sharded_over = set()
-                if layout is not None:
-                    sharded_over = {
-                        a for a, p in zip(layout.mesh.axis_names, layout.placements) if isinstance(p, Shard)
-                    }
-                if any(axis not in sharded_over and self.mesh.rank(axis) != 0 for axis in tp_axes):
+                if self.is_tensor_parallel_replica(slot.param):
                     continue
                 begin = max(slot.offset, chunk.shard_offset)
                 end = min(slot.offset + slot.numel, chunk.shard_offset + chunk.shard_numel)
@@ -624,7 +633,13 @@ class ZeroOptimizer:
         return total
 
     def step(self) -> bool:
-        """Reduce gradients, step the masters, refresh the compute copies. Returns whether the step was skipped."""
+        """Reduce gradients, step the masters, refresh the compute copies. Returns whether the step was skipped.
+
+        At stages 1/2 with ``overlap_param_gather`` (the default) the refresh is an all-gather still in flight when
+        `step` returns: it lands before the next forward uses each chunk, and ``model.state_dict()``,
+        `full_params`, `save` and `load` wait for it; read ``model.parameters()`` directly only after
+        `wait_params`.
+        """
         self.wait_params()  # a step without a forward since the last one (the gathers must land first)
         skipped = self._prepare_grads()
         if self.loss_scaler is not None:
@@ -697,12 +712,15 @@ class ZeroOptimizer:
             self.gatherer.release_all()
 
     def _install_param_waits(self, model: torch.nn.Module) -> None:
-        """Forward pre-hooks that wait for the in-flight gather of a module's chunks (stages 1/2, overlapped)."""
+        """Forward and state-dict pre-hooks that wait for the in-flight gather of a module's chunks (stages 1/2,
+        overlapped): a forward, and a ``state_dict()`` of the module or of any module holding it, see the
+        parameters `step` or `load` wrote."""
         for module in model.modules():
             owned = {self.chunk_of[id(p)].index for p in module.parameters(recurse=False) if id(p) in self.chunk_of}
             if owned:
-                indices = sorted(owned)
-                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._wait_chunks, indices)))
+                wait = functools.partial(self._wait_chunks, sorted(owned))
+                self._hooks.append(module.register_forward_pre_hook(wait))
+                self._hooks.append(module.register_state_dict_pre_hook(wait))
 
     def _wait_chunks(self, indices: list[int], *_) -> None:
         for index in indices:
@@ -712,7 +730,8 @@ class ZeroOptimizer:
 
     def wait_params(self) -> None:
         """Wait for every parameter all-gather still in flight after `step` (stages 1/2 with
-        ``overlap_param_gather``): call it before reading parameters outside a forward pass."""
+        ``overlap_param_gather``): call it before reading ``model.parameters()`` outside a forward pass (a forward,
+        ``model.state_dict()``, `full_params`, `save` and `load` wait themselves)."""
         self._wait_chunks(list(self._param_gathers))
 
     def release_params(self) -> None:
@@ -763,7 +782,8 @@ class ZeroOptimizer:
         save_state(self, path, metadata=metadata, group=group)
 
     def load(self, path) -> dict:
-        """Load a checkpoint written by `save` at any data-parallel size; returns its metadata (every rank calls it)."""
+        """Load a checkpoint written by `save` at any data-parallel size; returns its metadata (every rank calls it).
+        The model's parameters hold the loaded values when it returns."""
         return load_state(self, path)
 
     def full_optimizer_states(self) -> dict[str, torch.Tensor]:

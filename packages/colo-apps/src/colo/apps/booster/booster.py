@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .plans import checkpoint_manifest
 from .plugins.base import Engine, Plugin, StepResult
 
 BOOSTER_KEY = "booster"
@@ -48,7 +49,9 @@ class Booster:
         """Wrap ``model`` and ``optimizer`` for the plugin.
 
         Args:
-            model: the model, built identically (same seed) on every rank.
+            model: the model, built the same way on every rank; its values need not agree: every plugin starts from
+                rank 0's parameters and buffers (broadcast before anything is sharded, as DDP does), or, for a
+                model on the meta device, from the values the plugin materializes (the same on every rank).
             optimizer: a fresh torch optimizer over the model's parameters.
             criterion: ``criterion(output, batch) -> loss``; ``None`` when the model returns its loss.
             dataloader: returned as is (build one with ``plugin.prepare_dataloader`` to shard the data).
@@ -60,7 +63,9 @@ class Booster:
         """
         if self.engine is not None:
             raise RuntimeError("this Booster already boosted a model; make one Booster per model")
+        manifest = checkpoint_manifest(model)  # before a pipeline keeps only this rank's stages
         self.engine = self.plugin.configure(model, optimizer, criterion=criterion)
+        self.engine.expected_names = manifest
         self.lr_scheduler = lr_scheduler
         return self.engine.model, self.engine.optimizer, criterion, dataloader, lr_scheduler
 
@@ -70,7 +75,12 @@ class Booster:
         return self.engine
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
-        """Run one whole training step on ``batch`` (a dict of tensors split into microbatches on dim 0)."""
+        """Run one whole training step on ``batch`` (a dict of tensors split into microbatches on dim 0).
+
+        Under ZeRO 1/2 (`Zero`, `HybridParallel`) the updated parameters' all-gather is still in flight when it
+        returns (it overlaps the next forward): read parameters through `unwrap` or ``model.state_dict()``, which
+        wait for it, not straight from ``model.parameters()``. `save` and `load` wait too.
+        """
         engine = self._require_engine()
         loss, grad_norm, skipped = engine.train_step(batch)
         if not skipped and self.lr_scheduler is not None:
@@ -81,6 +91,17 @@ class Booster:
         return StepResult(
             loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, num_microbatches=self.plugin.num_microbatches
         )
+
+    def unwrap(self) -> torch.nn.Module:
+        """The boosted model without the plugin's wrapper (DDP's), its parameters current: a parameter all-gather
+        still in flight after a step (ZeRO 1/2 overlap it with the next forward) has landed.
+
+        ``train_step`` returns with that gather in flight, so read ``model.parameters()`` of the model `boost`
+        returned only through `unwrap` (or ``model.state_dict()``, which waits too). With a pipeline it is this
+        rank's stage (or a `ModuleList` of its model chunks); under ``Zero(stage=3)`` and `Gemini` the parameters
+        live in shards outside a forward: read them from a checkpoint (`save`) instead.
+        """
+        return self._require_engine().unwrap()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through the plugin (loss scaling, gradient hooks) for a hand-written loop without pipelines."""

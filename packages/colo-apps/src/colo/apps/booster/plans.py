@@ -61,6 +61,22 @@ class ModelPlan:
         raise NotImplementedError
 
 
+def reject_packed_rows(batch: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise when a pipeline batch holds packed rows (``position_ids`` restarting within a row, or
+    ``document_ids``): the pipeline feeds its first stage token ids only, so the document mask would be lost."""
+    from colo.kernels import document_ids_from_position_ids
+
+    ids = batch.get("document_ids")
+    if ids is None and batch.get("position_ids") is not None:
+        ids = document_ids_from_position_ids(batch["position_ids"])
+    if ids is not None and bool(ids[..., -1:].ne(ids[..., :1]).any()):
+        raise ValueError(
+            f"{where}: the batch packs several documents per row (its position_ids restart within a row), but a "
+            "pipeline (pp > 1) feeds its first stage input_ids only, so attention would cross the documents; use "
+            "pp=1 (tp, sp and dp keep the document mask) or one document per row"
+        )
+
+
 _PLANS: list[tuple[type, ModelPlan]] = []
 
 
@@ -75,6 +91,19 @@ def find_plan(model: nn.Module) -> ModelPlan | None:
         if isinstance(model, model_type):
             return plan
     return None
+
+
+def checkpoint_manifest(model: nn.Module) -> list[str]:
+    """The names of every parameter of ``model`` in its checkpoints (its plan's `ModelPlan.checkpoint_names`:
+    colo's fused q/k/v saved as q, k and v, say), sorted. Taken from the whole model before a plugin cuts it
+    into pipeline stages, it is what a checkpoint of any layout must hold."""
+    plan = find_plan(model)
+    names_of = plan.checkpoint_names(model) if plan is not None else None
+    names = set()
+    for name, param in model.named_parameters():
+        parts = names_of(name, param) if names_of is not None else None
+        names.update([name] if not parts else [part for part, _, _ in parts])
+    return sorted(names)
 
 
 def plan_for(model: nn.Module) -> ModelPlan:

@@ -60,9 +60,11 @@ def add_lora(
 ) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place (``peft.inject_adapter_in_model``) and freeze the rest.
 
-    Call it on the unsharded model, the same way on every rank, before `colo.apps.Booster.boost`: the adapters
-    start equal everywhere (``A`` from the torch RNG, ``B`` zero, so the model is unchanged until trained) and
-    every plugin shards them from there.
+    Call it on the unsharded model, the same way on every rank, before `colo.apps.Booster.boost`. ``A`` is drawn
+    from the torch RNG (so it differs between ranks seeded differently, or not at all) and ``B`` is zero, so the
+    model is unchanged until trained; `Booster.boost` makes the adapters equal everywhere, with the rest of the
+    model (every plugin broadcasts rank 0's values before sharding them; on a meta-device model the `HybridParallel`
+    plugin draws ``A`` from its ``seed`` instead, the same on every rank).
 
     Args:
         model (nn.Module): colo's `Llama`, a Hugging Face model, or any module with ``nn.Linear`` targets.

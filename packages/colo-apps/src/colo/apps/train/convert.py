@@ -10,11 +10,11 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from colo.tensor.checkpoint import export_hf, load_checkpoint, read_index
+from colo.tensor.checkpoint import CheckpointError, export_hf, load_checkpoint, read_index
 
 from ..hf.llama_io import llama_config_to_hf, save_llama_as_hf
 from ..lora import has_lora_tensors, write_peft_adapter
-from ..models.llama import LlamaConfig
+from ..models.llama import Llama, LlamaConfig
 from .generate import RUN_KEY, load_llama
 
 _INDEX = "model.safetensors.index.json"
@@ -23,6 +23,34 @@ _INDEX = "model.safetensors.index.json"
 def hf_name(name: str) -> str:
     """The Hugging Face name of a checkpoint tensor: ``model.`` prefixed, except ``lm_head``."""
     return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def check_llama_weights(index, config: LlamaConfig, *, where: str) -> None:
+    """Raise a `CheckpointError` naming what is missing when ``index`` does not hold every weight of a Llama of
+    ``config`` with its shape (the names a model built from ``config`` saves; checkpoints of any age)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    expected = {
+        name.replace("qkv_proj", f"{part}_proj"): (rows, *shape[1:])
+        for name, shape in expected.items()
+        for part, rows in (_qkv_rows(config) if name.endswith("qkv_proj.weight") else [("", shape[0])])
+    }
+    wrong = sorted(
+        name for name, shape in expected.items() if name not in index.tensors or index.tensors[name].shape != shape
+    )
+    if wrong:
+        raise CheckpointError(
+            f"{where}: the checkpoint lacks {len(wrong)} weights of its Llama config ({config.num_hidden_layers} "
+            f"layers): {', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}; it is incomplete and cannot be "
+            "converted"
+        )
+
+
+def _qkv_rows(config: LlamaConfig) -> list[tuple[str, int]]:
+    """``[("q", rows), ("k", rows), ("v", rows)]`` of a fused q/k/v weight."""
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads)
+    return [(part, n * config.head_dim) for part, n in zip("qkv", heads)]
 
 
 def export_llama_hf(
@@ -54,6 +82,7 @@ def export_llama_hf(
         raise ValueError(f"{checkpoint} has no '{RUN_KEY}' metadata: only checkpoints of colo's trainer convert")
     if has_lora_tensors(index.tensors):  # merge in one process (the whole model in host memory), then write
         return _export_merged_lora(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
+    check_llama_weights(index, LlamaConfig(**run["llama_config"]), where=checkpoint)
     report = export_hf(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
     files = sorted({os.path.basename(path) for path in report.files if path.endswith(".safetensors")})
     for file in files:

@@ -17,7 +17,9 @@ from .regions import FlatShard
 from .save import (
     OwnedPiece,
     begin_save,
+    check_expected_names,
     check_metadata,
+    declared_tensors,
     failure_message,
     finish_save,
     owned_pieces,
@@ -172,6 +174,7 @@ class AsyncCheckpointer:
         tensors: Mapping[str, torch.Tensor | FlatShard],
         *,
         metadata: dict | None = None,
+        expected_names=None,
     ) -> SaveHandle:
         """Start saving ``tensors`` to the new checkpoint directory ``path``; every rank of the group calls it.
 
@@ -183,6 +186,7 @@ class AsyncCheckpointer:
             path: the checkpoint directory to create; it must not exist yet.
             tensors: name -> local tensor (with or without a layout) or `FlatShard`, as for `save_checkpoint`.
             metadata: JSON-serialisable state stored in the index. Default ``{}``.
+            expected_names: tensors the checkpoint must hold besides those passed, as for `save_checkpoint`.
 
         Returns:
             A `SaveHandle` to wait on (optional: the next `save`, `wait` or `close` does it).
@@ -202,13 +206,17 @@ class AsyncCheckpointer:
         self.wait()
         path = os.fspath(path).rstrip("/")
         metadata = check_metadata(metadata)
+        expected_names = check_expected_names(expected_names)
         rank = group.rank if group is not None else 0
         tmp = begin_save(path, group)
+        declared: dict = {}
         try:  # a failure here is reported through the background collectives, so the other ranks do not hang
+            declared = declared_tensors(tensors)
             pieces, failure = self._snapshot(tensors, rank), None
         except Exception as error:
             pieces, failure = [], failure_message(rank, error)
-        future = self._executor.submit(_write_and_commit, path, tmp, pieces, failure, rank, metadata, group)
+        held = {"declared": declared, "expected_names": expected_names}
+        future = self._executor.submit(_write_and_commit, path, tmp, pieces, failure, rank, metadata, group, held)
         self._pending = SaveHandle(path, future, time.perf_counter() - started)
         return self._pending
 
@@ -255,7 +263,7 @@ class AsyncCheckpointer:
 
 
 def _write_and_commit(
-    path: str, tmp: str, pieces: list[OwnedPiece], failure: str | None, rank: int, metadata: dict, group
+    path: str, tmp: str, pieces: list[OwnedPiece], failure: str | None, rank: int, metadata: dict, group, held: dict
 ) -> None:
     """The background part of a save: write this rank's file, then the collective commit on the checkpoint group."""
     records = []
@@ -264,4 +272,4 @@ def _write_and_commit(
             records = write_pieces(tmp, pieces, rank)
         except Exception as error:
             failure = failure_message(rank, error)
-    finish_save(path, tmp, records, failure, metadata, group)
+    finish_save(path, tmp, records, failure, metadata, group, **held)

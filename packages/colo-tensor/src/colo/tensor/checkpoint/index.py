@@ -118,10 +118,34 @@ class CheckpointIndex:
     Attributes:
         tensors: tensor name -> `TensorEntry`.
         metadata: free-form JSON-serialisable state (step, config, RNG state, versions).
+        expected: tensor name -> global shape of every tensor the checkpoint must hold: what the saving ranks
+            held (replicas included) and what the saver declared the model to contain. Reading an index whose
+            ``tensors`` lack any of them fails, so an incomplete checkpoint is never loaded, verified as healthy
+            or converted. Empty in checkpoints written before colo recorded it.
     """
 
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
+    expected: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def missing(self) -> list[str]:
+        """The expected tensors the index does not hold with their expected shape, sorted."""
+        return sorted(
+            name
+            for name, shape in self.expected.items()
+            if name not in self.tensors or self.tensors[name].shape != tuple(shape)
+        )
+
+    def check_complete(self, *, where: str) -> None:
+        """Raise a `CheckpointError` naming ``where`` and the missing tensors when `missing` is not empty."""
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(
+                f"{where}: the checkpoint is incomplete: it lacks {len(missing)} of the {len(self.expected)} tensors "
+                f"it was saved to hold ({shown}); it cannot be loaded, verified or converted. Save it again from "
+                "the run (or an earlier complete checkpoint)"
+            )
 
     def to_json(self) -> str:
         """The index as JSON text."""
@@ -133,7 +157,9 @@ class CheckpointIndex:
             }
             for name, entry in sorted(self.tensors.items())
         }
-        return json.dumps({"format_version": FORMAT_VERSION, "metadata": self.metadata, "tensors": tensors}, indent=1)
+        expected = {name: list(shape) for name, shape in sorted(self.expected.items())}
+        document = {"format_version": FORMAT_VERSION, "metadata": self.metadata, "expected": expected}
+        return json.dumps({**document, "tensors": tensors}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, *, where: str) -> CheckpointIndex:
@@ -154,14 +180,21 @@ class CheckpointIndex:
                 dtype=parse_dtype(entry["dtype"], where=at),
                 pieces=tuple(Piece.from_json(p, where=at) for p in entry["pieces"]),
             )
-        return cls(tensors=tensors, metadata=data.get("metadata", {}))
+        try:
+            expected = {str(name): tuple(int(x) for x in shape) for name, shape in data.get("expected", {}).items()}
+        except (AttributeError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{where}: malformed 'expected' section in the index ({error!r})") from None
+        index = cls(tensors=tensors, metadata=data.get("metadata", {}), expected=expected)
+        index.check_complete(where=where)
+        return index
 
 
 def read_index(path: str | os.PathLike) -> CheckpointIndex:
     """Read the index of the committed checkpoint directory ``path``.
 
     Raises:
-        CheckpointError: there is no index (not a checkpoint, or a save that never committed) or it is malformed.
+        CheckpointError: there is no index (not a checkpoint, or a save that never committed), it is malformed,
+            or it lacks tensors it was saved to hold (`CheckpointIndex.expected`).
     """
     index_path = os.path.join(os.fspath(path), INDEX_FILE)
     try:

@@ -69,6 +69,31 @@ def _owned_piece(name: str, value: torch.Tensor | FlatShard, rank: int) -> Owned
     return OwnedPiece(name, shape, tuple(layout.local_offsets()), tuple(layout.local_shape()), None, value)
 
 
+def declared_tensors(tensors: Mapping[str, torch.Tensor | FlatShard]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``name -> (global shape, dtype name)`` of every tensor this rank holds, whether or not it writes a piece of
+    it: the tensors the checkpoint must hold (a replica another rank should write included)."""
+    declared = {}
+    for name, value in tensors.items():
+        if isinstance(value, FlatShard):
+            shape, dtype = value.global_shape, value.tensor.dtype
+        elif isinstance(value, torch.Tensor):
+            layout = layout_of(value)
+            shape, dtype = (value.shape if layout is None else layout.global_shape), value.dtype
+        else:
+            continue  # reported by `owned_pieces`
+        declared[name] = (tuple(int(x) for x in shape), dtype_name(dtype))
+    return declared
+
+
+def check_expected_names(expected_names) -> list[str]:
+    """``expected_names`` of `save_checkpoint` as a sorted list of strings."""
+    if expected_names is None:
+        return []
+    if isinstance(expected_names, str) or not all(isinstance(name, str) for name in expected_names):
+        raise TypeError(f"save_checkpoint: expected_names must be an iterable of tensor names, not {expected_names!r}")
+    return sorted(expected_names)
+
+
 def owned_pieces(
     tensors: Mapping[str, torch.Tensor | FlatShard],
     rank: int,
@@ -121,8 +146,9 @@ def write_pieces(directory: str, pieces: list[OwnedPiece], rank: int) -> list[tu
     return records
 
 
-def _build_index(gathered: list, metadata: dict) -> CheckpointIndex:
-    """Merge every rank's records into the index, checking that ranks agree and that each tensor is covered."""
+def _build_index(gathered: list, metadata: dict, declared: list[dict], expected_names: list[str]) -> CheckpointIndex:
+    """Merge every rank's records into the index, checking that ranks agree, that each tensor is covered, and that
+    every tensor a rank holds (``declared``, per rank) or the saver named (``expected_names``) was written."""
     shapes: dict[str, tuple] = {}
     pieces: dict[str, list[Piece]] = {}
     for rank, records in enumerate(gathered):
@@ -143,6 +169,30 @@ def _build_index(gathered: list, metadata: dict) -> CheckpointIndex:
             )
         entry = TensorEntry(shape=shape, dtype=getattr(torch, dtype), pieces=tuple(pieces[name]))
         index.tensors[name] = entry
+    holders: dict[str, list[int]] = {}
+    for rank, held in enumerate(declared):
+        for name, (shape, dtype) in held.items():
+            holders.setdefault(name, []).append(rank)
+            if name in shapes and (tuple(shapes[name][0]), shapes[name][1]) != (tuple(shape), dtype):
+                raise CheckpointError(
+                    f"tensor {name!r}: rank {rank} holds shape {shape} {dtype} but the ranks save "
+                    f"{shapes[name][0]} {shapes[name][1]}"
+                )
+    unwritten = sorted(name for name in holders if name not in shapes)
+    if unwritten:
+        shown = ", ".join(f"{name!r} (held by ranks {holders[name]})" for name in unwritten[:6])
+        raise CheckpointError(
+            f"{len(unwritten)} tensors are held by some rank but no rank wrote a piece of them: {shown}"
+            f"{' ...' if len(unwritten) > 6 else ''}; each holder took another rank for its writer (a replica rule "
+            "that does not match the layout)"
+        )
+    unknown = [name for name in expected_names if name not in shapes]
+    if unknown:
+        raise CheckpointError(
+            f"the saver expects {len(unknown)} tensors that no rank holds: {unknown[:8]}"
+            f"{' ...' if len(unknown) > 8 else ''}; part of the model is missing from every rank"
+        )
+    index.expected = {name: index.tensors[name].shape for name in [*holders, *expected_names]}
     return index
 
 
@@ -198,22 +248,38 @@ def failure_message(rank: int, error: BaseException) -> str:
     return f"rank {rank}: {type(error).__name__}: {error}"
 
 
-def finish_save(path: str, tmp: str, records: list, failure: str | None, metadata: dict, group: Group | None) -> None:
-    """Phase 3 (collective over ``group``): gather the records, commit on rank 0, raise the outcome on every rank.
+def finish_save(
+    path: str,
+    tmp: str,
+    records: list,
+    failure: str | None,
+    metadata: dict,
+    group: Group | None,
+    *,
+    declared: dict,
+    expected_names: list[str],
+) -> None:
+    """Phase 3 (collective over ``group``): gather the records and what each rank holds (``declared``), commit on
+    rank 0, raise the outcome on every rank.
 
     Raises:
         CheckpointError: a rank failed (``failure``), ranks disagree, or the commit failed; nothing was committed
             and the temporary directory is removed.
     """
     rank = group.rank if group is not None else 0
-    gathered = gather_object((records, failure), dst=0, group=group) if group is not None else [(records, failure)]
+    mine = (records, declared, failure)
+    gathered = gather_object(mine, dst=0, group=group) if group is not None else [mine]
     outcome = None
     if rank == 0:
-        failures = [f for _, f in gathered if f is not None]
+        failures = [f for _, _, f in gathered if f is not None]
         try:
             if failures:
                 raise CheckpointError(f"save_checkpoint({path}) failed; nothing was committed: " + "; ".join(failures))
-            _commit(tmp, path, _build_index([r for r, _ in gathered], metadata))
+            try:
+                index = _build_index([r for r, _, _ in gathered], metadata, [d for _, d, _ in gathered], expected_names)
+            except CheckpointError as error:
+                raise CheckpointError(f"save_checkpoint({path}) failed; nothing was committed: {error}") from None
+            _commit(tmp, path, index)
         except Exception as error:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = error if isinstance(error, CheckpointError) else CheckpointError(f"{path}: {error!r}")
@@ -230,6 +296,7 @@ def save_checkpoint(
     *,
     metadata: dict | None = None,
     group=None,
+    expected_names=None,
 ) -> None:
     """Save a sharded state to the checkpoint directory ``path``; every rank of ``group`` calls it.
 
@@ -247,18 +314,28 @@ def save_checkpoint(
         metadata: JSON-serialisable state stored in the index (step, config, scheduler state). Default ``{}``.
         group: the group that saves together (a `colo.comm.Group`); default the world. Without
             ``torch.distributed`` initialised, the process saves alone.
+        expected_names: names of tensors the checkpoint must hold besides those the ranks pass (a model's full
+            parameter list when each pipeline stage passes only its own), the same on every rank. Default none.
+
+    The index records every tensor some rank passed or ``expected_names`` lists (`CheckpointIndex.expected`);
+    the save fails, committing nothing, when any of them has no piece written, and reading an index that lacks
+    one fails too.
 
     Raises:
-        CheckpointError: a rank failed to write (the error names the rank), or ranks disagree on a tensor.
+        CheckpointError: a rank failed to write (the error names the rank), ranks disagree on a tensor, or a
+            tensor a rank holds or ``expected_names`` lists was not written.
         FileExistsError: ``path`` already exists.
     """
     path = os.fspath(path).rstrip("/")
     metadata = check_metadata(metadata)
+    expected_names = check_expected_names(expected_names)
     group = saving_group(group)
     rank = group.rank if group is not None else 0
     tmp = begin_save(path, group)
+    declared: dict = {}
     try:
+        declared = declared_tensors(tensors)
         records, failure = write_pieces(tmp, owned_pieces(tensors, rank), rank), None
     except Exception as error:  # reported to rank 0, so every rank fails together instead of hanging
         records, failure = [], failure_message(rank, error)
-    finish_save(path, tmp, records, failure, metadata, group)
+    finish_save(path, tmp, records, failure, metadata, group, declared=declared, expected_names=expected_names)

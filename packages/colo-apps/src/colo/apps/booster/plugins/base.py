@@ -166,6 +166,9 @@ class Engine:
         self.criterion = criterion
         self.sync_every_microbatch = sync_every_microbatch
         self.data_group: Group = mesh.group(*plugin.data_axes(mesh))
+        self.expected_names: list[str] | None = None
+        """The checkpoint names of the whole model (`colo.apps.booster.checkpoint_manifest`, set by the Booster):
+        every checkpoint must hold them, whichever ranks hold which parameters."""
 
     # --- per plugin ---------------------------------------------------------------------------------------------
 
@@ -196,10 +199,19 @@ class Engine:
     def save(self, path: str, *, metadata: dict) -> None:
         """Save model and optimizer state with ``metadata`` through `colo.tensor.checkpoint` (every rank)."""
         tensors, own = self.checkpoint_state()
-        save_checkpoint(path, tensors, metadata={**metadata, **own})
+        save_checkpoint(path, tensors, metadata={**metadata, **own}, expected_names=self.expected_names)
 
     def load(self, path: str) -> dict:
         raise NotImplementedError
+
+    def wait_params(self) -> None:
+        """Wait for parameter updates still in flight after a step (none here; ZeRO 1/2 overlap their gather)."""
+
+    def unwrap(self) -> torch.nn.Module:
+        """The model without the plugin's wrapper, its parameters current (`wait_params`)."""
+        self.wait_params()
+        model = self.model
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:

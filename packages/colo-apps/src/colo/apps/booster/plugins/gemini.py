@@ -9,6 +9,8 @@ import torch
 from colo.gemini import GeminiConfig, GeminiOptimizer
 from colo.zero import MixedPrecision
 
+from ..plans import find_plan
+from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
 
 
@@ -67,9 +69,14 @@ class Gemini(Plugin):
 
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         mesh = self.build_mesh()
+        broadcast_model_state(model_tensors(model), group=mesh.group("dp"))  # rank 0's values, before chunking
         self.maybe_checkpoint_activations(model)
         self.maybe_compile(model)
-        gemini = GeminiOptimizer(model, optimizer, mesh=mesh, config=self.gemini_config())
+        plan = find_plan(model)
+        checkpoint_names = plan.checkpoint_names(model) if plan is not None else None
+        gemini = GeminiOptimizer(
+            model, optimizer, mesh=mesh, config=self.gemini_config(), checkpoint_names=checkpoint_names
+        )
         return GeminiEngine(
             self, model=model, optimizer=gemini, mesh=mesh, criterion=criterion, sync_every_microbatch=True
         )
@@ -97,7 +104,7 @@ class GeminiEngine(Engine):
         return self.optimizer.optimizer
 
     def save(self, path: str, *, metadata: dict) -> None:
-        self.optimizer.save(path, metadata=metadata)
+        self.optimizer.save(path, metadata=metadata, expected_names=self.expected_names)
 
     def load(self, path: str) -> dict:
         return self.optimizer.load(path)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from colo.comm import Mesh, init_distributed
+from colo.comm import Mesh, init_distributed, world_group
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
+from colo.tensor import layout_of
 from colo.zero import ZeroOptimizer
+from colo.zero.state import OPTIM_PREFIX
 
 from ...lora.tensor_parallel import (
     attach_lora_layers,
@@ -18,6 +21,7 @@ from ...lora.tensor_parallel import (
     restore_lora_layers,
 )
 from ..plans import materialize_device, plan_for
+from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
 from .zero import ZeroEngine
 
@@ -134,17 +138,27 @@ class HybridParallel(Plugin):
         if criterion is not None and self.pp > 1:
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)
-        original_names = {id(p): name for name, p in model.named_parameters()}
+        original_names: dict[int, list[str]] = {}  # a tied parameter has several names; a pipeline stage uses one
+        for name, p in model.named_parameters(remove_duplicate=False):
+            original_names.setdefault(id(p), []).append(name)
         lora = detach_lora_layers(model)  # the plan shards the base layers; the adapters follow them
         try:
             plan.check(model, self)
         except Exception:
             restore_lora_layers(lora)
             raise
-        checkpoint_names = plan.checkpoint_names(model)
+        aliases = _tied_aliases(original_names)
+        checkpoint_names = _names_with_aliases(plan.checkpoint_names(model), aliases)
         init_distributed()
         mesh = self.build_mesh()
-        if lora and any(p.is_meta for p in model.parameters()):  # adapters added to a meta-device model
+        # every rank holds the whole model: make it rank 0's before the plan cuts it, so that every shard and stage
+        # is a piece of one model; a meta-device model is materialized from the seed instead, the same everywhere
+        # (of it only adapters that already hold values are broadcast)
+        on_meta = any(p.is_meta for p in model.parameters())
+        adapters = [item.layer for item in lora]
+        replicated = model_tensors(*adapters) if on_meta else model_tensors(model, *adapters)
+        broadcast_model_state(replicated, group=world_group())
+        if lora and on_meta:  # adapters added to a meta-device model
             materialize_lora_adapters(lora, device=materialize_device(), seed=self.seed)
         part = None
         if self.pp == 1:
@@ -153,7 +167,7 @@ class HybridParallel(Plugin):
         else:
             stage_ids = list(self.pipeline_schedule.stages[mesh.rank("pp")])
             part = plan.pipeline(model, mesh=mesh, plugin=self, stage_ids=stage_ids)
-            target = part.chunks[0] if len(part.chunks) == 1 else nn.ModuleList(part.chunks)
+            target = part.chunks[0] if len(part.chunks) == 1 else _StageChunks(part.chunks)
         attach_lora_layers(lora, mesh=mesh, axis="tp")
         for module in [model] if part is None else part.chunks:
             self.maybe_checkpoint_activations(module)
@@ -173,7 +187,53 @@ class HybridParallel(Plugin):
         )
         if part is None:
             return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
-        return PipelineEngine(self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target)
+        tied_copies = [  # the checkpoint names of this rank's tied copies of another stage's parameters
+            saved
+            for name, p in target.named_parameters()
+            if name in aliases
+            for saved, _, _ in checkpoint_names(name, p)
+        ]
+        return PipelineEngine(
+            self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target, tied_copies=tied_copies
+        )
+
+
+def _tied_aliases(original_names: dict[int, list[str]]) -> dict[str, str]:
+    """``{other name: first name}`` of every parameter the whole model holds under several names (a tied
+    ``lm_head.weight`` is ``embed_tokens.weight``); a pipeline gives the names to different stages."""
+    return {alias: names[0] for names in original_names.values() for alias in names[1:]}
+
+
+def _names_with_aliases(checkpoint_names, aliases: dict[str, str]):
+    """The plan's ``checkpoint_names`` with a tied parameter's other names saved and loaded under its first one's
+    (the last stage's ``lm_head.weight`` is the checkpoint's ``embed_tokens.weight``, as in one process)."""
+    if not aliases:
+        return checkpoint_names
+
+    def names(name: str, param: nn.Parameter):
+        canonical = aliases.get(name, name)
+        parts = checkpoint_names(canonical, param) if checkpoint_names is not None else None
+        if parts is None and canonical != name:
+            layout = layout_of(param)
+            rows = layout.global_shape[0] if layout is not None else param.shape[0]
+            return [(canonical, 0, rows)]
+        return parts
+
+    return names
+
+
+class _StageChunks(nn.ModuleList):
+    """This rank's model chunks of an interleaved pipeline as one module whose parameters keep the names they have
+    in the whole model (the chunks hold different layers, named as in the model) instead of `nn.ModuleList`'s
+    ``0.`` / ``1.`` prefixes, so optimizer groups and checkpoints see the names one process would."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen: set[int] = set()
+        for chunk in self:
+            for name, param in chunk.named_parameters(prefix, recurse, remove_duplicate):
+                if not (remove_duplicate and id(param) in seen):
+                    seen.add(id(param))
+                    yield name, param
 
 
 def _mixed_precision(plugin: HybridParallel):
@@ -183,12 +243,13 @@ def _mixed_precision(plugin: HybridParallel):
 
 
 def _repoint_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, original_names: dict[int, str]
+    optimizer: torch.optim.Optimizer, model: nn.Module, original_names: dict[int, list[str]]
 ) -> torch.optim.Optimizer:
     """Point ``optimizer``'s param groups at ``model``'s parameters now: tensor parallelism replaces parameters
-    and a pipeline keeps a stage's, so each parameter joins the group its original held, matched by name (or,
-    for a parameter a parallel layer renamed, by its module: ``qkv_proj.q_weight`` joins ``qkv_proj.weight``'s).
-    The optimizer object and its hyperparameters are kept; it must be fresh."""
+    and a pipeline keeps a stage's, so each parameter joins the group its original held, matched by name (any of
+    a tied parameter's names: the last stage's ``lm_head.weight`` joins ``embed_tokens.weight``'s group) or, for a
+    parameter a parallel layer renamed, by its module (``qkv_proj.q_weight`` joins ``qkv_proj.weight``'s). The
+    optimizer object and its hyperparameters are kept; it must be fresh."""
     if len(optimizer.state):
         raise ValueError("the optimizer already holds state; boost a fresh optimizer, before its first step")
     group_of_name: dict[str, int] = {}
@@ -196,7 +257,7 @@ def _repoint_optimizer(
         for param in group["params"]:
             if id(param) not in original_names:
                 raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
-            group_of_name[original_names[id(param)]] = index
+            group_of_name.update(dict.fromkeys(original_names[id(param)], index))
     modules: dict[str, set[int]] = {}
     for name, index in group_of_name.items():
         modules.setdefault(name.rpartition(".")[0], set()).add(index)
@@ -233,11 +294,16 @@ class HybridEngine(ZeroEngine):
 class PipelineEngine(Engine):
     """Runs a pipeline step (`colo.pipeline.PipelineExecutor`) with ZeRO over the data axes."""
 
-    def __init__(self, plugin: HybridParallel, *, plan, part, optimizer: ZeroOptimizer, mesh: Mesh, model) -> None:
+    def __init__(
+        self, plugin: HybridParallel, *, plan, part, optimizer: ZeroOptimizer, mesh: Mesh, model, tied_copies=()
+    ) -> None:
         super().__init__(
             plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=None, sync_every_microbatch=True
         )
         self.plan = plan
+        self.tied_copies = set(tied_copies)
+        """Checkpoint names of this rank's parameters that are another stage's parameter (a tied
+        ``lm_head.weight``, saved as ``embed_tokens.weight``): that stage writes them; this one only loads them."""
         self.executor = PipelineExecutor(
             part.chunks,
             schedule=plugin.pipeline_schedule,
@@ -269,6 +335,16 @@ class PipelineEngine(Engine):
 
     step = ZeroEngine.step
     zero_grad = ZeroEngine.zero_grad
+    wait_params = ZeroEngine.wait_params
     torch_optimizer = ZeroEngine.torch_optimizer
-    checkpoint_state = ZeroEngine.checkpoint_state
     load = ZeroEngine.load
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """`ZeroEngine.checkpoint_state` with this rank's tied copies marked as replicas (the first stage holding
+        the parameter writes it, under the same checkpoint name)."""
+        tensors, own = ZeroEngine.checkpoint_state(self)
+        for key, value in tensors.items():
+            weight = key.removeprefix(OPTIM_PREFIX).rpartition("/")[0] if key.startswith(OPTIM_PREFIX) else key
+            if weight in self.tied_copies:
+                tensors[key] = dataclasses.replace(value, replica=True)
+        return tensors, own

@@ -9,6 +9,7 @@ import torch
 from colo.zero import MixedPrecision, ZeroOptimizer
 
 from ..plans import find_plan
+from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
 
 
@@ -57,6 +58,7 @@ class Zero(Plugin):
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         plan = find_plan(model)
         mesh = self.build_mesh()
+        broadcast_model_state(model_tensors(model), group=mesh.group("dp"))  # rank 0's values, before chunking
         self.maybe_checkpoint_activations(model)
         self.maybe_compile(model)
         zero = ZeroOptimizer(
@@ -98,6 +100,9 @@ class ZeroEngine(Engine):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+
+    def wait_params(self) -> None:
+        self.optimizer.wait_params()
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
