@@ -2,9 +2,12 @@
 """Check that each colo package installs with only its colo dependencies and that its own tests then pass.
 
 For every package (or those named), this creates a fresh virtual environment, installs torch through the same
-pin as `make test`, installs the package and its colo dependencies from this checkout (non-editable, so a
-missing file in a wheel shows up), checks that no other colo package is importable, and runs the package's
-tests. Not part of `make test` (it installs torch once per package); run it with `make check-packages`.
+pin as `make test`, installs the package with its ``testing`` extra and its colo dependencies from this checkout
+(non-editable, so a missing file in a wheel shows up), checks that no other colo package is importable, and runs
+the package's tests. Nothing else is installed: a package that imports something it does not declare (numpy,
+which torch's object collectives need but torch does not require) fails here as it would for a user, and what the
+tests themselves need (pytest, hypothesis, ...) comes from the package's ``testing`` extra. Not part of
+`make test` (it installs torch once per package); run it with `make check-packages`.
 
     python scripts/check_packages.py                # all seven
     python scripts/check_packages.py comm kernels   # some
@@ -29,7 +32,6 @@ DEPENDENCIES = {
     "pipeline": ["comm", "tensor"],
     "apps": ["comm", "tensor", "zero", "gemini", "pipeline", "kernels"],
 }
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "hypothesis>=6", "numpy"]
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -47,6 +49,14 @@ def closure(name: str) -> list[str]:
     return found
 
 
+def requirements(name: str) -> list[str]:
+    """What ``pip install`` gets for ``name``, besides torch: the package with its ``testing`` extra and its colo
+    dependencies, in one resolve; the colo packages come from this checkout (never from an index), everything else
+    only because one of them declares it."""
+    packages = ROOT / "packages"
+    return [*(str(packages / f"colo-{dep}") for dep in closure(name)), f"{packages / f'colo-{name}'}[testing]"]
+
+
 def check(name: str, torch_pin: str) -> float:
     start = time.monotonic()
     deps = closure(name)
@@ -58,10 +68,8 @@ def check(name: str, torch_pin: str) -> float:
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text(f"torch=={torch_pin}\n")
         pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(constraints)]
-        _run(pip + ["torch", *TEST_TOOLS])
-        # the package and its colo dependencies from this checkout, in one resolve (never from an index)
-        local = [str(ROOT / "packages" / f"colo-{dep}") for dep in [*deps, name]]
-        _run(pip + local)
+        _run(pip + ["torch"])
+        _run(pip + requirements(name))
         others = sorted(set(DEPENDENCIES) - set(deps) - {name})
         probe = (
             "import importlib.util, sys; "

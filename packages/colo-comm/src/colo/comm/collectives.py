@@ -2,10 +2,14 @@
 
 Each call validates its input before any communication, records its volume in the active `CommTracker`s,
 picks its implementation from `colo.comm.algorithms`, and returns the result or, with ``async_op=True``, a
-`Handle`. Ranks are group ranks (``src=0`` is the group's first member), never global ranks.
+`Handle`. Ranks are group ranks (``src=0`` is the group's first member), never global ranks. On a group of one
+rank (the dp group of a tp x pp run that fills the world) there is nothing to exchange: every call validates its
+input as usual, then computes its result locally in `_on_one_rank` and runs no backend call and no algorithm form.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +65,22 @@ def _check_group_rank(op: str, name: str, value: int, group: Group) -> int:
     return value
 
 
+def _on_one_rank(op: str, group: Group, dtype: object, result: Any, async_op: bool = False) -> Any:
+    """Finish ``op`` on a group of one rank, whose ``result`` (the tensor itself, or a copy of it) the caller
+    computed locally: no backend call and no algorithm form runs (an exchange form would have no peer), and the
+    tracker records the call with 0 bytes, the value of every formula for n = 1, under the algorithm ``"local"``.
+
+    Returns:
+        ``result``, or with ``async_op`` a `Handle` that is already complete and whose ``wait()`` returns it.
+    """
+    record(op, group.name, 1, dtype, 0, 0, "local")
+    return issue(op, group, list, lambda: result, async_op)
+
+
+def _local_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _check_dim(op: str, tensor: torch.Tensor, dim: int) -> int:
     if tensor.dim() == 0:
         raise ValueError(f"{op}: needs a tensor with at least one dimension, got a scalar; use tensor.reshape(1)")
@@ -89,6 +109,8 @@ def all_reduce(
     if not tensor.is_contiguous():
         raise ValueError("all_reduce: tensor must be contiguous (it is reduced in place); pass tensor.contiguous()")
     n = group.size
+    if n == 1:  # the sum, max, min and average of one tensor is the tensor
+        return _on_one_rank("all_reduce", group, tensor.dtype, tensor, async_op)
     volume = 2 * (n - 1) / n * _nbytes(tensor)
     record("all_reduce", group.name, n, tensor.dtype, volume, volume, "native")
 
@@ -120,6 +142,8 @@ def broadcast(
     _check_group_rank("broadcast", "src", src, group)
     if not tensor.is_contiguous():
         raise ValueError("broadcast: tensor must be contiguous (it is written in place); pass tensor.contiguous()")
+    if group.size == 1:
+        return _on_one_rank("broadcast", group, tensor.dtype, tensor, async_op)
     record("broadcast", group.name, group.size, tensor.dtype, _nbytes(tensor), _nbytes(tensor), "native")
     return issue(
         "broadcast",
@@ -189,6 +213,8 @@ def all_gather(
 
     if out is not None:
         _check_gather_out(out, piece, n, sizes, dim)
+    if n == 1:
+        return _on_one_rank("all_gather", group, tensor.dtype, _gather_one(piece, out), async_op)
     algorithm = choose_algorithm("all_gather", group.backend, n * _nbytes(piece))
     if tensor.dtype == torch.bool or tensor.is_complex() or (algorithm == "p2p" and (sizes is not None or dim)):
         algorithm = "native"
@@ -261,6 +287,15 @@ def all_gather(
     return issue("all_gather", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
 
 
+def _gather_one(piece: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The all-gather of one piece: a copy of it, into ``out`` when given (unless ``piece`` already is ``out``)."""
+    if out is None:
+        return _local_copy(piece)
+    if out.data_ptr() != piece.data_ptr():
+        out.copy_(piece)
+    return out
+
+
 def _check_gather_out(out: torch.Tensor, piece: torch.Tensor, n: int, sizes, dim: int) -> None:
     if sizes is not None or dim != 0:
         raise ValueError("all_gather: out= needs even pieces gathered along dim 0")
@@ -319,6 +354,9 @@ def reduce_scatter(
             f"reduce_scatter: dim {dim} of shape {tuple(tensor.shape)} has extent {tensor.shape[dim]}, which does "
             f"not divide by the group size {n}; pad it to a multiple of {n}"
         )
+    if n == 1:  # this rank's part is the whole tensor, reduced over one copy: the tensor itself
+        result = tensor if donate else _local_copy(tensor)
+        return _on_one_rank("reduce_scatter", group, tensor.dtype, result, async_op)
     full = tensor.movedim(dim, 0).contiguous() if dim else tensor.contiguous()
     part = full.shape[0] // n
     algorithm = choose_algorithm("reduce_scatter", group.backend, _nbytes(full))
@@ -444,11 +482,18 @@ def all_to_all(
                 f"dim 0's extent {rows}"
             )
         if output_split_sizes is None:
-            output_splits = _exchange_split_sizes(input_splits, group)
+            output_splits = input_splits if n == 1 else _exchange_split_sizes(input_splits, group)
         else:
             output_splits = [int(s) for s in output_split_sizes]
             if len(output_splits) != n or any(s < 0 for s in output_splits):
                 raise ValueError(f"all_to_all: output_split_sizes={output_splits} must be {n} non-negative row counts")
+            if n == 1 and output_splits != input_splits:
+                raise ValueError(
+                    f"all_to_all: on a group of one rank the rows received are the rows sent, so "
+                    f"output_split_sizes={output_splits} must equal input_split_sizes={input_splits}"
+                )
+    if n == 1:
+        return _on_one_rank("all_to_all", group, tensor.dtype, _local_copy(tensor), async_op)
     source = tensor.contiguous()
     row_bytes = tensor.element_size() * _inner_numel(tensor, 0)
     volume = (rows - input_splits[me]) * row_bytes
@@ -484,5 +529,8 @@ def _exchange_split_sizes(input_splits: list[int], group: Group) -> list[int]:
 def barrier(*, group: Group | dist.ProcessGroup | None = None) -> None:
     """Block until every rank of the group reaches the barrier."""
     group = _member_group(group, "barrier")
+    if group.size == 1:
+        _on_one_rank("barrier", group, "none", None)
+        return
     record("barrier", group.name, group.size, "none", 0, 0, "native")
     issue("barrier", group, lambda: [dist.barrier(group=group.process_group, async_op=True)], None, False)

@@ -20,6 +20,9 @@ send / recv        ``S``                                            the message
 object ops         ``S``                                            the pickled object(s)
 barrier            ``0``                                            --
 =================  ===============================================  =========================
+
+On a group of one rank every op records 0 bytes under the algorithm ``"local"``: nothing leaves the rank (the
+formulas give 0 for n = 1, and broadcast's ``S`` counts bytes sent to other ranks, of which there are none).
 """
 
 from __future__ import annotations

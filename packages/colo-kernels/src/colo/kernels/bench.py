@@ -13,6 +13,10 @@ difference of the forward output from the ``torch`` row, so a GPU run doubles as
 
 ``--quick`` uses tiny shapes; on a CPU it runs the reference and the Triton interpreter only, in a few seconds.
 Ops whose module does not import are listed under ``skipped`` in the JSON.
+
+On CPU the Triton kernels run in Triton's interpreter. ``TRITON_INTERPRET=1`` must be set before the kernels are
+decorated, that is before ``colo.kernels`` is imported, and ``python -m colo.kernels.bench`` imports that package
+before this module runs; so on CPU with the variable unset, the command re-runs itself with it set.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from colo.kernels.dispatch import triton_available
 
 OPS = (
     "rms_norm",
@@ -393,8 +399,6 @@ def run(
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
-    if torch_device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the op modules import triton
     unknown = sorted(set(ops or ()) - set(OPS))
     if unknown:
         raise ValueError(f"unknown ops {unknown}; choose from {', '.join(OPS)}")
@@ -438,8 +442,28 @@ def run(
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point: run the benchmark, print a table, optionally write the JSON report."""
+def _relaunch_in_interpreter_on_cpu(device: str | None) -> None:
+    """Replace this process with the same command under ``TRITON_INTERPRET=1`` when it benchmarks on CPU and the
+    variable is unset: the kernels were decorated when ``colo.kernels`` was imported, before this module ran, so
+    setting the variable now would be too late (every Triton row would fail with "0 active drivers")."""
+    on_cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
+    if not on_cpu or "TRITON_INTERPRET" in os.environ or not triton_available():
+        return
+    print("colo.kernels.bench: on CPU: re-running with TRITON_INTERPRET=1 (Triton's interpreter)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, dict(os.environ, TRITON_INTERPRET="1"))
+
+
+def main(argv: list[str] | None = None, *, relaunch: bool = False) -> int:
+    """Command-line entry point: run the benchmark, print a table, optionally write the JSON report.
+
+    Args:
+        argv: the command-line arguments. Default: ``None`` (``sys.argv[1:]``).
+        relaunch: on CPU with ``TRITON_INTERPRET`` unset, re-run the command in a process that has it (what
+            ``python -m colo.kernels.bench`` does); in-process callers set the variable before importing
+            ``colo.kernels`` instead, or the Triton rows report that it is missing. Default: ``False``.
+    """
     parser = argparse.ArgumentParser(prog="python -m colo.kernels.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     parser.add_argument("--ops", default=None, help=f"comma-separated subset of: {','.join(OPS)}")
@@ -449,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
+    if relaunch:
+        _relaunch_in_interpreter_on_cpu(args.device)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()] if args.ops else None
     try:
         report = run(
@@ -470,4 +496,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(relaunch=True))
