@@ -98,12 +98,18 @@ def test_matches_transformers_logits_loss_and_gradients(tied, positions):
     position_ids = POSITIONS[positions]
     hf_position_ids = position_ids[None] if position_ids is not None and position_ids.dim() == 1 else position_ids
     # an explicit all-ones mask: without one, transformers reads position ids that do not step by 1 as packed
-    # sequences and masks attention between them; colo's Llama stays causal over the whole sequence
+    # sequences and masks attention between them; so does colo's Llama, unless told that every row is one document
     mask = torch.ones_like(ids)
     expected = hf_model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=hf_position_ids)
     expected.loss.backward()
-    got = model(ids, labels=labels, position_ids=position_ids, return_logits=True)
+    one_document = torch.zeros_like(ids)
+    got = model(ids, labels=labels, position_ids=position_ids, return_logits=True, document_ids=one_document)
     got.loss.backward()
+    if position_ids is not None:  # without the mask, both read the positions as packed documents, the same way
+        with torch.no_grad():
+            packed = hf_model(input_ids=ids, position_ids=hf_position_ids, use_cache=False).logits
+            torch.testing.assert_close(model(ids, position_ids=position_ids).logits, packed, **LOGITS_TOLERANCE)
+            assert (packed - expected.logits).abs().max() > 1e-2
     torch.testing.assert_close(got.logits, expected.logits, **LOGITS_TOLERANCE)
     torch.testing.assert_close(got.loss, expected.loss, **LOGITS_TOLERANCE)
     if position_ids is not None:  # the positions mattered

@@ -81,7 +81,6 @@ def run_config(data: dict, output_dir: str, **schedule) -> dict:
     [
         (["data.task=sft"], "data.task='sft' needs data.paths of chat records"),
         (["data.task=sft", "data.paths=[c.jsonl]", "data.format=text"], "set data.format to 'jsonl' or 'hf'"),
-        (["data.task=sft", "data.paths=[c.jsonl]", "data.packing=documents"], "leave data.packing='fixed'"),
         (["data.task=sft", "data.paths=[c.jsonl]", "data.max_tokens=1000"], "set data.max_tokens=null"),
         (["data.chat_template.turn_end=|"], "data.chat_template is read only with data.task='sft'"),
         (
@@ -115,25 +114,25 @@ def test_defaults_are_unchanged_and_sft_settings_load():
     )
 
 
-@pytest.mark.parametrize(
-    ("plugin", "message"),
-    [
-        (["plugin.pp=2", "schedule.num_microbatches=2"], "the pipeline (plugin.pp=2) feeds its first stage"),
-        (["plugin.sp=2", "plugin.sp_mode=ulysses"], "sequence parallelism (plugin.sp=2, ulysses)"),
-    ],
-)
-def test_documents_packing_needs_a_layout_that_passes_positions(plugin, message):
-    """Rejected at validation (so `colo launch` reports it before starting any process)."""
+def test_documents_packing_needs_a_layout_that_passes_positions():
+    """A pipeline is rejected at validation (so `colo launch` reports it before starting any process); tensor and
+    sequence parallelism keep the positions and the document mask (test_packed_documents.py), and SFT packs."""
     with pytest.raises(ValueError, match="set data.packing='fixed'") as error:
+        load_config(
+            overrides=["plugin.name=hybrid", "data.packing=documents", "plugin.pp=2", "schedule.num_microbatches=2"]
+        )
+    assert "the pipeline (plugin.pp=2) feeds its first stage" in str(error.value)
+    for plugin in (["plugin.tp=2"], ["plugin.sp=2", "plugin.sp_mode=ulysses"], ["plugin.sp=2", "plugin.sp_mode=ring"]):
         load_config(overrides=["plugin.name=hybrid", "data.packing=documents", *plugin])
-    assert message in str(error.value)
-    load_config(overrides=["plugin.name=hybrid", "plugin.tp=2", "data.packing=documents"])
+    sft = load_config(overrides=["data.task=sft", "data.paths=[c.jsonl]", "data.packing=documents"])
+    assert sft.plugin.loss_weighting == "token"
 
 
 def test_batches_count_their_real_tokens(tmp_path):
     chats, documents = write_chats(tmp_path / "c.jsonl"), write_documents(tmp_path / "d.jsonl")
     kinds = {
         "sft": {"task": "sft", "paths": [chats], "seq_len": 64},
+        "sft-packed": {"task": "sft", "packing": "documents", "paths": [chats], "seq_len": 128},
         "documents": {"packing": "documents", "paths": [documents], "seq_len": 96},
         "fixed": {"paths": [documents], "seq_len": 96},
     }
@@ -143,6 +142,10 @@ def test_batches_count_their_real_tokens(tmp_path):
         assert num_tokens == int((batch["input_ids"] != PAD).sum()), kind  # the byte tokenizer's pad is only padding
         assert (num_tokens < batch["input_ids"].numel()) == (kind != "fixed"), kind
         assert len(run.eval) == 4 and len(run.train) + 4 == len(run.train.dataset), kind
+        assert ("position_ids" in batch) == (kind in ("documents", "sft-packed")), kind
+        if kind == "sft-packed":  # several conversations a row, each starting with bos at position 0
+            bos = batch["input_ids"] == ByteTokenizer.bos_id
+            assert bool((batch["position_ids"][bos] == 0).all()) and int(bos.sum()) > len(bos)
     with pytest.raises(ValueError, match="set data.task='sft' to train on chat records"):
         build_data(
             validate_config(run_config({"paths": [chats], "seq_len": 64}, str(tmp_path))),

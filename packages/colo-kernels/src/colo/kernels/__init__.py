@@ -8,6 +8,7 @@ or `use_backend` forces it. Kernels load, compute in fp32 and store in the tenso
 from .adamw import FusedAdamW, adamw_reference, fused_adamw
 from .cross_entropy import cross_entropy, cross_entropy_reference
 from .dispatch import UnsupportedKernelInput, resolve_backend, triton_available, use_backend
+from .document_mask import count_attention_blocks, document_ids_from_position_ids
 from .flash_attention import (
     attention_block_backward,
     attention_block_forward,
@@ -30,8 +31,10 @@ __all__ = [
     "adamw_reference",
     "attention_block_backward",
     "attention_block_forward",
+    "count_attention_blocks",
     "cross_entropy",
     "cross_entropy_reference",
+    "document_ids_from_position_ids",
     "flash_attention",
     "flash_attention_reference",
     "fused_adamw",

@@ -13,6 +13,11 @@ over the query heads that share the kv head, so grouped-query sums need no atomi
 query block. Tiles are loaded in the input dtype and computed in fp32; on a GPU, 16-bit inputs feed ``tl.dot`` in
 their own dtype with fp32 accumulation, as FlashAttention does.
 
+Document masking (`colo.kernels.document_mask`): every op takes ``document_ids`` (non-decreasing per row, padding an
+id of its own), optional ``query_document_ids`` and per-row ``kv_offsets``; a query attends only to keys of its own
+document (causally, with ``causal``). The Triton kernels then visit, per block, only the key (or query) range the
+documents and the causal mask leave visible, precomputed on the host with ``searchsorted``.
+
 `attention_block_forward` / `attention_block_backward` expose one block of a ring-attention step: the forward
 returns the block's ``(out, lse)`` for the caller to merge across blocks, and the backward takes the *merged*
 ``out`` and global ``lse``, so summing its per-block results gives the gradients of the full attention.
@@ -25,6 +30,15 @@ import math
 import torch
 
 from .dispatch import UnsupportedKernelInput, check_triton_dtypes, interpreter_enabled, resolve_backend
+from .document_mask import (
+    DocumentMask,
+    block_counter,
+    dense_mask,
+    document_mask_inputs,
+    key_block_ranges,
+    query_block_ranges,
+    record_blocks,
+)
 
 try:
     import triton
@@ -95,16 +109,28 @@ def _causal_mask(seq_q: int, seq_k: int, device: torch.device) -> torch.Tensor:
     return cols <= rows + (seq_k - seq_q)
 
 
-def _scores_fp32(q, k, group, causal, scale):
-    """fp32 ``(batch, heads_q, seq_q, seq_k)`` scaled scores and the causal mask (or None)."""
+def _scores_fp32(q, k, group, causal, scale, documents=None):
+    """fp32 ``(batch, heads_q, seq_q, seq_k)`` scaled scores and the visibility mask (or None): ``(seq_q, seq_k)``
+    causal, or ``(batch, 1, seq_q, seq_k)`` with a `DocumentMask`."""
     k32 = k.float().repeat_interleave(group, dim=2) if group > 1 else k.float()
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k32) * scale
-    mask = _causal_mask(q.shape[1], k.shape[1], q.device) if causal else None
+    if documents is not None:
+        mask = dense_mask(documents, causal, q.shape[1], k.shape[1])
+    else:
+        mask = _causal_mask(q.shape[1], k.shape[1], q.device) if causal else None
     return scores, mask
 
 
 def flash_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+    query_document_ids: torch.Tensor | None = None,
+    kv_offsets: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Attention as an explicit ``softmax(q @ k.T * scale) @ v`` in fp32 (autograd-aware), cast back to q's dtype.
 
@@ -114,12 +140,22 @@ def flash_attention_reference(
         v (torch.Tensor): values, shaped like ``k``.
         causal (bool): bottom-right aligned causal mask. Default: False.
         scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
+        document_ids, query_document_ids, kv_offsets: the document mask, as in `flash_attention`. Default: None.
 
     Returns:
         torch.Tensor: ``(batch, seq_q, heads_q, head_dim)``; rows that see no key are 0.
     """
     group = _check_shapes("flash_attention_reference", q, k, v)
-    scores, mask = _scores_fp32(q, k, group, causal, _default_scale(q, scale))
+    documents = document_mask_inputs(
+        "flash_attention_reference", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
+        kv_offsets=kv_offsets,
+    )  # fmt: skip
+    return _reference_attention(q, k, v, group, causal, _default_scale(q, scale), documents)
+
+
+def _reference_attention(q, k, v, group, causal, scale, documents):
+    """`flash_attention_reference` on validated inputs."""
+    scores, mask = _scores_fp32(q, k, group, causal, scale, documents)
     if mask is not None:
         # finfo.min rather than -inf keeps fully masked rows finite (uniform, then zeroed by the mask), gradients too
         scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -130,10 +166,10 @@ def flash_attention_reference(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v32).to(q.dtype)
 
 
-def _block_forward_torch(q, k, v, causal, scale):
+def _block_forward_torch(q, k, v, causal, scale, documents=None):
     """Torch ``(out, lse)`` of one attention block, fp32 math; lse is ``-inf`` on rows that see no key."""
     group = q.shape[2] // k.shape[2]
-    scores, mask = _scores_fp32(q, k, group, causal, scale)
+    scores, mask = _scores_fp32(q, k, group, causal, scale, documents)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a fully masked row
@@ -143,11 +179,11 @@ def _block_forward_torch(q, k, v, causal, scale):
     return out.to(q.dtype), lse
 
 
-def _block_backward_torch(dout, q, k, v, out, lse, causal, scale):
+def _block_backward_torch(dout, q, k, v, out, lse, causal, scale, documents=None):
     """Torch ``(dq, dk, dv)`` of one attention block given the (merged) ``out`` and (global) ``lse``."""
     batch, seq_k, heads_kv, head_dim = k.shape
     group = q.shape[2] // heads_kv
-    scores, mask = _scores_fp32(q, k, group, causal, scale)
+    scores, mask = _scores_fp32(q, k, group, causal, scale, documents)
     # lse = -inf marks a row that sees no key anywhere: +inf makes its probabilities exactly 0
     lse = torch.where(lse == float("-inf"), float("inf"), lse.float())
     probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -188,25 +224,65 @@ if triton is not None:
         return result
 
     @triton.jit
+    def _row_setup(
+        ranges_ptr,
+        offsets_ptr,
+        batch,
+        block,
+        num_blocks,
+        default_begin,
+        default_end,
+        default_diagonal,
+        VARLEN: tl.constexpr,
+    ):
+        """``(begin, end, diagonal)`` of one program: the positions it visits and the causal offset of its row."""
+        if VARLEN:
+            base = ranges_ptr + (batch * num_blocks + block) * 2
+            return tl.load(base), tl.load(base + 1), tl.load(offsets_ptr + batch)
+        return default_begin, default_end, default_diagonal
+
+    @triton.jit
+    def _visible(rows, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+        """``(BLOCK_M, BLOCK_N)`` bool: query ``rows[i]`` may attend key ``cols[j]``."""
+        visible = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
+        if VARLEN:
+            visible = visible & (q_docs[:, None] == k_docs[None, :])
+        return visible
+
+    @triton.jit
     def _attention_forward_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
         out_ptr,
         lse_ptr,
+        q_docs_ptr,
+        k_docs_ptr,
+        offsets_ptr,
+        ranges_ptr,
+        count_ptr,
         seq_q,
         seq_k,
         heads_q,
         heads_kv,
         qk_scale_log2,
         CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
+        COUNT: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NATIVE_DOT: tl.constexpr,
     ):
-        """One block of BLOCK_M queries of one (batch, query head): online softmax over key blocks."""
-        start_m = tl.program_id(0) * BLOCK_M
+        """One block of BLOCK_M queries of one (batch, query head): online softmax over key blocks.
+
+        VARLEN: the document mask and per-row offsets; the program visits only the key range ``ranges_ptr`` gives
+        it (the keys its documents and the causal mask leave visible), so fully masked blocks are skipped.
+        """
+        block_m = tl.program_id(0)
+        start_m = block_m * BLOCK_M
         batch_head = tl.program_id(1)
         batch = (batch_head // heads_q).to(tl.int64)
         head = batch_head % heads_q
@@ -232,14 +308,22 @@ if triton is not None:
         end_n = seq_k
         if CAUSAL:
             end_n = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + diagonal), 0)
-        for start_n in range(0, end_n, BLOCK_N):
+        begin_n, end_n, diagonal = _row_setup(
+            ranges_ptr, offsets_ptr, batch, block_m, tl.num_programs(0), 0, end_n, diagonal, VARLEN
+        )
+        q_docs = offs_m
+        if VARLEN:
+            q_docs = tl.load(q_docs_ptr + batch * seq_q + offs_m, mask=row_ok, other=0)
+        num_blocks = 0
+        for start_n in range(begin_n, end_n, BLOCK_N):
             cols = start_n + offs_n
             col_ok = cols < seq_k
             k = tl.load(k_base + cols[:, None] * kv_row_stride + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
-            visible = col_ok[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+            k_docs = cols
+            if VARLEN:
+                k_docs = tl.load(k_docs_ptr + batch * seq_k + cols, mask=col_ok, other=0)
+            visible = _visible(offs_m, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
             scores = tl.where(visible, scores, -float("inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             # rows that have seen no visible key yet keep max -inf: subtract 0 instead so exp2 gives 0, not NaN
@@ -250,6 +334,9 @@ if triton is not None:
             v = tl.load(v_base + cols[:, None] * kv_row_stride + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             acc = acc * correction[:, None] + _dot(probs, v, NATIVE_DOT)
             row_max = new_max
+            num_blocks += 1
+        if COUNT:
+            tl.store(count_ptr + batch_head * tl.num_programs(0) + block_m, num_blocks)
 
         has_keys = row_sum > 0.0
         safe_sum = tl.where(has_keys, row_sum, 1.0)
@@ -280,12 +367,9 @@ if triton is not None:
         tl.store(delta_ptr + (batch * heads_q + head) * seq_q + offs_m, tl.sum(out * dout, axis=1), mask=row_ok)
 
     @triton.jit
-    def _attention_probs(q, k, lse_log2, rows, cols, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, NATIVE_DOT):
-        """Recomputed ``(BLOCK_M, BLOCK_N)`` fp32 probabilities ``exp(scores - lse)``, 0 where masked."""
+    def _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT):
+        """Recomputed ``(BLOCK_M, BLOCK_N)`` fp32 probabilities ``exp(scores - lse)``, 0 where not visible."""
         scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
-        visible = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
         return tl.where(visible, tl.exp2(scores - lse_log2[:, None]), 0.0)
 
     @triton.jit
@@ -298,6 +382,11 @@ if triton is not None:
         delta_ptr,
         dk_ptr,
         dv_ptr,
+        q_docs_ptr,
+        k_docs_ptr,
+        offsets_ptr,
+        ranges_ptr,
+        count_ptr,
         seq_q,
         seq_k,
         heads_q,
@@ -305,13 +394,16 @@ if triton is not None:
         scale,
         qk_scale_log2,
         CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
+        COUNT: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NATIVE_DOT: tl.constexpr,
     ):
         """dk, dv for one block of BLOCK_N keys of one (batch, kv head), summed over the query heads sharing it."""
-        start_n = tl.program_id(0) * BLOCK_N
+        block_n = tl.program_id(0)
+        start_n = block_n * BLOCK_N
         batch_head = tl.program_id(1)
         batch = (batch_head // heads_kv).to(tl.int64)
         kv_head = batch_head % heads_kv
@@ -331,11 +423,18 @@ if triton is not None:
         begin_m = 0
         if CAUSAL:  # the first query that sees key start_n is start_n - diagonal
             begin_m = (tl.maximum(start_n - diagonal, 0) // BLOCK_M) * BLOCK_M
+        begin_m, end_m, diagonal = _row_setup(
+            ranges_ptr, offsets_ptr, batch, block_n, tl.num_programs(0), begin_m, seq_q, diagonal, VARLEN
+        )
+        k_docs = offs_n
+        if VARLEN:
+            k_docs = tl.load(k_docs_ptr + batch * seq_k + offs_n, mask=col_ok, other=0)
+        num_blocks = 0
         for head in range(kv_head * group, kv_head * group + group):
             q_base = q_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
             dout_base = dout_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
             row_base = (batch * heads_q + head) * seq_q
-            for start_m in range(begin_m, seq_q, BLOCK_M):
+            for start_m in range(begin_m, end_m, BLOCK_M):
                 rows = start_m + offs_m
                 row_ok = rows < seq_q
                 q_offsets = rows[:, None] * q_row_stride + offs_d[None, :]
@@ -345,13 +444,18 @@ if triton is not None:
                 # lse = -inf: the row sees no key anywhere; +inf makes its probabilities exactly 0
                 lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
                 delta = tl.load(delta_ptr + row_base + rows, mask=row_ok, other=0.0)
-                probs = _attention_probs(
-                    q, k, lse_log2, rows, offs_n, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, NATIVE_DOT
-                )
+                q_docs = rows
+                if VARLEN:
+                    q_docs = tl.load(q_docs_ptr + batch * seq_q + rows, mask=row_ok, other=0)
+                visible = _visible(rows, offs_n, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
+                probs = _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT)
                 dv += _dot(tl.trans(probs), dout, NATIVE_DOT)
                 dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
                 dscores = probs * (dprobs - delta[:, None])
                 dk += _dot(tl.trans(dscores), q, NATIVE_DOT)
+                num_blocks += 1
+        if COUNT:
+            tl.store(count_ptr + batch_head * tl.num_programs(0) + block_n, num_blocks)
         tl.store(dk_ptr + kv_offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
         tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
 
@@ -364,6 +468,11 @@ if triton is not None:
         lse_ptr,
         delta_ptr,
         dq_ptr,
+        q_docs_ptr,
+        k_docs_ptr,
+        offsets_ptr,
+        ranges_ptr,
+        count_ptr,
         seq_q,
         seq_k,
         heads_q,
@@ -371,13 +480,16 @@ if triton is not None:
         scale,
         qk_scale_log2,
         CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
+        COUNT: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NATIVE_DOT: tl.constexpr,
     ):
         """dq for one block of BLOCK_M queries of one (batch, query head)."""
-        start_m = tl.program_id(0) * BLOCK_M
+        block_m = tl.program_id(0)
+        start_m = block_m * BLOCK_M
         batch_head = tl.program_id(1)
         batch = (batch_head // heads_q).to(tl.int64)
         head = batch_head % heads_q
@@ -402,17 +514,30 @@ if triton is not None:
         end_n = seq_k
         if CAUSAL:
             end_n = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + diagonal), 0)
-        for start_n in range(0, end_n, BLOCK_N):
+        begin_n, end_n, diagonal = _row_setup(
+            ranges_ptr, offsets_ptr, batch, block_m, tl.num_programs(0), 0, end_n, diagonal, VARLEN
+        )
+        q_docs = offs_m
+        if VARLEN:
+            q_docs = tl.load(q_docs_ptr + batch * seq_q + offs_m, mask=row_ok, other=0)
+        num_blocks = 0
+        for start_n in range(begin_n, end_n, BLOCK_N):
             cols = start_n + offs_n
+            col_ok = cols < seq_k
             kv_offsets = cols[:, None] * kv_row_stride + offs_d[None, :]
-            k = tl.load(k_base + kv_offsets, mask=(cols < seq_k)[:, None], other=0.0)
-            v = tl.load(v_base + kv_offsets, mask=(cols < seq_k)[:, None], other=0.0)
-            probs = _attention_probs(
-                q, k, lse_log2, offs_m, cols, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, NATIVE_DOT
-            )
+            k = tl.load(k_base + kv_offsets, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + kv_offsets, mask=col_ok[:, None], other=0.0)
+            k_docs = cols
+            if VARLEN:
+                k_docs = tl.load(k_docs_ptr + batch * seq_k + cols, mask=col_ok, other=0)
+            visible = _visible(offs_m, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
+            probs = _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT)
             dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
             dscores = probs * (dprobs - delta[:, None])
             dq += _dot(dscores, k, NATIVE_DOT)
+            num_blocks += 1
+        if COUNT:
+            tl.store(count_ptr + batch_head * tl.num_programs(0) + block_m, num_blocks)
         tl.store(dq_ptr + q_offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -434,7 +559,20 @@ def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-def _block_forward_triton(q, k, v, causal, scale):
+def _varlen_args(documents: DocumentMask | None, ranges, seq_q: int, seq_k: int, device: torch.device) -> tuple:
+    """``(q_docs, k_docs, offsets, ranges)`` kernel arguments: the mask's tensors, or placeholders without one."""
+    if documents is None:
+        placeholder = torch.empty(1, dtype=torch.int64, device=device)
+        return placeholder, placeholder, placeholder, placeholder
+    q_docs, k_docs = documents.query_ids, documents.key_ids
+    if k_docs is None:  # offsets only: every token of a row in one document
+        batch = documents.kv_offsets.shape[0]
+        q_docs = torch.zeros(batch, seq_q, dtype=torch.int64, device=device)
+        k_docs = torch.zeros(batch, seq_k, dtype=torch.int64, device=device)
+    return q_docs, k_docs, documents.kv_offsets, ranges
+
+
+def _block_forward_triton(q, k, v, causal, scale, documents=None):
     q, k, v = _contiguous(q, k, v)
     batch, seq_q, heads_q, head_dim = q.shape
     seq_k, heads_kv = k.shape[1], k.shape[2]
@@ -442,16 +580,25 @@ def _block_forward_triton(q, k, v, causal, scale):
     lse = torch.empty(batch, heads_q, seq_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
+    if seq_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
     config = _launch_config(q)
-    grid = (triton.cdiv(seq_q, config["BLOCK_M"]), batch * heads_q)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (triton.cdiv(seq_q, block_m), batch * heads_q)
+    ranges = None
+    if documents is not None:
+        ranges = query_block_ranges(documents, causal, seq_q, seq_k, block_m, block_n)
+    counter = block_counter(grid[0] * grid[1], q.device)
     _attention_forward_kernel[grid](
-        q, k, v, out, lse, seq_q, seq_k, heads_q, heads_kv, scale * _LOG2E,
-        CAUSAL=causal, HEAD_DIM=head_dim, **config,
+        q, k, v, out, lse, *_varlen_args(documents, ranges, seq_q, seq_k, q.device),
+        counter if counter is not None else lse, seq_q, seq_k, heads_q, heads_kv, scale * _LOG2E,
+        CAUSAL=causal, VARLEN=documents is not None, COUNT=counter is not None, HEAD_DIM=head_dim, **config,
     )  # fmt: skip
+    record_blocks("forward", counter)
     return out, lse
 
 
-def _block_backward_triton(dout, q, k, v, out, lse, causal, scale):
+def _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents=None):
     dout, q, k, v, out = _contiguous(dout, q, k, v, out)
     lse = lse.float().contiguous()
     batch, seq_q, heads_q, head_dim = q.shape
@@ -465,14 +612,27 @@ def _block_backward_triton(dout, q, k, v, out, lse, causal, scale):
     _attention_backward_delta_kernel[(triton.cdiv(seq_q, block_m), batch * heads_q)](
         out, dout, delta, seq_q, heads_q, HEAD_DIM=head_dim, BLOCK_M=block_m
     )
-    _attention_backward_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv, seq_q, seq_k, heads_q, heads_kv, scale, scale * _LOG2E,
-        CAUSAL=causal, HEAD_DIM=head_dim, **config,
+    varlen = documents is not None
+    key_ranges = query_ranges = None
+    if varlen:
+        key_ranges = key_block_ranges(documents, causal, seq_q, seq_k, block_m, block_n)
+        query_ranges = query_block_ranges(documents, causal, seq_q, seq_k, block_m, block_n)
+    grid = (triton.cdiv(seq_k, block_n), batch * heads_kv)
+    counter = block_counter(grid[0] * grid[1], q.device)
+    _attention_backward_dkdv_kernel[grid](
+        q, k, v, dout, lse, delta, dk, dv, *_varlen_args(documents, key_ranges, seq_q, seq_k, q.device),
+        counter if counter is not None else delta, seq_q, seq_k, heads_q, heads_kv, scale, scale * _LOG2E,
+        CAUSAL=causal, VARLEN=varlen, COUNT=counter is not None, HEAD_DIM=head_dim, **config,
     )  # fmt: skip
-    _attention_backward_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads_q)](
-        q, k, v, dout, lse, delta, dq, seq_q, seq_k, heads_q, heads_kv, scale, scale * _LOG2E,
-        CAUSAL=causal, HEAD_DIM=head_dim, **config,
+    record_blocks("backward_dkdv", counter)
+    grid = (triton.cdiv(seq_q, block_m), batch * heads_q)
+    counter = block_counter(grid[0] * grid[1], q.device)
+    _attention_backward_dq_kernel[grid](
+        q, k, v, dout, lse, delta, dq, *_varlen_args(documents, query_ranges, seq_q, seq_k, q.device),
+        counter if counter is not None else delta, seq_q, seq_k, heads_q, heads_kv, scale, scale * _LOG2E,
+        CAUSAL=causal, VARLEN=varlen, COUNT=counter is not None, HEAD_DIM=head_dim, **config,
     )  # fmt: skip
+    record_blocks("backward_dq", counter)
     return dq, dk, dv
 
 
@@ -480,17 +640,17 @@ class _FlashAttentionTriton(torch.autograd.Function):
     """Forward: online-softmax kernel saving out and LSE. Backward: recompute probabilities from the LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = _block_forward_triton(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal, scale, documents):
+        out, lse = _block_forward_triton(q, k, v, causal, scale, documents)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.documents = causal, scale, documents
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _block_backward_triton(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _block_backward_triton(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.documents)
+        return dq, dk, dv, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -506,6 +666,9 @@ def flash_attention(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
+    document_ids: torch.Tensor | None = None,
+    query_document_ids: torch.Tensor | None = None,
+    kv_offsets: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with online softmax (FlashAttention-2, Dao, 2023) and grouped-query heads.
 
@@ -523,20 +686,35 @@ def flash_attention(
         scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
         backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
             ``COLO_KERNELS``. Default: None.
+        document_ids (torch.Tensor | None): ``(batch, seq_k)`` integer document ids of the keys, non-decreasing
+            within each row: query and key attend only within one document (padding is an id of its own; see
+            `colo.kernels.document_mask`). With Triton, key blocks no query of a block can see are skipped.
+            Default: None (no document mask).
+        query_document_ids (torch.Tensor | None): ``(batch, seq_q)`` ids of the queries; None: query ``i`` of row
+            ``b`` has the id of key ``kv_offsets[b] + i``. Default: None.
+        kv_offsets (torch.Tensor | int | None): ``(batch,)`` (or one int): query ``i`` of row ``b`` sits at key
+            position ``kv_offsets[b] + i`` (the causal mask and the query ids follow it). Default: None
+            (``seq_k - seq_q``, bottom-right alignment).
 
     Returns:
-        torch.Tensor: ``(batch, seq_q, heads_q, head_dim)`` in q's dtype.
+        torch.Tensor: ``(batch, seq_q, heads_q, head_dim)`` in q's dtype; a query that sees no key gives 0.
 
     Raises:
-        ValueError: for mismatched shapes, or ``heads_q`` not a multiple of ``heads_kv``.
+        ValueError: for mismatched shapes, ``heads_q`` not a multiple of ``heads_kv``, document ids that are not
+            ``(batch, seq)`` integers non-decreasing within each row, or offsets outside the keys.
         UnsupportedKernelInput: on the Triton path, for dtypes other than fp32/bf16/fp16 (one for all three) or a
             head_dim other than 16, 32, 64 or 128.
     """
     _check_shapes("flash_attention", q, k, v)
+    documents = document_mask_inputs(
+        "flash_attention", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
+        kv_offsets=kv_offsets,
+    )  # fmt: skip
     if resolve_backend("flash_attention", q, k, v, backend=backend) == "torch":
-        return flash_attention_reference(q, k, v, causal=causal, scale=scale)
+        group = q.shape[2] // k.shape[2]
+        return _reference_attention(q, k, v, group, causal, _default_scale(q, scale), documents)
     _check_triton_inputs("flash_attention", q=q, k=k, v=v)
-    return _FlashAttentionTriton.apply(q, k, v, causal, _default_scale(q, scale))
+    return _FlashAttentionTriton.apply(q, k, v, causal, _default_scale(q, scale), documents)
 
 
 def attention_block_forward(
@@ -547,6 +725,9 @@ def attention_block_forward(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
+    document_ids: torch.Tensor | None = None,
+    query_document_ids: torch.Tensor | None = None,
+    kv_offsets: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one block of keys, returning the output and the row logsumexp (no autograd).
 
@@ -566,18 +747,24 @@ def attention_block_forward(
         scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
         backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
             ``COLO_KERNELS``. Default: None.
+        document_ids, query_document_ids, kv_offsets: the document mask within this block, as in
+            `flash_attention` (ring attention passes the ids of its query chunk and of the block's keys).
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``out`` ``(batch, seq_q, heads_q, head_dim)`` in q's dtype and
         ``lse`` ``(batch, heads_q, seq_q)`` fp32, natural log of the sum of ``exp(scale * q.k)`` over visible keys.
     """
     _check_shapes("attention_block_forward", q, k, v)
+    documents = document_mask_inputs(
+        "attention_block_forward", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
+        kv_offsets=kv_offsets,
+    )  # fmt: skip
     scale = _default_scale(q, scale)
     with torch.no_grad():
         if resolve_backend("attention_block_forward", q, k, v, backend=backend) == "torch":
-            return _block_forward_torch(q, k, v, causal, scale)
+            return _block_forward_torch(q, k, v, causal, scale, documents)
         _check_triton_inputs("attention_block_forward", q=q, k=k, v=v)
-        return _block_forward_triton(q, k, v, causal, scale)
+        return _block_forward_triton(q, k, v, causal, scale, documents)
 
 
 def attention_block_backward(
@@ -591,6 +778,9 @@ def attention_block_backward(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
+    document_ids: torch.Tensor | None = None,
+    query_document_ids: torch.Tensor | None = None,
+    kv_offsets: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention over one key block, given the attention output and logsumexp (no autograd).
 
@@ -610,6 +800,7 @@ def attention_block_backward(
         scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
         backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
             ``COLO_KERNELS``. Default: None.
+        document_ids, query_document_ids, kv_offsets: the document mask used in the forward of this block.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``dq``, ``dk``, ``dv`` in the dtypes of q, k, v; grouped
@@ -626,9 +817,13 @@ def attention_block_backward(
         raise ValueError(
             f"attention_block_backward: lse must be (batch, heads_q, seq_q) = {expected_lse}, got {tuple(lse.shape)}"
         )
+    documents = document_mask_inputs(
+        "attention_block_backward", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
+        kv_offsets=kv_offsets,
+    )  # fmt: skip
     scale = _default_scale(q, scale)
     with torch.no_grad():
         if resolve_backend("attention_block_backward", dout, q, k, v, out, backend=backend) == "torch":
-            return _block_backward_torch(dout, q, k, v, out, lse, causal, scale)
+            return _block_backward_torch(dout, q, k, v, out, lse, causal, scale, documents)
         _check_triton_inputs("attention_block_backward", dout=dout, q=q, k=k, v=v, out=out)
-        return _block_backward_triton(dout, q, k, v, out, lse, causal, scale)
+        return _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents)

@@ -17,6 +17,10 @@ once, or skipped when nothing is visible. With the ``"zigzag"`` layout every ran
 such pairs (``2n - 1`` full ones and 2 diagonal ones for causal attention); with ``"contiguous"`` rank ``r``
 computes ``r`` full ones and 1 diagonal, so the last rank sets the pace.
 
+Packed rows (several documents per row): ``document_ids`` holds the ids of the *whole* sequence, the same on every
+rank; each block step gets the ids of its query chunk and of the key chunks it sees (the zigzag split cuts the ids
+as it cuts the tokens), so attention stays within each document exactly as in the single process.
+
 Sequences that are not a multiple of the number of chunks are padded at the end (`shard_sequence`) and
 ``seq_len`` tells ring attention where the real tokens stop: padded keys are cut off each block and padded
 queries get a zero output and zero gradients.
@@ -29,10 +33,12 @@ Every send has its matching receive of the same size.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from colo.comm import Group, P2POp, batch_send_recv
 from colo.kernels import attention_block_backward, attention_block_forward
+from colo.kernels.document_mask import check_document_ids
 
 from .zigzag import check_attention_inputs, check_layout, check_sequence_shard, chunk_valid_length, shard_chunks
 
@@ -60,11 +66,27 @@ def ring_attention_calls(num_shards: int, rank: int, source: int, *, causal: boo
 class _Ring:
     """Geometry shared by forward and backward: chunk length, real lengths and the calls of every step."""
 
-    def __init__(self, group: Group, local_len: int, seq_len: int, causal: bool, layout: str):
+    def __init__(self, group: Group, local_len: int, seq_len: int, causal: bool, layout: str, document_ids=None):
         self.n, self.rank = group.size, group.rank
         self.group, self.causal, self.layout = group, causal, layout
         self.chunk_len = local_len // (1 if layout == "contiguous" else 2)
         self.seq_len = seq_len
+        self.document_ids = document_ids  # (batch, padded global length) or None
+
+    def documents(self, source: int, q_offset: int, q_len: int, spans: list[tuple[int, int]]) -> dict:
+        """The block step's ``query_document_ids`` and ``document_ids`` (keys), sliced from the global ids."""
+        if self.document_ids is None:
+            return {}
+
+        def ids(owner: int, offset: int, length: int) -> torch.Tensor:
+            chunk = shard_chunks(self.n, owner, self.layout)[offset // self.chunk_len]
+            return self.document_ids.narrow(1, chunk * self.chunk_len + offset % self.chunk_len, length)
+
+        keys = [ids(source, offset, length) for offset, length in spans]
+        return {
+            "query_document_ids": ids(self.rank, q_offset, q_len),
+            "document_ids": keys[0] if len(keys) == 1 else torch.cat(keys, dim=1),
+        }
 
     def valid(self, owner: int) -> list[int]:
         """Real length of each of ``owner``'s chunks (a prefix of it)."""
@@ -109,18 +131,20 @@ class RingAttentionFunction(torch.autograd.Function):
     their dK/dV accumulators (``n`` shifts; the last one brings each accumulator home)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, seq_len, backend):
-        ring = _Ring(group, q.shape[1], seq_len, causal, layout)
+    def forward(ctx, q, k, v, group, causal, scale, layout, seq_len, backend, document_ids):
+        ring = _Ring(group, q.shape[1], seq_len, causal, layout, document_ids)
         kv = torch.stack([k, v])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(ring.n):
             handle = ring.shift(kv) if step < ring.n - 1 else None  # next block in flight while this one computes
-            for q_offset, q_len, spans, block_causal in ring.calls((ring.rank - step) % ring.n):
+            source = (ring.rank - step) % ring.n
+            for q_offset, q_len, spans, block_causal in ring.calls(source):
                 keys, values = _keys(kv, spans)
                 block_out, block_lse = attention_block_forward(
-                    q.narrow(1, q_offset, q_len), keys, values, causal=block_causal, scale=scale, backend=backend
-                )
+                    q.narrow(1, q_offset, q_len), keys, values, causal=block_causal, scale=scale, backend=backend,
+                    **ring.documents(source, q_offset, q_len, spans),
+                )  # fmt: skip
                 rows = slice(q_offset, q_offset + q_len)
                 out[:, rows], lse[:, :, rows] = _merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
             if handle is not None:
@@ -141,12 +165,14 @@ class RingAttentionFunction(torch.autograd.Function):
         for step in range(ring.n):
             kv_handle = ring.shift(kv) if step < ring.n - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for q_offset, q_len, spans, block_causal in ring.calls((ring.rank - step) % ring.n):
+            source = (ring.rank - step) % ring.n
+            for q_offset, q_len, spans, block_causal in ring.calls(source):
                 keys, values = _keys(kv, spans)
                 rows = slice(q_offset, q_offset + q_len)
                 block_dq, block_dk, block_dv = attention_block_backward(
                     dout[:, rows], q[:, rows], keys, values, out[:, rows], lse[:, :, rows],
                     causal=block_causal, scale=scale, backend=backend,
+                    **ring.documents(source, q_offset, q_len, spans),
                 )  # fmt: skip
                 dq[:, rows] += block_dq
                 start = 0
@@ -162,7 +188,27 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = kv_handle.wait()[0]
         if dkv_handle is not None:
             dkv = dkv_handle.wait()[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def check_global_document_ids(
+    document_ids, q: torch.Tensor, num_shards: int, seq_len: int, where: str
+) -> torch.Tensor | None:
+    """Validate the whole sequence's document ids, ``(batch, seq_len)`` or ``(batch, padded length)``, the same on
+    every rank; return them padded to the padded length (the padding repeats the last id: it is never attended)."""
+    if document_ids is None:
+        return None
+    total = num_shards * q.shape[1]
+    length = document_ids.shape[1] if isinstance(document_ids, torch.Tensor) and document_ids.dim() == 2 else -1
+    shape = (q.shape[0], length if length in (seq_len, total) else seq_len)
+    ids = check_document_ids(where, "document_ids (of the whole sequence)", document_ids, shape, q.device)
+    if ids.shape[1] < total:
+        ids = (
+            F.pad(ids, (0, total - ids.shape[1]), mode="replicate")
+            if ids.shape[1]
+            else ids.new_zeros(ids.shape[0], total)
+        )
+    return ids
 
 
 def ring_attention(
@@ -176,6 +222,7 @@ def ring_attention(
     layout: str = "zigzag",
     seq_len: int | None = None,
     backend: str | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence split across ``group``: each rank's queries over every rank's keys (module docstring).
 
@@ -192,17 +239,21 @@ def ring_attention(
         seq_len: real tokens in the global sequence (positions from ``seq_len`` on are padding); ``None``: no
             padding.
         backend: `colo.kernels` backend of the block steps (``None``: its dispatcher).
+        document_ids: ``(batch, seq_len)`` (or the padded length) integer document ids of the *whole* sequence,
+            in sequence order, the same on every rank, non-decreasing per row: attention stays within each document
+            (`colo.kernels.document_mask`). ``None``: one document per row.
 
     Returns:
         ``(batch, local_seq, num_heads, head_dim)``, this rank's output rows (zero on padding).
 
     Raises:
-        ValueError: shapes that do not fit, a local sequence that does not split into the layout's chunks, or a
-            ``seq_len`` that does not match; raised before any communication.
+        ValueError: shapes that do not fit, a local sequence that does not split into the layout's chunks, a
+            ``seq_len`` that does not match, or bad ``document_ids``; raised before any communication.
     """
     group = check_attention_inputs(q, k, v, group, "ring_attention")
     seq_len = check_sequence_shard(q.shape[1], group.size, layout, seq_len, "ring_attention")
-    return RingAttentionFunction.apply(q, k, v, group, bool(causal), scale, layout, seq_len, backend)
+    document_ids = check_global_document_ids(document_ids, q, group.size, seq_len, "ring_attention")
+    return RingAttentionFunction.apply(q, k, v, group, bool(causal), scale, layout, seq_len, backend, document_ids)
 
 
 class RingAttentionCore(nn.Module):
@@ -231,11 +282,15 @@ class RingAttentionCore(nn.Module):
         self.group, self.causal, self.scale = group, bool(causal), scale
         self.layout, self.backend = check_layout(layout, "RingAttentionCore"), backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """This rank's attention output rows, ``(batch, local_seq, num_heads, head_dim)``."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's attention output rows, ``(batch, local_seq, num_heads, head_dim)``; ``document_ids``: the
+        whole sequence's (see `ring_attention`)."""
         return ring_attention(
-            q, k, v, group=self.group, causal=self.causal, scale=self.scale, layout=self.layout, backend=self.backend
-        )
+            q, k, v, group=self.group, causal=self.causal, scale=self.scale, layout=self.layout, backend=self.backend,
+            document_ids=document_ids,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}, scale={self.scale}, layout={self.layout!r}, sp={self.group.size}"

@@ -15,6 +15,8 @@ other ``sp`` is rejected with the valid choices.
 
 Sequence layouts and padding are those of `colo.tensor.zigzag`: after the all-to-all the shards are put back in
 sequence order and the padding is cut off, so the local attention sees exactly the ``seq_len`` real tokens.
+Packed rows: ``document_ids`` of the whole sequence (the same on every rank) go to the local attention with it,
+which then attends within each document (`colo.kernels.document_mask`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import torch.nn.functional as F
 
 from colo.comm import Group
 from colo.kernels import flash_attention
+from colo.kernels.document_mask import check_document_ids
 
 from .comm_ops import all_to_all_resplit
 from .qkv import valid_tp_sizes
 from .zigzag import check_attention_inputs, check_sequence_shard, natural_order, shard_positions
 
 AttentionFn = Callable[..., torch.Tensor]
-"""``attention_fn(q, k, v, causal=..., scale=...)`` on ``(batch, seq, heads, head_dim)`` tensors."""
+"""``attention_fn(q, k, v, causal=..., scale=...)`` on ``(batch, seq, heads, head_dim)`` tensors (with
+``document_ids=...`` too for packed rows)."""
 
 
 def check_ulysses_heads(sp: int, num_heads: int, num_kv_heads: int, where: str) -> None:
@@ -89,6 +93,7 @@ def ulysses_attention(
     layout: str = "contiguous",
     seq_len: int | None = None,
     attention_fn: AttentionFn | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence split across ``group``, computed on a head split (module docstring).
 
@@ -103,18 +108,30 @@ def ulysses_attention(
         seq_len: real tokens in the global sequence (later positions are padding); ``None``: no padding.
         attention_fn: the local attention, called as ``attention_fn(q, k, v, causal=causal, scale=scale)`` on the
             whole sequence and this rank's heads; ``None``: `colo.kernels.flash_attention`.
+        document_ids: ``(batch, seq_len)`` (or the padded length) integer document ids of the *whole* sequence, in
+            sequence order, the same on every rank: passed on as ``attention_fn(..., document_ids=...)``. ``None``:
+            one document per row.
 
     Returns:
         ``(batch, local_seq, num_heads, head_dim)``: this rank's output rows (zero on padding).
 
     Raises:
         ValueError: ``num_heads`` not divisible by the group size, kv heads that cannot be assigned, shapes that do
-            not fit or a ``seq_len`` that does not match; raised before any communication.
+            not fit, a ``seq_len`` that does not match or bad ``document_ids``; raised before any communication.
     """
     group = check_attention_inputs(q, k, v, group, "ulysses_attention")
     check_ulysses_heads(group.size, q.shape[2], k.shape[2], "ulysses_attention")
     local_len = q.shape[1]
     seq_len = check_sequence_shard(local_len, group.size, layout, seq_len, "ulysses_attention")
+    documents = {}
+    if document_ids is not None:
+        total = group.size * local_len
+        length = document_ids.shape[1] if isinstance(document_ids, torch.Tensor) and document_ids.dim() == 2 else -1
+        shape = (q.shape[0], length if length in (seq_len, total) else seq_len)
+        ids = check_document_ids(
+            "ulysses_attention", "document_ids (of the whole sequence)", document_ids, shape, q.device
+        )
+        documents["document_ids"] = ids.narrow(1, 0, seq_len)
     q, k, v = scatter_heads(q, k, v, group=group, layout=layout, seq_len=seq_len)
-    out = (attention_fn or flash_attention)(q, k, v, causal=causal, scale=scale)
+    out = (attention_fn or flash_attention)(q, k, v, causal=causal, scale=scale, **documents)
     return gather_heads(out, group=group, layout=layout, local_len=local_len)

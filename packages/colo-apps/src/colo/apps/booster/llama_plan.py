@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from colo.comm import Mesh
+from colo.kernels import document_ids_from_position_ids
 from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_positions, shard_sequence
 
 from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
 from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
-from .plans import ModelPlan, PipelinePart, materialize_device, register_plan
+from .plans import ModelPlan, PipelinePart, materialize_device, register_plan, reject_packed_rows
 
 
 def _materialize_device(model: nn.Module) -> torch.device | None:
@@ -86,11 +87,14 @@ class LlamaPlan(ModelPlan):
 
     def apply_sp(self, model: nn.Module, *, mesh: Mesh, plugin) -> None:
         """Ulysses or ring attention over ``sp`` on every attention core; the objective takes pre-shifted labels
-        (each rank holds a piece of every sequence, so the shift is done before the split, in `prepare_batch`)."""
+        (each rank holds a piece of every sequence, so the shift is done before the split, in `prepare_batch`), and
+        the model takes the whole sequence's ``document_ids`` from `prepare_batch` rather than deriving them from
+        its shard's positions."""
         layout = self.sequence_layout(plugin)
         style = UlyssesAttention(layout=layout) if plugin.sp_mode == "ulysses" else RingAttention(layout=layout)
         parallelize(model, mesh, {"layers.*.self_attn.core": style}, axis="sp")
         model.objective.labels_shifted = True
+        model.document_ids_from_positions = False
 
     def prepare_batch(self, batch, *, mesh: Mesh, plugin):
         if plugin.sp_mode == "megatron" and batch["input_ids"].shape[1] % plugin.tp:
@@ -113,11 +117,21 @@ class LlamaPlan(ModelPlan):
         ignore = IGNORE_INDEX
         targets = shift_labels(labels, ignore)
         local_targets = shard_sequence(targets, num_shards=num_shards, rank=rank, layout=layout)
+        positions = batch.get("position_ids")
         local = {
             "input_ids": shard_sequence(ids, num_shards=num_shards, rank=rank, layout=layout),
             "labels": local_targets,
-            "position_ids": shard_positions(ids.shape[1], num_shards, rank, layout).to(ids.device),
         }
+        if positions is None:
+            local["position_ids"] = shard_positions(ids.shape[1], num_shards, rank, layout).to(ids.device)
+        else:  # packed rows: each rank its shard's positions, and the whole sequence's document ids
+            positions = positions.expand_as(ids) if positions.dim() == 2 else positions.expand(ids.shape[0], -1)
+            local["position_ids"] = shard_sequence(positions, num_shards=num_shards, rank=rank, layout=layout)
+        document_ids = batch.get("document_ids")
+        if document_ids is None and positions is not None:
+            document_ids = document_ids_from_position_ids(positions)
+        if document_ids is not None and bool(document_ids[:, -1:].ne(document_ids[:, :1]).any()):
+            local["document_ids"] = document_ids
         total = int((targets != ignore).sum())
         weight = num_shards * int((local_targets != ignore).sum()) / total if total else 0.0
         return local, weight
@@ -171,6 +185,7 @@ class LlamaPlan(ModelPlan):
     def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError(f"a Llama pipeline batch needs 'input_ids' and 'labels'; got keys {sorted(batch)}")
+        reject_packed_rows(batch, "HybridParallel(pp > 1) with a Llama")
         return batch["input_ids"], batch["labels"]
 
 

@@ -8,7 +8,8 @@ Two ways to pack, both map-style torch datasets whose items are dicts of equal-s
   boundaries (the ``eos``/``bos`` separators tell the model where one ends).
 - `TokenBudgetDataset` (opt-in): whole documents are bin-packed into rows of ``seq_len`` token slots without being
   cut (except documents longer than a row), with ``position_ids`` restarting at every document and no loss on the
-  first token of each (nothing predicts across a boundary). A batch of ``batch_size`` rows is then a fixed token
+  first token of each (nothing predicts across a boundary); the model masks attention per document from the
+  positions. A batch of ``batch_size`` rows is then a fixed token
   budget of ``batch_size * seq_len`` slots holding a variable number of variable-length documents.
 """
 
@@ -211,9 +212,9 @@ class TokenBudgetDataset(Dataset):
     - ``position_ids``: ``0, 1, ...`` restarting at every sequence (``0`` on padding).
 
     A batch of ``batch_size`` rows is a fixed budget of ``batch_size * seq_len`` token slots (fixed shapes for
-    compiled models and for splitting into microbatches) holding however many sequences fit. Until the model takes
-    a per-sequence attention mask (not yet: colo's Llama attends causally over the whole row), tokens still attend to
-    earlier sequences of their row; the restarted positions and the masked boundary labels are what this gives.
+    compiled models and for splitting into microbatches) holding however many sequences fit. colo's Llama (and
+    transformers 5's) derives document ids from the restarted ``position_ids`` and masks attention per document, so
+    no token attends to an earlier sequence of its row: the row trains as its sequences would one per row.
 
     Args:
         documents (Iterable[str]): the texts.

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .packing import IGNORE_INDEX
+from .packing import IGNORE_INDEX, pack_to_token_budget
 from .sources import validate_messages
 from .tokenizer import Tokenizer
 
@@ -145,23 +145,30 @@ def conversation_of(record: Any, *, index: int = 0) -> list[dict[str, str]]:
 
 
 class SFTDataset(Dataset):
-    """Conversations tokenized with a `ChatTemplate`, one per row, truncated or padded to ``seq_len``.
+    """Conversations tokenized with a `ChatTemplate`, one per row (or several packed per row), padded to ``seq_len``.
 
-    Item ``i`` is ``{"input_ids", "labels"}`` (int64, ``(seq_len,)``): the template's tokens, cut at ``seq_len``
-    (the end is dropped) or right-padded with ``pad_id``; labels are ``-100`` except on the assistant's replies (and
-    on padding always ``-100``). Right padding is safe with causal attention: no real token attends to it. A
-    conversation with no labelled token left after truncation is skipped (counted in `num_skipped`), since it would
-    carry no loss.
+    With ``packing="none"`` item ``i`` is ``{"input_ids", "labels"}`` (int64, ``(seq_len,)``): the template's tokens,
+    cut at ``seq_len`` (the end is dropped) or right-padded with ``pad_id``; labels are ``-100`` except on the
+    assistant's replies (and on padding always ``-100``). Right padding is safe with causal attention: no real token
+    attends to it. A conversation with no labelled token left after truncation is skipped (counted in
+    `num_skipped`), since it would carry no loss.
+
+    With ``packing="documents"`` whole conversations (each cut at ``seq_len`` as above) are bin-packed into rows
+    (`pack_to_token_budget`), and items also carry ``position_ids`` restarting at each conversation: the model
+    derives its document mask from them, so a packed row trains exactly as its conversations would one per row,
+    with far less padding. Each conversation's first token carries no label (nothing predicts across a boundary).
 
     Args:
         conversations (Iterable): message lists, or ``{"prompt", "response"}`` records (e.g. from `read_documents`).
         tokenizer (Tokenizer): the tokenizer.
         seq_len (int): tokens per row.
         template (ChatTemplate | None): the chat template. Default: ``None`` (``ChatTemplate()``).
+        packing (str): ``"none"`` (one conversation per row) or ``"documents"`` (several per row). Default:
+            ``"none"``.
 
     Raises:
-        ValueError: a malformed conversation (named by its index), or none with a trainable token within
-            ``seq_len``.
+        ValueError: a malformed conversation (named by its index), none with a trainable token within
+            ``seq_len``, or an unknown ``packing``.
     """
 
     def __init__(
@@ -171,9 +178,13 @@ class SFTDataset(Dataset):
         *,
         seq_len: int,
         template: ChatTemplate | None = None,
+        packing: str = "none",
     ) -> None:
         if seq_len <= 1:
             raise ValueError(f"seq_len={seq_len} must be at least 2")
+        if packing not in ("none", "documents"):
+            raise ValueError(f"SFTDataset: packing={packing!r} is unknown; use 'none' or 'documents'")
+        self.packing = packing
         self.seq_len = seq_len
         self.template = template or ChatTemplate()
         self.pad_id = tokenizer.pad_id
@@ -198,19 +209,37 @@ class SFTDataset(Dataset):
                 f"none of the {count} conversations has an assistant token within seq_len={seq_len}; raise seq_len "
                 "or check that the data holds assistant replies"
             )
+        self.num_conversations = len(self._rows)
+        if packing == "documents":
+            packed = pack_to_token_budget([ids.size for ids, _ in self._rows], seq_len=seq_len)
+        else:
+            packed = [[i] for i in range(len(self._rows))]
+        self.conversation_rows: list[list[int]] = packed
+        """For each row, the indices of its conversations (in `_rows`), in row order."""
 
     @property
     def row_lengths(self) -> np.ndarray:
         """Tokens (not padding) in each row, int64: what a tokens-per-second count should count."""
-        return np.asarray([ids.size for ids, _ in self._rows], dtype=np.int64)
+        return np.asarray([sum(self._rows[i][0].size for i in row) for row in self.conversation_rows], dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.conversation_rows)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids, labels = self._rows[index]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} out of range for {len(self)} rows")
         input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
         padded_labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
-        input_ids[: ids.size] = torch.from_numpy(ids)
-        padded_labels[: labels.size] = torch.from_numpy(labels)
-        return {"input_ids": input_ids, "labels": padded_labels}
+        position_ids = torch.zeros(self.seq_len, dtype=torch.long)
+        cursor = 0
+        for conversation in self.conversation_rows[index]:
+            ids, labels = self._rows[conversation]
+            end = cursor + ids.size
+            input_ids[cursor:end] = torch.from_numpy(ids)
+            padded_labels[cursor:end] = torch.from_numpy(labels)
+            padded_labels[cursor] = IGNORE_INDEX  # nothing predicts the first token of a conversation
+            position_ids[cursor:end] = torch.arange(ids.size)
+            cursor = end
+        if self.packing == "none":
+            return {"input_ids": input_ids, "labels": padded_labels}
+        return {"input_ids": input_ids, "labels": padded_labels, "position_ids": position_ids}

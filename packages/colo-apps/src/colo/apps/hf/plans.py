@@ -13,6 +13,11 @@
   ``embed_dim`` rewritten to this rank's, ``c_proj`` row-parallel, ``mlp.c_fc`` column-parallel, ``mlp.c_proj``
   row-parallel, ``wte`` vocabulary-parallel and ``lm_head`` gathered. No pipeline yet.
 
+Packed rows (``position_ids`` restarting per document): transformers 5 masks attention between the documents of a
+row from ``position_ids`` when the forward builds no KV cache, so the plans run such batches with
+``use_cache=False``; tensor parallelism leaves the mask alone (each rank attends over the whole sequence with its
+heads). A pipeline's stages see token ids only, so a pipeline batch of packed rows is refused.
+
 Tied embeddings stay tied: both modules hold the same vocabulary rows on a rank and share that shard. Norms,
 GPT-2's position embedding and every bias of a row-parallel layer are replicated. Sequence parallelism is not
 offered for these models (``sp`` / ``sp_mode`` are rejected by `check`). Before anything changes, `check` walks the
@@ -34,7 +39,7 @@ from torch import nn
 from colo.comm import Mesh
 from colo.tensor import Colwise, FusedQKV, ParallelStyle, Rowwise, VocabParallel, layout_of, parallelize
 
-from ..booster.plans import ModelPlan, PipelinePart, register_plan
+from ..booster.plans import ModelPlan, PipelinePart, register_plan, reject_packed_rows
 from ..models.llama.loss import causal_lm_loss
 from .pipeline import hf_llama_pipeline_stages
 
@@ -138,7 +143,16 @@ class _HFPlan(ModelPlan):
     def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError(f"a {self.model_name} pipeline batch needs 'input_ids' and 'labels'; got {sorted(batch)}")
+        reject_packed_rows(batch, f"HybridParallel(pp > 1) with a {self.model_name}")
         return batch["input_ids"], batch["labels"]
+
+    def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        """Packed rows: transformers 5 masks the documents of a row from ``position_ids`` only when the forward
+        builds no KV cache, so a batch with ``position_ids`` is run with ``use_cache=False`` (nothing is lost:
+        training needs no cache)."""
+        if "position_ids" in batch and "use_cache" not in batch:
+            batch = {**batch, "use_cache": False}
+        return batch, 1.0
 
 
 class HFLlamaPlan(_HFPlan):

@@ -172,10 +172,12 @@ class DataSection(_Section):
     )
     packing: Literal["fixed", "documents"] = Field(
         default="fixed",
-        description="How pre-training text becomes rows: 'fixed': one token stream cut into seq_len windows "
-        "(documents cross row boundaries, no padding); 'documents': whole documents bin-packed into rows of "
+        description="How documents become rows: 'fixed': pre-training text as one token stream cut into seq_len "
+        "windows (documents cross row boundaries, no padding), or with task='sft' one conversation per row padded "
+        "to seq_len; 'documents': whole documents (or conversations, with task='sft') bin-packed into rows of "
         "seq_len slots (cut only when longer), position_ids restarting per document, no loss on a document's first "
-        "token, rows padded at the end. task='sft' takes 'fixed' (one conversation per row).",
+        "token, rows padded at the end. Attention is masked per document (the model derives document ids from "
+        "the position_ids), so a packed row trains exactly as its documents would one per row.",
     )
     paths: list[str] = Field(
         default_factory=list,
@@ -230,11 +232,6 @@ class DataSection(_Section):
                 raise ValueError(
                     "data.task='sft' needs data.paths of chat records (JSONL with a 'messages' field or 'prompt' and "
                     "'response' fields, or a saved Hugging Face dataset); the built-in corpus is plain text"
-                )
-            if self.packing != "fixed":
-                raise ValueError(
-                    f"data.packing={self.packing!r} packs pre-training text; data.task='sft' puts one conversation "
-                    "per row (padded to data.seq_len): leave data.packing='fixed'"
                 )
             if self.max_tokens is not None:
                 raise ValueError(
@@ -329,9 +326,9 @@ class LoraSection(_Section):
 def check_positions_reach_the_model(config: RunConfig) -> None:
     """Raise when ``data.packing='documents'`` meets a layout that does not pass a batch's ``position_ids`` on.
 
-    A pipeline (``pp > 1``) feeds its first stage ``input_ids`` only, and Ulysses / ring sequence parallelism
-    (``sp > 1``) gives each rank the positions of its sequence shard; both would silently train with positions
-    that do not restart per document.
+    A pipeline (``pp > 1``) feeds its first stage ``input_ids`` only, so it would silently train with positions
+    that do not restart per document and attention across documents. (Tensor parallelism, Megatron-SP, Ulysses
+    and ring attention keep the positions and the document mask: `LlamaPlan.prepare_batch`.)
     """
     plugin = config.plugin
     if config.data.packing != "documents" or plugin.name != "hybrid":
@@ -340,12 +337,6 @@ def check_positions_reach_the_model(config: RunConfig) -> None:
         raise ValueError(
             f"data.packing='documents' needs per-document position_ids in the model, but the pipeline (plugin.pp="
             f"{plugin.pp}) feeds its first stage input_ids only; set data.packing='fixed' or plugin.pp=1"
-        )
-    if plugin.sp > 1:
-        raise ValueError(
-            f"data.packing='documents' needs per-document position_ids in the model, but sequence parallelism "
-            f"(plugin.sp={plugin.sp}, {plugin.sp_mode}) sets each shard's own positions; set data.packing='fixed' "
-            "or plugin.sp=1"
         )
 
 

@@ -6,11 +6,12 @@ resumable sampler over this rank's share (colo.apps.data).
 - ``task='pretrain'``, ``packing='documents'``: `TokenBudgetDataset`, rows ``input_ids``, ``labels`` and
   ``position_ids`` (whole documents, positions restarting per document, a padded tail);
 - ``task='sft'``: `SFTDataset`, rows ``input_ids`` and ``labels`` (one conversation, labels on the assistant's
-  replies only, a padded tail).
+  replies only, a padded tail); with ``packing='documents'`` several whole conversations per row and
+  ``position_ids`` restarting per conversation.
 
 Every key of a row reaches the model's forward (``Booster.train_step`` splits the batch dict into microbatches
 along dim 0 and calls ``model(**microbatch)``), so ``position_ids`` restart per document in the Llama's rotary
-embedding.
+embedding, and the model derives from them the document mask of its attention (nothing attends across documents).
 """
 
 from __future__ import annotations
@@ -144,14 +145,19 @@ def build_dataset(data: DataSection, tokenizer) -> tuple[Dataset, np.ndarray | N
         response_field=data.response_field,
     )
     if data.task == "sft":
+        packing = "documents" if data.packing == "documents" else "none"
         try:
-            sft = SFTDataset(documents, tokenizer, seq_len=data.seq_len, template=data.chat_template.template())
+            sft = SFTDataset(
+                documents, tokenizer, seq_len=data.seq_len, template=data.chat_template.template(), packing=packing
+            )
         except ValueError as error:
             raise ValueError(f"data.task='sft': {error}") from None
         lengths = sft.row_lengths
         description = (
-            f"sft: {len(sft)} conversations, {lengths.mean() / data.seq_len:.0%} of slots hold tokens, "
-            f"{sft.num_truncated} cut at data.seq_len, {sft.num_skipped} skipped (no assistant token within it)"
+            f"sft: {sft.num_conversations} conversations in {len(sft)} rows"
+            + (" (packed, position_ids restart per conversation)" if packing == "documents" else "")
+            + f", {lengths.mean() / data.seq_len:.0%} of slots hold tokens, {sft.num_truncated} cut at "
+            f"data.seq_len, {sft.num_skipped} skipped (no assistant token within it)"
         )
         return sft, lengths, description
     try:

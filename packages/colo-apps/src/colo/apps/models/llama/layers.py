@@ -146,6 +146,8 @@ class AttentionCore(nn.Module):
 
     Parameter-free and called as ``core(q, k, v)`` with ``causal`` and ``scale`` attributes: the attention core a
     sequence-parallel plan wraps (Ulysses) or replaces (ring attention), leaving the projections around it alone.
+    With ``document_ids`` (``(batch, seq_k)``, see `colo.kernels.document_mask`) a token attends only within its
+    own document of a packed row.
 
     Args:
         causal (bool): bottom-right aligned causal mask. Default: ``True``.
@@ -156,9 +158,12 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.causal, self.scale = causal, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q``: ``(batch, seq, heads, head_dim)``; ``k``, ``v``: ``(batch, seq, kv_heads, head_dim)``."""
-        return flash_attention(q, k, v, causal=self.causal, scale=self.scale)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``q``: ``(batch, seq, heads, head_dim)``; ``k``, ``v``: ``(batch, seq, kv_heads, head_dim)``;
+        ``document_ids``: ``(batch, seq_k)`` or ``None``."""
+        return flash_attention(q, k, v, causal=self.causal, scale=self.scale, document_ids=document_ids)
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}, scale={self.scale}"
@@ -190,13 +195,20 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, kv_cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        kv_cache: LayerKVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x``: ``(batch, seq, hidden)``; ``cos``, ``sin``: from `RotaryEmbedding`. Returns ``x``'s shape.
 
         With ``kv_cache`` (this layer's slot of a `KVCache`), the new keys and values are written to the cache and
         the queries attend over every cached token and the new ones; ``cos`` and ``sin`` must then start at the
-        first new token's position.
+        first new token's position. ``document_ids`` (``(batch, keys)``, one id per key): attend only within a
+        document (`colo.kernels.flash_attention`); only passed to the core when given.
         """
         head_dim = self.head_dim
         widths = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
@@ -209,7 +221,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # every cached token's k / v and the new ones: (batch, length + seq, ...)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * head_dim))
 
 
@@ -247,12 +259,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, kv_cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        kv_cache: LayerKVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x``: ``(batch, seq, hidden)``. Returns the layer's output, shaped like ``x``.
 
-        ``kv_cache``: this layer's slot of a `KVCache` for incremental decoding (see `LlamaAttention`).
+        ``kv_cache``: this layer's slot of a `KVCache` for incremental decoding; ``document_ids``: the document
+        mask (both as in `LlamaAttention`).
         """
-        attention = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache=kv_cache)
+        attention = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache=kv_cache, document_ids=document_ids)
         normed, h = self.post_attention_layernorm(attention, residual=x)
         return h + self.mlp(normed)

@@ -9,6 +9,13 @@ are one fused projection (``layers.N.self_attn.qkv_proj``); `colo.apps.models.ll
 Layers live in an ``nn.ModuleDict`` keyed by their index, so a pipeline stage holding layers 4..7 names them
 ``layers.4`` .. ``layers.7``, as the full model does.
 
+**Packed rows.** A row may hold several documents (``packing: documents``): their ``position_ids`` restart at each
+document, and the model derives document ids from them (a document starts wherever the positions do not go up by
+one, as transformers does) so that attention stays within each document: the row trains exactly as if each
+document were its own row. ``document_ids`` can also be given directly (padding an id of its own, see
+`colo.kernels.document_mask`); a sequence-parallel plan passes the whole sequence's ids, since each rank's
+positions are those of its shard (it sets ``document_ids_from_positions = False``).
+
 **Initialization** is a pure function of ``(seed, module name)``: every weight is drawn from its own generator
 seeded from the model seed and the module's qualified name (normal with ``initializer_range``, norms at one, as
 Hugging Face initializes Llama). So a model built on the meta device and materialized module by module, shard by
@@ -22,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from colo.kernels import document_ids_from_position_ids
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
@@ -113,6 +122,9 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.objective = CausalLMObjective()
+        self.document_ids_from_positions = True
+        """Derive the attention's document ids from ``position_ids`` (packed rows); plans that shard the sequence
+        turn it off and pass the whole sequence's ``document_ids`` instead."""
         self.tie_weights()
         if not self.embed_tokens.weight.is_meta:
             self.init_weights()
@@ -143,12 +155,25 @@ class Llama(nn.Module):
         for name, module in self.named_modules():
             init_llama_module(name, module, config=self.config, seed=seed)
 
+    def attention_document_ids(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The attention's document ids: ``document_ids`` as given, else derived from per-row ``position_ids``
+        (`colo.kernels.document_ids_from_position_ids`), ``None`` when every row is one document."""
+        if document_ids is not None or position_ids is None or not self.document_ids_from_positions:
+            return document_ids
+        ids = document_ids_from_position_ids(position_ids)
+        if not bool(ids[..., -1:].any()):  # no row restarts its positions: plain causal attention
+            return None
+        return ids.expand(input_ids.shape[0], -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final hidden states (after the last norm): ``(batch, seq, hidden_size)``.
 
@@ -156,26 +181,32 @@ class Llama(nn.Module):
             input_ids (torch.Tensor): ``(batch, seq)`` token ids.
             position_ids (torch.Tensor | None): ``(seq,)``, ``(1, seq)`` or ``(batch, seq)`` positions for RoPE;
                 ``None``: ``0 .. seq - 1``, or ``kv_cache.length .. kv_cache.length + seq - 1`` with a cache.
-                Attention stays causal over the sequence either way. Default: ``None``.
+                Without a cache, positions that restart within a row start a new document there (packed rows):
+                attention does not cross it. Default: ``None``.
             kv_cache (KVCache | None): incremental decoding: ``input_ids`` are the tokens that follow the
                 ``kv_cache.length`` cached ones; every layer appends their keys and values to the cache and attends
                 over all of it, and ``kv_cache.length`` grows by ``seq``. Default: ``None`` (attend over
                 ``input_ids`` alone).
+            document_ids (torch.Tensor | None): ``(batch, keys)`` document ids of the keys, non-decreasing per row,
+                padding an id of its own (`colo.kernels.document_mask`); with a cache, one per cached and new token
+                (``kv_cache.length + seq``), e.g. ``-1`` on the left padding of batched prompts. ``None``: derived
+                from ``position_ids`` (without a cache). Default: ``None``.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"Llama: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         if kv_cache is None:
+            document_ids = self.attention_document_ids(input_ids, position_ids, document_ids)
             cos, sin = self.rotary_emb(input_ids.shape[1], position_ids)
             h = self.embed_tokens(input_ids)
             for layer in self.layers.values():
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, document_ids=document_ids)
             return self.norm(h)
         batch, seq = input_ids.shape
         kv_cache.check_input(batch, seq, num_layers=len(self.layers), device=input_ids.device)
         cos, sin = self.rotary_emb(seq, position_ids, offset=kv_cache.length)
         h = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin, kv_cache=kv_cache.layer(index))
+            h = layer(h, cos, sin, kv_cache=kv_cache.layer(index), document_ids=document_ids)
         kv_cache.advance(seq)
         return self.norm(h)
 
@@ -187,6 +218,7 @@ class Llama(nn.Module):
         *,
         return_logits: bool = False,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> LlamaOutput:
         """Logits, or the next-token loss.
 
@@ -200,6 +232,8 @@ class Llama(nn.Module):
                 materializing the logits. Default: ``False``.
             kv_cache (KVCache | None): incremental decoding (see `hidden_states`); ``input_ids`` continue the cached
                 tokens. Default: ``None``.
+            document_ids (torch.Tensor | None): the document mask (see `hidden_states`); ``None``: from
+                ``position_ids``. Default: ``None``.
 
         Returns:
             LlamaOutput: ``loss`` when ``labels`` are given; ``logits`` without labels or with ``return_logits``.
@@ -208,6 +242,6 @@ class Llama(nn.Module):
             raise ValueError(
                 f"Llama: labels {tuple(labels.shape)} must be shaped like input_ids {tuple(input_ids.shape)}"
             )
-        hidden = self.hidden_states(input_ids, position_ids, kv_cache=kv_cache)
+        hidden = self.hidden_states(input_ids, position_ids, kv_cache=kv_cache, document_ids=document_ids)
         loss, logits = self.objective(hidden, self.lm_head, labels, return_logits=return_logits)
         return LlamaOutput(loss=loss, logits=logits)
