@@ -218,7 +218,7 @@ def convert(
         str,
         typer.Option(
             help="The target format: hf (Hugging Face LlamaForCausalLM; LoRA adapters merged) or peft (a LoRA run's "
-            "adapters alone, as a peft adapter directory)."
+            "adapters alone, as a peft adapter directory) or diffusers (a diffusion run as a StableDiffusionPipeline)."
         ),
     ] = "hf",
     dtype: Annotated[str | None, typer.Option(help="Convert floats to this dtype (bfloat16, float16).")] = None,
@@ -226,8 +226,8 @@ def convert(
 ) -> None:
     """Convert a checkpoint (any layout) to a Hugging Face Llama directory (config.json + model*.safetensors), or a
     LoRA run's adapters to a peft adapter directory."""
-    if to not in ("hf", "peft"):
-        typer.echo(f"colo: --to {to!r} is not supported; use --to hf or --to peft", err=True)
+    if to not in ("hf", "peft", "diffusers"):
+        typer.echo(f"colo: --to {to!r} is not supported; use --to hf, --to peft or --to diffusers", err=True)
         raise typer.Exit(2)
     import torch
 
@@ -242,7 +242,11 @@ def convert(
             typer.echo(f"colo: --dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32", err=True)
             raise typer.Exit(2)
     try:
-        if to == "peft":
+        if to == "diffusers":  # a data.task=diffusion run: a StableDiffusionPipeline directory (EMA weights)
+            from ..diffusion.export import export_diffusers
+
+            written = export_diffusers(checkpoint, out, overwrite=overwrite)
+        elif to == "peft":
             written = export_lora_adapter(checkpoint, out)
         else:
             written = export_llama_hf(checkpoint, out, dtype=torch_dtype, overwrite=overwrite)

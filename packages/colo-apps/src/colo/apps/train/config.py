@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..data.sft import ChatTemplate
+from ..diffusion.config import DiffusionSection
 from ..models.llama import PRESETS, LlamaConfig, get_preset
 from ._fields import dataclass_fields
 from .plugin_config import DDPConfig, PluginConfig
@@ -164,11 +165,14 @@ class DataSection(_Section):
     """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens, or chat records for
     supervised fine-tuning with the loss on the assistant's replies only."""
 
-    task: Literal["pretrain", "sft"] = Field(
+    task: Literal["pretrain", "sft", "rm", "dpo", "diffusion"] = Field(
         default="pretrain",
         description="'pretrain': next-token loss on every token of text documents; 'sft': chat records "
         "(JSONL / Hugging Face rows with a messages field or prompt/response fields) rendered by chat_template, "
-        "one conversation per row (cut at or right-padded to seq_len), the loss only on the assistant's replies.",
+        "one conversation per row (cut at or right-padded to seq_len), the loss only on the assistant's replies; "
+        "'rm': a reward model (the Llama with a scalar head) on {prompt, chosen, rejected} records, Bradley-Terry "
+        "loss; 'dpo': the DPO family (preference.loss_type) on the same records (colo.apps.rlhf); 'diffusion': a "
+        "text-to-image UNet on captioned images (the diffusion section, colo.apps.diffusion).",
     )
     packing: Literal["fixed", "documents"] = Field(
         default="fixed",
@@ -238,9 +242,20 @@ class DataSection(_Section):
                     f"data.max_tokens={self.max_tokens} caps pre-training text; data.task='sft' reads every "
                     "conversation: set data.max_tokens=null (or use fewer records in data.paths)"
                 )
+        elif self.task in ("rm", "dpo"):
+            if self.format == "text":
+                raise ValueError(
+                    f"data.task={self.task!r} reads {{prompt, chosen, rejected}} records, which data.format='text' "
+                    "cannot hold; set data.format to 'jsonl', 'hf' or 'auto'"
+                )
+            if self.packing != "fixed":
+                raise ValueError(f"data.task={self.task!r} runs one pair per item; drop data.packing='documents'")
+            if self.max_tokens is not None:
+                raise ValueError(f"data.max_tokens caps pre-training text; data.task={self.task!r} reads every record")
         elif self.chat_template != ChatTemplateSection():
             raise ValueError(
-                "data.chat_template is read only with data.task='sft'; set data.task='sft' or drop data.chat_template"
+                "data.chat_template is read only with data.task='sft' (and 'rm' / 'dpo' chat records); set "
+                "data.task='sft' or drop data.chat_template"
             )
         return self
 
@@ -340,6 +355,40 @@ def check_positions_reach_the_model(config: RunConfig) -> None:
         )
 
 
+class PreferenceSection(_Section):
+    """Preference training (``data.task: rm | dpo``, colo.apps.rlhf): the loss, its temperature, the prompt budget,
+    the SFT warm-up of a DPO policy and the embedded synthetic data of the tiny presets."""
+
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = Field(
+        default="sigmoid",
+        description="task='dpo': 'sigmoid' (DPO; cDPO with label_smoothing), 'ipo', or the reference-free 'simpo'.",
+    )
+    beta: float = Field(default=0.1, gt=0, description="task='dpo': the temperature beta.")
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=0.5, description="task='dpo': cDPO's probability of a flipped label ('sigmoid', 'simpo')."
+    )
+    simpo_gamma: float = Field(default=0.5, description="task='dpo', loss_type='simpo': the target reward margin.")
+    margin: float | None = Field(
+        default=None, description="task='rm': a margin the chosen reward must exceed the rejected one by."
+    )
+    max_prompt_len: int | None = Field(
+        default=None, ge=1, description="Prompts keep their last max_prompt_len tokens (None: data.seq_len // 2)."
+    )
+    sft_steps: int = Field(
+        default=0,
+        ge=0,
+        description="task='dpo': first train this many steps of next-token loss on the chosen responses (the SFT "
+        "the DPO policy starts from, same optimizer); the reference is the policy after them.",
+    )
+    synthetic_records: int = Field(
+        default=0,
+        ge=0,
+        description="With empty data.paths: generate this many arithmetic preference records at run time "
+        "(colo.apps.rlhf.synthetic.python_line_records: a standard-library line chosen, its words shuffled "
+        "rejected).",
+    )
+
+
 class RunConfig(_Section):
     """One training run of a Llama: model, parallelism, optimizer, schedule, data, checkpoints, logging, eval."""
 
@@ -359,6 +408,8 @@ class RunConfig(_Section):
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description=ScheduleSection.__doc__)
     data: DataSection = Field(default_factory=DataSection, description=DataSection.__doc__)
     lora: LoraSection = Field(default_factory=LoraSection, description=LoraSection.__doc__)
+    preference: PreferenceSection = Field(default_factory=PreferenceSection, description=PreferenceSection.__doc__)
+    diffusion: DiffusionSection = Field(default_factory=DiffusionSection, description=DiffusionSection.__doc__)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
     eval: EvalSection = Field(default_factory=EvalSection, description=EvalSection.__doc__)
@@ -378,6 +429,7 @@ class RunConfig(_Section):
                 f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
             )
         check_positions_reach_the_model(self)
+        self._check_preference_task()
         pipelined = self.plugin.name == "hybrid" and self.plugin.pp > 1
         microbatches = self.schedule.num_microbatches
         if pipelined and self.eval.every_steps and self.eval.batch_size % microbatches:
@@ -397,6 +449,43 @@ class RunConfig(_Section):
                 "lower data.seq_len or set model.max_position_embeddings"
             )
         return self
+
+    def _check_preference_task(self) -> None:
+        """``data.task: rm | dpo`` need preference data and a layout the pair forward supports; other tasks take no
+        ``preference`` settings."""
+        task, preference = self.data.task, self.preference
+        if task not in ("rm", "dpo"):
+            if preference != PreferenceSection():
+                raise ValueError(f"preference.* is read only with data.task='rm' or 'dpo' (data.task={task!r})")
+            return
+        if not self.data.paths and not preference.synthetic_records:
+            raise ValueError(
+                f"data.task={task!r} needs data.paths of {{prompt, chosen, rejected}} records, or "
+                "preference.synthetic_records > 0 for the embedded Python-line set"
+            )
+        if task == "rm":
+            default = PreferenceSection()
+            names = ("loss_type", "beta", "label_smoothing", "simpo_gamma", "sft_steps")
+            dpo_only = [name for name in names if getattr(preference, name) != getattr(default, name)]
+            if dpo_only:
+                raise ValueError(f"preference.{sorted(dpo_only)[0]} is a DPO setting; data.task='rm' does not read it")
+        elif preference.margin is not None:
+            raise ValueError("preference.margin is a reward-model setting; data.task='dpo' does not read it")
+        if preference.sft_steps >= self.schedule.total_steps:
+            raise ValueError(
+                f"preference.sft_steps={preference.sft_steps} leaves no DPO step of schedule.total_steps="
+                f"{self.schedule.total_steps}; lower it"
+            )
+        if self.plugin.name == "hybrid" and (self.plugin.pp > 1 or self.plugin.tp > 1 or self.plugin.sp > 1):
+            raise ValueError(
+                f"data.task={task!r} under plugin.name='hybrid' supports tp=pp=sp=1 in the trainer (the native "
+                "Llama's vocabulary-parallel logits and a pipeline do not give per-sequence log-probs yet); use "
+                "plugin.name='ddp' or 'zero' (stage 1-3), or 'gemini'"
+            )
+        if self.plugin.loss_weighting != "microbatch":
+            raise ValueError(f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'")
+        if self.lora.enabled and task == "rm":
+            raise ValueError("data.task='rm' with LoRA is not supported: the scalar head must train")
 
     def _rows_vary_in_labelled_tokens(self) -> bool:
         """SFT rows and rows of packed documents hold different numbers of labelled tokens: they default to

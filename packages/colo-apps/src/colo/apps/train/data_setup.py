@@ -99,7 +99,7 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
         )
-    dataset, tokens_per_row, description = build_dataset(data, tokenizer)
+    dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference)
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
     num_train = len(dataset) - held_out
     if num_train < data.global_batch_size:
@@ -130,12 +130,14 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
     )
 
 
-def build_dataset(data: DataSection, tokenizer) -> tuple[Dataset, np.ndarray | None, str]:
+def build_dataset(data: DataSection, tokenizer, preference=None) -> tuple[Dataset, np.ndarray | None, str]:
     """The dataset ``data.task`` and ``data.packing`` select (see the module docstring).
 
     Returns:
         ``(dataset, real tokens of each row or None when every row is full, a one-line description)``.
     """
+    if data.task in ("rm", "dpo"):
+        return build_preference_dataset(data, preference, tokenizer)
     documents = read_documents(
         data.paths or default_corpus(),
         format=data.format,
@@ -175,3 +177,30 @@ def build_dataset(data: DataSection, tokenizer) -> tuple[Dataset, np.ndarray | N
             f"data.task='pretrain': {error}; set data.task='sft' to train on chat records, or data.text_field to "
             "the records' text field"
         ) from None
+
+
+def build_preference_dataset(data: DataSection, preference, tokenizer) -> tuple[Dataset, np.ndarray, str]:
+    """``task='rm' | 'dpo'``: `colo.apps.rlhf.PreferenceDataset` items (chosen and rejected rows of one record as one
+    ``(2, seq_len)`` item), from ``data.paths`` or the embedded Python-line set (``preference.synthetic_records``)."""
+    from ..rlhf import PreferenceDataset, read_preference_records
+    from ..rlhf.synthetic import python_line_records
+
+    if data.paths:
+        records = read_preference_records(data.paths, format=data.format)
+        source = ", ".join(data.paths)
+    else:
+        records = python_line_records(preference.synthetic_records, seed=0)
+        source = f"{preference.synthetic_records} synthetic records (Python lines vs their words shuffled)"
+    template = data.chat_template.template() if "chat_template" in data.model_fields_set else None
+    try:
+        pairs = PreferenceDataset(
+            records, tokenizer, seq_len=data.seq_len, template=template, max_prompt_len=preference.max_prompt_len
+        )
+    except ValueError as error:
+        raise ValueError(f"data.task={data.task!r}: {error}") from None
+    description = (
+        f"{data.task}: {len(pairs)} preference pairs from {source} (chosen and rejected in one forward), "
+        f"{pairs.num_prompts_truncated} prompts truncated from the left, {pairs.num_responses_truncated} pairs "
+        "with responses cut at data.seq_len"
+    )
+    return pairs, pairs.row_lengths, description

@@ -8,6 +8,33 @@ AdamW lr 3e-4 (1b) to 1.5e-4 (70b), betas (0.9, 0.95), weight decay 0.1, 2000 wa
 from __future__ import annotations
 
 RUN_PRESETS: dict[str, dict] = {
+    # Text-to-image diffusion on CPU (2 processes, DDP): coloured shapes on backgrounds generated at run time, a tiny
+    # AutoencoderKL trained first on those images (no pretrained VAE offline), then a small UNet conditioned on a
+    # tiny CLIP text encoder, EMA, sample grids at every eval (colo.apps.diffusion).
+    "tiny-diffusion": {
+        "name": "tiny-diffusion",
+        "output_dir": "runs/tiny-diffusion",
+        "seed": 0,
+        "plugin": {"name": "ddp", "precision": "fp32"},
+        "optimizer": {"lr": 2e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+        "schedule": {"total_steps": 600, "warmup_steps": 20, "min_lr": 2e-4},
+        "data": {"task": "diffusion", "global_batch_size": 32},
+        "checkpoint": {"every_steps": 200, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 20},
+        "eval": {"every_steps": 200},
+        "diffusion": {
+            "image_size": 16,
+            "unet_channels": [32, 64],
+            "vae_channels": [16, 32],
+            "num_images": 2048,
+            "vae_pretrain_steps": 300,
+            "condition_dropout": 0.1,
+            "snr_gamma": 5.0,
+            "ema_decay": 0.995,
+            "sample_steps": 10,
+            "guidance_scale": 3.0,
+        },
+    },
     # The CPU demo (`make demo`): 2 processes, DDP, fp32, the byte tokenizer on the standard library's .py files.
     # ~2.2M parameters with the byte vocabulary; 300 steps of 16 x 128 tokens finish in a few minutes on 2 cores.
     "tiny-llama": {
@@ -23,6 +50,39 @@ RUN_PRESETS: dict[str, dict] = {
         "logging": {"every_steps": 10},
         "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
         "sample": {"prompt": "def ", "max_new_tokens": 80},
+    },
+    # Reward model on CPU (2 processes): the embedded preference set (a standard-library Python line chosen, its words
+    # shuffled rejected, after the previous line), generated at run time; a scalar head on the tiny Llama.
+    "tiny-rm": {
+        "name": "tiny-rm",
+        "output_dir": "runs/tiny-rm",
+        "seed": 0,
+        "model": {"preset": "tiny", "num_hidden_layers": 4},
+        "plugin": {"name": "ddp", "precision": "fp32", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "schedule": {"total_steps": 300, "warmup_steps": 20, "min_lr": 3e-4},
+        "data": {"task": "rm", "seq_len": 80, "global_batch_size": 32},
+        "preference": {"synthetic_records": 4000},
+        "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 20},
+        "eval": {"every_steps": 100, "num_sequences": 256, "batch_size": 32},
+    },
+    # DPO on CPU (2 processes), same data: the recipe first SFTs the policy on the chosen answers
+    # (preference.sft_steps), then takes that policy as the frozen reference and runs DPO (sigmoid, beta 0.1).
+    "tiny-dpo": {
+        "name": "tiny-dpo",
+        "output_dir": "runs/tiny-dpo",
+        "seed": 0,
+        "model": {"preset": "tiny", "num_hidden_layers": 4},
+        "plugin": {"name": "ddp", "precision": "fp32", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "schedule": {"total_steps": 400, "warmup_steps": 20, "min_lr": 3e-4},
+        "data": {"task": "dpo", "seq_len": 80, "global_batch_size": 32},
+        "preference": {"synthetic_records": 4000, "sft_steps": 200, "loss_type": "sigmoid", "beta": 0.1},
+        "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 20},
+        "eval": {"every_steps": 100, "num_sequences": 256, "batch_size": 32},
+        "sample": {"prompt": "for name in names:\n", "max_new_tokens": 40, "temperature": 0.0},
     },
     # TinyLlama-1.1B's shape on 8 GPUs: tp2 x dp4, ZeRO-1, bf16; 2M tokens per step.
     "llama-1b": {

@@ -32,6 +32,8 @@ from ..data import collate, load_tokenizer
 from ..lora import add_lora, lora_layers
 from ..mfu import mfu, peak_flops
 from ..models.llama import Llama, flops_per_token
+from ..rlhf.task import STATE_KEY as PREFERENCE_KEY
+from ..rlhf.task import PreferenceTask
 from .config import RunConfig
 from .data_setup import RunData, build_data
 from .generate import RUN_KEY, complete, load_llama
@@ -96,9 +98,15 @@ class Trainer:
         self.plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
         self.booster = Booster(self.plugin)
         model = self._build_model()
+        self.task = PreferenceTask(config, self.tokenizer) if config.data.task in ("rm", "dpo") else None
+        if self.task is not None:  # the scalar head (rm) and the pair forward, before the optimizer sees the model
+            self.task.prepare_model(model)
         optimizer = build_optimizer(model, config.optimizer, num_layers=self.llama_config.num_hidden_layers)
         scheduler = build_scheduler(optimizer, config.schedule, peak_lr=config.optimizer.lr)
-        self.model, self.optimizer, *_ = self.booster.boost(model, optimizer, lr_scheduler=scheduler)
+        criterion = None if self.task is None else self.task.criterion
+        self.model, self.optimizer, *_ = self.booster.boost(
+            model, optimizer, criterion=criterion, lr_scheduler=scheduler
+        )
         self.engine = self.booster.engine
         mesh = self.engine.mesh
         sample_group = mesh.group(*self.plugin.sample_axes(mesh))
@@ -198,6 +206,7 @@ class Trainer:
             "layout": self.layout,
             "rng": [state["rng"] for state in per_rank],
             "sampler": per_rank[0]["sampler"],
+            **({PREFERENCE_KEY: self.task.state()} if self.task is not None else {}),
         }
         self.booster.save(path, metadata={"step": step, RUN_KEY: run})
         if self.rank == 0:
@@ -219,6 +228,8 @@ class Trainer:
             )
         if "sampler" in run:
             self.data.sampler.load_state_dict(run["sampler"])
+        if self.task is not None:
+            self.task.load_state(self, run)
         states = run.get("rng") or []
         if len(states) == self.world_size:
             set_rng_state(states[self.rank])
@@ -249,6 +260,8 @@ class Trainer:
         window_steps = window_tokens = 0
         step = start
         while step < end:
+            if self.task is not None:  # SFT warm-up / the reference table, before this step's batch is read
+                self.task.before_step(self, step)
             batch, num_tokens = next(data)
             batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in batch.items()}
             outcome = self.booster.train_step(batch)
@@ -276,6 +289,7 @@ class Trainer:
                     "mfu": mfu(tokens_per_second, flops, peak, num_devices=self.world_size),
                     "memory_bytes": memory,
                     "skipped": outcome.skipped,
+                    **(self.task.take_metrics(self) if self.task is not None else {}),
                 }
                 self.log.log(record)
                 self.log.print(step_line(record, total_steps=total))
@@ -314,6 +328,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
         """The mean loss over the held-out sequences (every rank takes an equal share); logs it."""
+        if self.task is not None:  # rm / dpo: pair metrics (accuracy, margins) too
+            return self.task.evaluate(self, step)
         group, evaluation = self.sample_group, self.data.eval
         per_rank = len(evaluation) // group.size
         size = self.config.eval.batch_size
@@ -350,7 +366,7 @@ class Trainer:
         """Generate ``sample.max_new_tokens`` after ``sample.prompt`` from the last checkpoint (rank 0); an SFT run
         answers ``sample.prompt`` as a user message through its chat template."""
         settings = self.config.sample
-        if settings.max_new_tokens == 0:
+        if settings.max_new_tokens == 0 or self.config.data.task == "rm":  # a reward model does not generate
             return None
         final = result.checkpoints[-1] if result.checkpoints else result.resumed_from
         if final is None:
@@ -394,5 +410,10 @@ def _pick_device(choice: str) -> torch.device:
 
 
 def train(config: RunConfig) -> TrainResult:
-    """Run `Trainer(config).fit()` (on every rank of the job)."""
+    """Run `Trainer(config).fit()` (on every rank of the job); ``data.task: diffusion`` runs the diffusion
+    recipe's trainer (`colo.apps.diffusion.trainer`) instead and returns its result dict."""
+    if config.data.task == "diffusion":
+        from ..diffusion.trainer import train_diffusion
+
+        return train_diffusion(config)
     return Trainer(config).fit()

@@ -1,0 +1,92 @@
+"""The ``diffusion`` section of the run config (``data.task: diffusion``): models, objective, EMA, data, samples."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DiffusionSection(BaseModel):
+    """Text-to-image denoiser training (colo.apps.diffusion): the UNet / CLIP / VAE sizes, the objective, the EMA,
+    the captioned images and the sample grids written at every eval."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_size: int = Field(default=16, ge=8, description="Side of the square training images (pixels).")
+    unet_channels: list[int] = Field(default=[32, 64], description="The UNet's block_out_channels.")
+    unet_layers_per_block: int = Field(default=1, ge=1, description="The UNet's layers_per_block.")
+    attention_head_dim: int = Field(default=8, ge=1, description="Channels per attention head of the UNet.")
+    norm_num_groups: int = Field(default=8, ge=1, description="GroupNorm groups of the UNet and VAE.")
+    text_hidden_size: int = Field(default=32, ge=8, description="Width of the CLIP text encoder.")
+    text_layers: int = Field(default=2, ge=1, description="Layers of the CLIP text encoder.")
+    text_heads: int = Field(default=2, ge=1, description="Heads of the CLIP text encoder.")
+    max_caption_tokens: int = Field(default=16, ge=4, description="Caption tokens with BOS/EOS (longer: an error).")
+    vae_channels: list[int] = Field(default=[16, 32], description="The AutoencoderKL's block_out_channels.")
+    text_encoder_from: str | None = Field(default=None, description="A local CLIPTextModel directory (None: built).")
+    vae_from: str | None = Field(default=None, description="A local AutoencoderKL directory (None: built, trained).")
+    vae_pretrain_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Train the built AutoencoderKL this many steps on the run's images first (rank "
+        "0, saved to output_dir/vae and reused on resume), then freeze it.",
+    )
+    vae_lr: float = Field(default=2e-3, gt=0, description="Learning rate of the VAE pre-training.")
+    prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The objective.")
+    snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off).")
+    noise_offset: float = Field(default=0.0, ge=0, description="Noise offset (0: off).")
+    condition_dropout: float = Field(default=0.1, ge=0, lt=1, description="Empty-caption probability (CFG).")
+    ema_decay: float | None = Field(default=0.999, gt=0, le=1, description="EMA decay of the denoiser (None: no EMA).")
+    ema_warmup: bool = Field(default=True, description="EMAModel's use_ema_warmup (power ema_power, inv_gamma 1).")
+    ema_power: float = Field(default=0.75, gt=0, description="EMA warmup power.")
+    num_images: int = Field(default=1024, ge=1, description="Size of the procedural image set (with no image_dir).")
+    image_dir: str | None = Field(default=None, description="An image folder with metadata.jsonl (None: shapes).")
+    resize: int | None = Field(default=None, ge=8, description="Resize image_dir images to this side (None: as is).")
+    sample_prompts: list[str] = Field(
+        default=[
+            "a red circle on white",
+            "a blue square on black",
+            "a green triangle on gray",
+            "a yellow circle on blue",
+        ],
+        description="Prompts of the sample grid written at every eval.",
+    )
+    samples_per_prompt: int = Field(default=4, ge=1, description="Seeds per prompt in the grid (seeds 0..n-1).")
+    sample_steps: int = Field(default=10, ge=1, description="Steps of the DPM-Solver++ sampler.")
+    guidance_scale: float = Field(default=3.0, ge=1, description="Classifier-free guidance scale of the samples.")
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        from .models import DiffusionModelConfig
+
+        self.model_config_object()  # validates channel counts against the groups
+        if self.image_size % 8:
+            raise ValueError(f"diffusion.image_size={self.image_size} must be a multiple of 8 (diffusers' pipelines)")
+        del DiffusionModelConfig
+        return self
+
+    def model_config_object(self):
+        from .models import DiffusionModelConfig
+
+        return DiffusionModelConfig(
+            image_size=self.image_size,
+            unet_channels=tuple(self.unet_channels),
+            unet_layers_per_block=self.unet_layers_per_block,
+            attention_head_dim=self.attention_head_dim,
+            norm_num_groups=self.norm_num_groups,
+            text_hidden_size=self.text_hidden_size,
+            text_layers=self.text_layers,
+            text_heads=self.text_heads,
+            max_caption_tokens=self.max_caption_tokens,
+            vae_channels=tuple(self.vae_channels),
+        )
+
+    def objective(self):
+        from .objective import DiffusionObjective
+
+        return DiffusionObjective(
+            prediction_type=self.prediction_type,
+            snr_gamma=self.snr_gamma,
+            noise_offset=self.noise_offset,
+            condition_dropout=self.condition_dropout,
+        )

@@ -1,0 +1,168 @@
+"""`ShardedEMA`: an exponential moving average of the boosted denoiser's weights, kept where the weights are.
+
+Under ZeRO and Gemini each rank holds the flat fp32 master shard of every chunk; the average is elementwise, so
+each rank averages its own shard and nothing is communicated. Under DDP (and stage 0) every rank holds the whole
+average. The decay schedule is ``diffusers.training_utils.EMAModel``'s (``decay``, ``min_decay``,
+``update_after_step``, ``use_ema_warmup`` with ``inv_gamma`` / ``power``), and so is the update,
+``s -= (1 - d) * (s - p)``, so it equals ``EMAModel(unet.parameters()).step(...)`` on the same updates.
+
+Saved in the common checkpoint format (``ema/<parameter name>``, flat ranges under ZeRO / Gemini), so an average
+saved at one layout loads at another, or in one process for sampling and export.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from colo.tensor.checkpoint import FlatShard, load_checkpoint, save_checkpoint
+
+PREFIX = "ema/"
+
+
+def _master_pieces(engine) -> Iterator[tuple[str, torch.Tensor, dict | None]]:
+    """``(checkpoint name, this rank's current fp32 values, FlatShard fields | None)`` of every trainable
+    parameter: flat ranges of the chunks' masters under ZeRO / Gemini, whole parameters otherwise."""
+    from colo.gemini import GeminiOptimizer
+    from colo.zero import ZeroOptimizer
+    from colo.zero.state import flat_pieces
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, (ZeroOptimizer, GeminiOptimizer)) and getattr(optimizer, "num_shards", 2) > 1:
+        if isinstance(optimizer, ZeroOptimizer):
+            optimizer.wait_params()
+        for chunk in optimizer.trainable_chunks:
+            if isinstance(optimizer, GeminiOptimizer):
+                master = optimizer.hybrid.read(chunk)["master"]
+            else:
+                master = chunk.buffer("master")
+            for slot in chunk.slots:
+                placement = {"global_shape": tuple(slot.shape), "replica": False}
+                for name, start, end, fields in flat_pieces(
+                    chunk, slot, checkpoint_names=optimizer.checkpoint_names, placement=placement
+                ):
+                    yield name, master[start:end], fields
+        return
+    if isinstance(optimizer, ZeroOptimizer):  # stage 0: every rank holds every master
+        for name, value in optimizer.full_params().items():
+            yield name, value, None
+        return
+    for name, param in engine.unwrap().named_parameters():
+        if param.requires_grad:
+            yield name, param.detach(), None
+
+
+class ShardedEMA:
+    """EMA of a boosted model's trainable weights, sharded like its optimizer state.
+
+    Args:
+        booster: a `Booster` after ``boost`` (DDP, Zero 0-3 or Gemini).
+        decay, min_decay, update_after_step, use_ema_warmup, inv_gamma, power: as ``diffusers`` ``EMAModel``.
+
+    Call `step` after every optimizer step (`Booster.train_step`); `save` / `load` with the checkpoint; `full`
+    gathers the average (a collective) for sampling or export.
+    """
+
+    def __init__(
+        self,
+        booster,
+        *,
+        decay: float = 0.9999,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
+        use_ema_warmup: bool = False,
+        inv_gamma: float = 1.0,
+        power: float = 2 / 3,
+    ) -> None:
+        if not 0 <= min_decay <= decay <= 1:
+            raise ValueError(f"ShardedEMA needs 0 <= min_decay <= decay <= 1, got min_decay={min_decay}, decay={decay}")
+        self.engine = booster._require_engine()
+        self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
+        self.use_ema_warmup, self.inv_gamma, self.power = use_ema_warmup, inv_gamma, power
+        self.optimization_step = 0
+        self.shadow: dict[str, tuple[torch.Tensor, dict | None]] = {
+            name: (value.detach().clone().float(), fields) for name, value, fields in _master_pieces(self.engine)
+        }
+
+    def get_decay(self, optimization_step: int) -> float:
+        """The decay of the update numbered ``optimization_step`` (EMAModel's schedule)."""
+        step = max(0, optimization_step - self.update_after_step - 1)
+        if step <= 0:
+            return 0.0
+        if self.use_ema_warmup:
+            value = 1 - (1 + step / self.inv_gamma) ** -self.power
+        else:
+            value = (1 + step) / (10 + step)
+        return max(min(value, self.decay), self.min_decay)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Fold the current weights into the average (after an optimizer step; no communication)."""
+        self.optimization_step += 1
+        one_minus_decay = 1 - self.get_decay(self.optimization_step)
+        for name, value, _ in _master_pieces(self.engine):
+            shadow = self.shadow[name][0]
+            shadow.sub_(one_minus_decay * (shadow - value.to(shadow.device, torch.float32)))
+
+    def _tensors(self) -> dict:
+        return {
+            PREFIX + name: value if fields is None else FlatShard(value, **fields)
+            for name, (value, fields) in self.shadow.items()
+        }
+
+    def state_metadata(self) -> dict:
+        return {
+            "optimization_step": self.optimization_step,
+            "decay": self.decay,
+            "min_decay": self.min_decay,
+            "update_after_step": self.update_after_step,
+            "use_ema_warmup": self.use_ema_warmup,
+            "inv_gamma": self.inv_gamma,
+            "power": self.power,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the average to the new checkpoint directory ``path`` (every rank calls it)."""
+        group = self.engine.mesh.group(*self.engine.plugin.data_axes(self.engine.mesh))
+        save_checkpoint(path, self._tensors(), metadata={"ema": self.state_metadata()}, group=group)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Fill the average (and its step count) from ``path``, saved at any layout."""
+        metadata, _ = load_checkpoint(path, self._tensors(), strict=False)
+        self.optimization_step = int(metadata["ema"]["optimization_step"])
+
+    def full(self) -> dict[str, torch.Tensor]:
+        """The whole average by parameter name (a collective under ZeRO / Gemini: every rank calls it)."""
+        import torch.distributed as dist
+
+        result = {}
+        sharded = any(fields is not None for _, fields in self.shadow.values())
+        if not sharded:
+            return {name: value.clone() for name, (value, _) in self.shadow.items()}
+        group = self.engine.mesh.group(*self.engine.plugin.data_axes(self.engine.mesh))
+        pieces = [(name, value, fields) for name, (value, fields) in self.shadow.items()]
+        gathered = [None] * group.size
+        dist.all_gather_object(gathered, [(n, v.cpu(), f) for n, v, f in pieces], group=group.process_group)
+        for rank_pieces in gathered:
+            for name, value, fields in rank_pieces:
+                shape = fields["global_shape"]
+                flat = result.setdefault(name, torch.zeros(int(torch.Size(shape).numel()))).view(-1)
+                flat[fields["flat_start"] : fields["flat_start"] + value.numel()] = value
+        return {name: flat.view(self.shadow_shape(name, gathered)) for name, flat in result.items()}
+
+    @staticmethod
+    def shadow_shape(name, gathered) -> tuple[int, ...]:
+        for rank_pieces in gathered:
+            for piece_name, _, fields in rank_pieces:
+                if piece_name == name:
+                    return tuple(fields["global_shape"])
+        raise KeyError(name)
+
+    @torch.no_grad()
+    def copy_to(self, module: torch.nn.Module, averaged: dict[str, torch.Tensor], *, prefix: str = "") -> None:
+        """Copy ``averaged`` (from `full`) into ``module``'s parameters named ``prefix + name``."""
+        params = dict(module.named_parameters())
+        for name, value in averaged.items():
+            params[name.removeprefix(prefix)].copy_(value)

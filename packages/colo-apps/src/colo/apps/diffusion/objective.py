@@ -1,0 +1,176 @@
+"""The denoising objective of `train_text_to_image.py`: DDPM noising, epsilon or v-prediction targets, Min-SNR-gamma
+weights (Hang et al., 2023, through ``diffusers.training_utils.compute_snr``), noise offset, and condition dropout
+for classifier-free guidance (Ho & Salimans, 2022).
+
+Only the denoiser is boosted: the frozen text encoder and VAE run in `DiffusionBatchBuilder`, on each rank for its own
+rows, and the boosted module is `DenoiserLoss` (the UNet and its weighted MSE), whose batch splits on dim 0 like any
+other, so microbatches and data-parallel ranks average exactly like one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .models import require_diffusers, tokenize_captions
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+@dataclass(kw_only=True)
+class DiffusionObjective:
+    """What the denoiser learns and how each step's noise is drawn."""
+
+    prediction_type: str = "epsilon"
+    """``"epsilon"`` (predict the noise) or ``"v_prediction"`` (Salimans & Ho, 2022)."""
+    snr_gamma: float | None = None
+    """Min-SNR-gamma weighting (5.0 is the paper's); ``None``: the plain MSE."""
+    noise_offset: float = 0.0
+    """Add ``noise_offset * N(0, 1)`` per sample and channel to the noise (Guttenberg, 2023); 0: off."""
+    condition_dropout: float = 0.0
+    """Probability of training a sample on the empty caption (classifier-free guidance); 0: off."""
+    num_train_timesteps: int = 1000
+    """DDPM timesteps."""
+    beta_schedule: str = "scaled_linear"
+    """DDPMScheduler ``beta_schedule`` (Stable Diffusion's ``scaled_linear``)."""
+    beta_start: float = 0.00085
+    """First beta."""
+    beta_end: float = 0.012
+    """Last beta."""
+
+    def __post_init__(self) -> None:
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(
+                f"DiffusionObjective.prediction_type={self.prediction_type!r} is unknown; use one of {PREDICTION_TYPES}"
+            )
+        if self.snr_gamma is not None and not self.snr_gamma > 0:
+            raise ValueError(f"DiffusionObjective.snr_gamma={self.snr_gamma!r} must be positive or None")
+        if not 0 <= self.condition_dropout < 1:
+            raise ValueError(f"DiffusionObjective.condition_dropout={self.condition_dropout!r} must be in [0, 1)")
+        if self.noise_offset < 0:
+            raise ValueError(f"DiffusionObjective.noise_offset={self.noise_offset!r} must be >= 0")
+
+    def scheduler(self):
+        """The `DDPMScheduler` of training (its config is also the exported pipeline's)."""
+        diffusers = require_diffusers()
+        return diffusers.DDPMScheduler(
+            num_train_timesteps=self.num_train_timesteps,
+            beta_schedule=self.beta_schedule,
+            beta_start=self.beta_start,
+            beta_end=self.beta_end,
+            prediction_type=self.prediction_type,
+            steps_offset=1,  # Stable Diffusion's (inference only: training's noising ignores it)
+        )
+
+
+class DenoiserLoss(torch.nn.Module):
+    """The boosted module: ``unet`` and the weighted MSE of its prediction.
+
+    ``forward`` returns ``mean_i(w_i * mean(|pred_i - target_i|^2))``: per-sample MSE times its Min-SNR weight (1
+    without it), averaged over the batch, which equals `train_text_to_image.py`'s loss in both branches.
+    """
+
+    def __init__(self, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, noisy_latents, timesteps, encoder_hidden_states, target, loss_weights):
+        pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        return (per_sample * loss_weights).mean()
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step ``step``'s draws (the same on every rank: draws are made for the global batch)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+class DiffusionBatchBuilder:
+    """Turns a step's images (or cached latent statistics) and captions into the denoiser's batch.
+
+    Draws, from `step_generator(seed, step)` for the *global* batch of ``global_rows`` rows, in this order: the
+    posterior sample's normal noise, the diffusion noise, the noise offset's per-channel noise (when on), the
+    timesteps, the condition-dropout uniforms (when on); then keeps this rank's ``rows``. So any data-parallel
+    layout, microbatching and the latent cache see the same numbers as one process.
+
+    Args:
+        objective: the `DiffusionObjective`.
+        tokenizer, text_encoder: the frozen text side.
+        vae: the frozen `AutoencoderKL` (``None`` with cached latents).
+        seed: the run's seed.
+    """
+
+    def __init__(self, objective: DiffusionObjective, *, tokenizer, text_encoder, vae=None, seed: int = 0) -> None:
+        self.objective = objective
+        self.scheduler = objective.scheduler()
+        self.tokenizer, self.text_encoder, self.vae = tokenizer, text_encoder, vae
+        self.scaling_factor = float(vae.config.scaling_factor) if vae is not None else 0.18215
+        self.seed = seed
+
+    @torch.no_grad()
+    def posterior(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, std)`` of the VAE's latent distribution of the images."""
+        if self.vae is None:
+            raise ValueError("this builder has no VAE: pass cached latent statistics (latent_mean, latent_std)")
+        dist = self.vae.encode(pixel_values.to(self.vae.dtype)).latent_dist
+        return dist.mean.float(), dist.std.float()
+
+    @torch.no_grad()
+    def encode_text(self, captions: list[str]) -> torch.Tensor:
+        ids = tokenize_captions(self.tokenizer, captions).to(self.text_encoder.device)
+        return self.text_encoder(ids, return_dict=False)[0].float()
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        *,
+        step: int,
+        captions: list[str],
+        rows: slice,
+        global_rows: int,
+        pixel_values: torch.Tensor | None = None,
+        latent_mean: torch.Tensor | None = None,
+        latent_std: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The denoiser batch of this rank's ``rows`` of the step (``captions`` and images are those rows only)."""
+        from diffusers.training_utils import compute_snr
+
+        if latent_mean is None:
+            latent_mean, latent_std = self.posterior(pixel_values)
+        objective, local = self.objective, latent_mean.shape[0]
+        if local != rows.stop - rows.start or len(captions) != local:
+            raise ValueError(f"{local} images and {len(captions)} captions for rows {rows}")
+        shape = (global_rows, *latent_mean.shape[1:])
+        generator = step_generator(self.seed, step)
+        sample = torch.randn(shape, generator=generator)[rows]
+        noise = torch.randn(shape, generator=generator)[rows]
+        if objective.noise_offset > 0:
+            offset = torch.randn((global_rows, shape[1], 1, 1), generator=generator)[rows]
+            noise = noise + objective.noise_offset * offset
+        timesteps = torch.randint(0, objective.num_train_timesteps, (global_rows,), generator=generator)[rows]
+        if objective.condition_dropout > 0:
+            dropped = (torch.rand(global_rows, generator=generator) < objective.condition_dropout)[rows]
+            captions = ["" if drop else caption for caption, drop in zip(captions, dropped.tolist())]
+        device = latent_mean.device
+        latents = (latent_mean + latent_std * sample.to(device)) * self.scaling_factor
+        noise, timesteps = noise.to(device), timesteps.to(device)
+        noisy = self.scheduler.add_noise(latents, noise, timesteps)
+        if objective.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.scheduler.get_velocity(latents, noise, timesteps)
+        if objective.snr_gamma is None:
+            weights = torch.ones(local, device=device)
+        else:
+            snr = compute_snr(self.scheduler, timesteps)
+            weights = torch.stack([snr, objective.snr_gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
+            weights = weights / (snr if objective.prediction_type == "epsilon" else snr + 1)
+        return {
+            "noisy_latents": noisy,
+            "timesteps": timesteps,
+            "encoder_hidden_states": self.encode_text(captions).to(device),
+            "target": target,
+            "loss_weights": weights.float(),
+        }

@@ -1,0 +1,71 @@
+"""Sampling: a diffusers ``StableDiffusionPipeline`` around the run's models (a few-step DPM-Solver++), sample
+grids as PNG, and the pipeline directory `colo convert --to diffusers` writes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .models import require_diffusers
+
+
+def build_pipeline(*, unet, vae, text_encoder, tokenizer, objective, num_train_timesteps: int = 1000):
+    """A ``StableDiffusionPipeline`` (no safety checker) with a DPM-Solver++ scheduler of the training schedule."""
+    diffusers = require_diffusers()
+    scheduler = diffusers.DPMSolverMultistepScheduler.from_config(objective.scheduler().config)
+    return diffusers.StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+@torch.no_grad()
+def sample_images(
+    pipeline, prompts: list[str], *, seeds: list[int], steps: int, guidance_scale: float, size: int
+) -> torch.Tensor:
+    """``(len(prompts) * len(seeds), 3, size, size)`` images in [0, 1]: every prompt with every seed (row-major)."""
+    images = []
+    for prompt in prompts:
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        out = pipeline(
+            [prompt] * len(seeds),
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=generators,
+            height=size,
+            width=size,
+            output_type="pt",
+        )
+        images.append(out.images.float().cpu())
+    return torch.cat(images)
+
+
+def grid_tensor(images: torch.Tensor, *, columns: int) -> torch.Tensor:
+    """``images`` ([0, 1], NCHW) tiled ``columns`` wide with 1-pixel white borders, as one CHW tensor."""
+    n, _, h, w = images.shape
+    rows = -(-n // columns)
+    grid = torch.ones(3, rows * (h + 1) + 1, columns * (w + 1) + 1)
+    for index, image in enumerate(images):
+        r, c = divmod(index, columns)
+        grid[:, 1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = image
+    return grid
+
+
+def save_grid(images: torch.Tensor, path: str, *, columns: int, scale: int = 4) -> str:
+    """Write ``images`` ([0, 1], NCHW) as one PNG grid, each image upscaled ``scale`` x (nearest)."""
+    from PIL import Image
+
+    array = (
+        (grid_tensor(images, columns=columns).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
+    )
+    picture = Image.fromarray(array).resize((array.shape[1] * scale, array.shape[0] * scale), Image.NEAREST)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    picture.save(path)
+    return path

@@ -1,0 +1,51 @@
+"""Tiny, seeded components of the diffusion recipe for tests and benchmarks: the same in every process."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+GLOBAL_BATCH, LR, SEED = 4, 1e-3, 0
+
+
+def tiny_config():
+    from colo.apps.diffusion import DiffusionModelConfig
+
+    return DiffusionModelConfig(
+        image_size=16,
+        unet_channels=(8, 16),
+        attention_head_dim=8,
+        norm_num_groups=4,
+        text_hidden_size=16,
+        text_layers=1,
+        text_heads=2,
+        max_caption_tokens=16,
+        vae_channels=(8, 8),
+    )
+
+
+def components(seed: int = SEED):
+    """``(config, tokenizer, text_encoder, vae, unet)``, the same in every process."""
+    from colo.apps.diffusion import (
+        build_text_encoder,
+        build_unet,
+        build_vae,
+        caption_vocabulary,
+        save_caption_tokenizer,
+    )
+
+    config = tiny_config()
+    directory = os.path.join(tempfile.gettempdir(), f"colo-diffusion-tokenizer-{os.getpid()}")
+    tokenizer = save_caption_tokenizer(caption_vocabulary(), directory, max_length=config.max_caption_tokens)
+    text_encoder = build_text_encoder(config, tokenizer, seed=seed + 1)
+    vae = build_vae(config, seed=seed + 2).requires_grad_(False).eval()
+    unet = build_unet(config, seed=seed + 3)
+    return config, tokenizer, text_encoder, vae, unet
+
+
+def step_images(step: int):
+    """The global batch of step ``step``: images ``4 * step ...`` of the procedural set."""
+    from colo.apps.diffusion import ShapesDataset, collate
+
+    dataset = ShapesDataset(64, image_size=16, seed=0)
+    return collate([dataset[(GLOBAL_BATCH * step + i) % len(dataset)] for i in range(GLOBAL_BATCH)])

@@ -1,0 +1,279 @@
+"""``data.task: diffusion``: the trainer loop of the text-to-image recipe, with colo's checkpoints, resume, metrics,
+the sharded EMA, and a sample grid (EMA weights, fixed prompts and seeds) at every eval."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from colo.comm import init_distributed
+
+from ..booster import Booster
+from ..train.metrics import MetricsLogger, memory_bytes
+from ..train.optim import build_scheduler
+from ..train.state import checkpoint_path, prune_checkpoints, resolve_resume
+from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate
+from .ema import ShardedEMA
+from .models import build_text_encoder, build_unet, build_vae, save_caption_tokenizer
+from .objective import DenoiserLoss, DiffusionBatchBuilder
+
+RUN_KEY = "diffusion_run"
+EMA_DIR = "ema"
+
+
+def build_dataset(section):
+    """The run's captioned images: an image folder (``diffusion.image_dir``) or the procedural shapes."""
+    if section.image_dir is not None:
+        return ImageCaptionFolder(section.image_dir, resize=section.resize)
+    return ShapesDataset(section.num_images, image_size=section.image_size)
+
+
+def captions_vocabulary(dataset) -> list[str]:
+    if isinstance(dataset, ShapesDataset):
+        return caption_vocabulary()
+    return sorted({w for _, text in dataset.records for w in text.lower().split()})
+
+
+def frozen_components(config, *, rank: int, world_size: int):
+    """``(tokenizer, text_encoder, vae, dataset)``: the tokenizer and a pre-trained VAE are written to
+    ``output_dir`` by rank 0 (reused on resume) and read by every rank."""
+    section, out = config.diffusion, config.output_dir
+    model_config = section.model_config_object()
+    dataset = build_dataset(section)
+    tokenizer_dir, vae_dir = os.path.join(out, "tokenizer"), os.path.join(out, "vae")
+    if rank == 0:
+        save_caption_tokenizer(captions_vocabulary(dataset), tokenizer_dir, max_length=section.max_caption_tokens)
+        if section.vae_from is None and section.vae_pretrain_steps and not os.path.isdir(vae_dir):
+            from .vae_pretrain import pretrain_vae
+
+            vae = build_vae(model_config, seed=config.seed + 2)
+            pretrain_vae(vae, dataset, steps=section.vae_pretrain_steps, lr=section.vae_lr, seed=config.seed)
+            vae.save_pretrained(vae_dir + ".tmp")
+            os.replace(vae_dir + ".tmp", vae_dir)
+    if world_size > 1:
+        dist.barrier()
+    from transformers import CLIPTokenizer
+
+    from .models import require_diffusers
+
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
+    text_encoder = build_text_encoder(
+        model_config, tokenizer, seed=config.seed + 1, pretrained=section.text_encoder_from
+    )
+    if section.vae_from is not None or os.path.isdir(vae_dir):
+        vae = require_diffusers().AutoencoderKL.from_pretrained(section.vae_from or vae_dir)
+    else:
+        vae = build_vae(model_config, seed=config.seed + 2)
+    return tokenizer, text_encoder, vae.requires_grad_(False).eval(), dataset
+
+
+class DiffusionTrainer:
+    """Trains the denoiser of ``config`` (``data.task: diffusion``) under ``config.plugin``; see the README."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        section = config.diffusion
+        init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
+        self.booster = Booster(plugin)
+        mesh = plugin.build_mesh()
+        self.dp_size = mesh.size("dp")
+        self.dp_rank = mesh.rank("dp")
+        batch = config.data.global_batch_size
+        if batch % (self.dp_size * config.schedule.num_microbatches):
+            raise ValueError(
+                f"data.global_batch_size={batch} must divide by dp={self.dp_size} x schedule.num_microbatches="
+                f"{config.schedule.num_microbatches}"
+            )
+        self.objective = section.objective()
+        self.tokenizer, self.text_encoder, self.vae, self.dataset = frozen_components(
+            config, rank=self.rank, world_size=self.world_size
+        )
+        self.builder = DiffusionBatchBuilder(
+            self.objective, tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae, seed=config.seed
+        )
+        self.unet = build_unet(section.model_config_object(), seed=config.seed + 3)
+        model = DenoiserLoss(self.unet)
+        opt = config.optimizer
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        scheduler = build_scheduler(optimizer, config.schedule, peak_lr=opt.lr)
+        self.booster.boost(model, optimizer, lr_scheduler=scheduler)
+        self.ema = None
+        if section.ema_decay is not None:
+            self.ema = ShardedEMA(
+                self.booster, decay=section.ema_decay, use_ema_warmup=section.ema_warmup, power=section.ema_power
+            )
+        self.root = config.checkpoint.dir or os.path.join(config.output_dir, "checkpoints")
+
+    # --- data -----------------------------------------------------------------------------------------------
+
+    def step_batch(self, step: int) -> dict:
+        """This rank's rows of the global batch of ``step``: a function of the step alone (exact resume)."""
+        size, n = self.config.data.global_batch_size, len(self.dataset)
+        epoch, first = divmod(step * size, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch)).tolist()
+        order += torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch + 1)).tolist()
+        indices = order[first : first + size]
+        per_rank = size // self.dp_size
+        rows = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        images = collate([self.dataset[i] for i in indices[rows]])
+        return self.builder(
+            step=step, captions=images["caption"], pixel_values=images["pixel_values"], rows=rows, global_rows=size
+        )
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+
+    def save(self, step: int) -> str:
+        """The Booster's checkpoint of ``step`` with the EMA inside it (``<checkpoint>/ema``, the common format).
+
+        The EMA is written first beside it and moved in once the checkpoint committed, so a run killed in between
+        finds it on resume."""
+        path = checkpoint_path(self.root, step)
+        staged = os.path.join(self.root, f".ema-step-{step:08d}")
+        if self.ema is not None:
+            if self.rank == 0 and os.path.exists(staged):
+                shutil.rmtree(staged)
+            if self.world_size > 1:
+                dist.barrier()
+            self.ema.save(staged)
+        run = {
+            "step": step,
+            "config": self.config.model_dump(mode="json"),
+            "vae_dir": os.path.abspath(os.path.join(self.config.output_dir, "vae")),
+            "tokenizer_dir": os.path.abspath(os.path.join(self.config.output_dir, "tokenizer")),
+        }
+        self.booster.save(path, metadata={"step": step, RUN_KEY: run})
+        if self.rank == 0:
+            if self.ema is not None:
+                os.replace(staged, os.path.join(path, EMA_DIR))
+            prune_checkpoints(self.root, self.config.checkpoint.keep_last)
+        if self.world_size > 1:
+            dist.barrier()
+        return path
+
+    def resume(self) -> int:
+        path = resolve_resume(self.config.checkpoint.resume, self.root)
+        if path is None:
+            return 0
+        metadata = self.booster.load(path)
+        step = int(metadata.get("step", self.booster.step_count))
+        if self.ema is not None:
+            ema_path = os.path.join(path, EMA_DIR)
+            staged = os.path.join(self.root, f".ema-step-{step:08d}")
+            if self.rank == 0 and not os.path.isdir(ema_path) and os.path.isdir(staged):
+                os.replace(staged, ema_path)  # killed between the commit and the move
+            if self.world_size > 1:
+                dist.barrier()
+            if not os.path.isdir(ema_path):
+                raise ValueError(f"{path} holds no EMA ({ema_path}); resume without EMA (diffusion.ema_decay=null)")
+            self.ema.load(ema_path)
+        return step
+
+    # --- samples ----------------------------------------------------------------------------------------------
+
+    def sample_grid(self, step: int) -> str | None:
+        """Every rank gathers the EMA (a collective); rank 0 samples the fixed prompts and seeds and writes a PNG."""
+        import copy
+
+        from .sampling import build_pipeline, sample_images, save_grid
+
+        averaged = self.ema.full() if self.ema is not None else None
+        if averaged is None:
+            model = self.booster.engine.optimizer
+            averaged = (
+                model.full_params()
+                if hasattr(model, "full_params")
+                else {n: p.detach().clone() for n, p in self.booster.unwrap().named_parameters()}
+            )
+        if self.rank != 0:
+            return None
+        section = self.config.diffusion
+        unet = copy.deepcopy(build_unet(section.model_config_object(), seed=0))
+        state = {name.removeprefix("unet."): value for name, value in averaged.items()}
+        unet.load_state_dict(state)
+        pipeline = build_pipeline(
+            unet=unet.eval(),
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            objective=self.objective,
+        )
+        pipeline.set_progress_bar_config(disable=True)
+        seeds = list(range(section.samples_per_prompt))
+        images = sample_images(
+            pipeline,
+            section.sample_prompts,
+            seeds=seeds,
+            steps=section.sample_steps,
+            guidance_scale=section.guidance_scale,
+            size=section.image_size,
+        )
+        path = save_grid(
+            images, os.path.join(self.config.output_dir, "samples", f"step-{step:08d}.png"), columns=len(seeds)
+        )
+        if self.log.writer is not None:
+            from .sampling import grid_tensor
+
+            self.log.writer.add_image("samples", grid_tensor(images, columns=len(seeds)), step)
+        return path
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        config = self.config
+        start = self.resume()
+        total = config.schedule.stop_at_step or config.schedule.total_steps
+        logging = config.logging
+        self.log = MetricsLogger(
+            config.output_dir,
+            total_steps=config.schedule.total_steps,
+            start_step=start,
+            jsonl=logging.jsonl,
+            tensorboard=logging.tensorboard,
+            progress_bar=logging.progress_bar,
+            enabled=self.rank == 0,
+        )
+        losses, grids, device = [], [], torch.device("cpu")
+        began = time.perf_counter()
+        for step in range(start, total):
+            result = self.booster.train_step(self.step_batch(step))
+            if self.ema is not None:
+                self.ema.step()
+            losses.append(result.loss)
+            done = step + 1
+            if done % logging.every_steps == 0 or done == total:
+                elapsed = time.perf_counter() - began
+                memory, _ = memory_bytes(device)
+                self.log.log(
+                    {
+                        "step": done,
+                        "loss": result.loss,
+                        "lr": result.lr,
+                        "grad_norm": result.grad_norm,
+                        "images_per_s": len(losses) * config.data.global_batch_size / elapsed,
+                        "memory": memory,
+                    }
+                )
+            if config.eval.every_steps and done % config.eval.every_steps == 0:
+                path = self.sample_grid(done)
+                if path:
+                    grids.append(path)
+            every = config.checkpoint.every_steps
+            if config.checkpoint.enabled and (
+                (every and done % every == 0) or (done == config.schedule.total_steps and config.checkpoint.save_final)
+            ):
+                self.save(done)
+        self.log.close()
+        return {"losses": losses, "start_step": start, "grids": grids}
+
+
+def train_diffusion(config) -> dict:
+    """Run `DiffusionTrainer(config).fit()` (every rank)."""
+    return DiffusionTrainer(config).fit()
