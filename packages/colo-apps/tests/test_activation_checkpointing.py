@@ -21,9 +21,8 @@ Expected figures, for ``L`` blocks, batch ``b``, sequence ``s``, hidden ``h``, i
 - every=2: blocks 1 and 3 as in full, blocks 0 and 2 as without (block 0 already saves HF's cos and sin, so of the
   shared arguments only the position ids are added): half of full's saving.
 - selective: full ``+ L * b*s*4 * ((n_q + 2 n_kv) d + h + 2 I + h)`` (the q/k/v, o, gate, up and down matmul
-  outputs) ``+`` the attention output: ``b*n_q*s*d*4`` (colo's explicit attention: the ``p v`` batched matmul;
-  its ``(s, s)`` scores, larger than its inputs for s > d, are recomputed) or ``b*n_q*s*(d + 1)*4`` (Hugging
-  Face's SDPA kernel: output and logsumexp).
+  outputs) ``+`` the attention output and logsumexp: ``b*n_q*s*(d + 1)*4`` (colo's ``torch.ops.colo.flash_attention``
+  and Hugging Face's SDPA kernel alike).
 - offload: ``O`` stays on the compute device; the blocks' saved activations, ``sum B_i``, go to the host.
 """
 
@@ -206,8 +205,7 @@ def test_each_mode_keeps_gradients_and_saves_the_expected_activation_memory(mode
     # Face's, cos and sin (1, s, d) fp32 and the (1, s) int64 position ids
     tables, position_ids = (0, 0) if model_name == "native" else (2 * SEQ * d * FP32, SEQ * 8)
     matmul_outputs = BATCH * SEQ * FP32 * ((n_q + 2 * n_kv) * d + h + 2 * inter + h)
-    assert SEQ > d  # so the explicit attention's (s, s) scores are larger than its inputs, and recomputed
-    attention_output = BATCH * n_q * SEQ * (d if model_name == "native" else d + 1) * FP32
+    attention_output = BATCH * n_q * SEQ * (d + 1) * FP32  # the fused attention's output and logsumexp
 
     measured = {}
     for mode, every in [("full", 1), ("full", 2), ("selective", 1), ("offload", 1)]:

@@ -5,9 +5,10 @@ the model file (as torchtitan's ``apply_ac`` does):
 
 - ``"full"``: a block keeps only its inputs and recomputes its whole forward in backward (Chen et al., 2016,
   "Training Deep Nets with Sublinear Memory Cost"), on `torch.utils.checkpoint` (non-reentrant).
-- ``"selective"``: a block keeps the outputs of its matmuls and of its attention, and recomputes the cheap
-  element-wise ops (norms, activations, rotary, residual adds) around them (Korthikanti et al., 2022, "Reducing
-  Activation Recomputation in Large Transformer Models"), with torch's selective-checkpoint policy API.
+- ``"selective"``: a block keeps the outputs of its matmuls and of its attention (SDPA's, or colo.kernels'
+  ``torch.ops.colo.flash_attention``), and recomputes the cheap element-wise ops (norms, activations, rotary,
+  residual adds) around them (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer
+  Models"), with torch's selective-checkpoint policy API.
 - ``"offload"``: nothing is recomputed; the activations a block saves for backward are kept in host memory
   (`torch.autograd.graph.save_on_cpu`, pinned when CUDA is available) and copied back in backward; the weights
   its matmuls save stay where they are.
@@ -28,6 +29,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from colo.kernels.library import operators
 
 MODES = ("full", "selective", "offload")
 """The checkpointing modes `apply_activation_checkpointing` accepts."""
@@ -52,17 +55,23 @@ _ATTENTION_OPS = {
     if hasattr(_aten, name)
 }
 """Fused attention kernels (``F.scaled_dot_product_attention``): output and logsumexp kept by ``"selective"``."""
+_COLO_KEPT_OPS = {operators()[name] for name in ("flash_attention", "fused_linear_cross_entropy")}
+"""colo.kernels operators (`colo.kernels.library`) kept by ``"selective"``: attention (its output and logsumexp) and
+the fused output projection + loss (its loss and the gradients it computes in the forward). The others (``rms_norm``,
+``rotary``, ``swiglu``, ...) are element-wise and recomputed."""
 
 
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """The ``"selective"`` policy: which op outputs a checkpointed block keeps (for
     `torch.utils.checkpoint.create_selective_checkpoint_contexts`).
 
-    Kept: linear-layer matmuls (``mm``, ``addmm``), fused attention (``scaled_dot_product_attention``'s kernels),
+    Kept: linear-layer matmuls (``mm``, ``addmm``), fused attention (``scaled_dot_product_attention``'s kernels
+    and ``torch.ops.colo.flash_attention``, on either kernel backend), ``torch.ops.colo.fused_linear_cross_entropy``,
     and batched matmuls whose output is no larger than their larger input, i.e. an explicit attention's ``p v``
-    but not its ``(seq, seq)`` scores when ``seq > head_dim``. Everything else (element-wise ops, norms,
-    softmax, copies, collectives) is recomputed in backward. Ops that are not aten ops (a Triton kernel launched
-    from an autograd function) are invisible to the policy and always recomputed.
+    but not its ``(seq, seq)`` scores when ``seq > head_dim``. Everything else (element-wise ops, colo's norms,
+    rotary and SwiGLU, softmax, copies, collectives) is recomputed in backward. Work that is not a registered
+    operator (a Triton kernel launched from a plain autograd function) is invisible to the policy and always
+    recomputed.
 
     Args:
         ctx: the `torch.utils.checkpoint.SelectiveCheckpointContext` (unused).
@@ -73,7 +82,7 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     Returns:
         CheckpointPolicy: ``MUST_SAVE`` for the ops above, ``PREFER_RECOMPUTE`` otherwise.
     """
-    if op in _MATMUL_OPS or op in _ATTENTION_OPS:
+    if op in _MATMUL_OPS or op in _ATTENTION_OPS or op in _COLO_KEPT_OPS:
         return CheckpointPolicy.MUST_SAVE
     if op in _BATCHED_MATMUL_OPS:
         left, right = args[-2], args[-1]  # bmm(a, b) and baddbmm(input, a, b)

@@ -2,7 +2,9 @@
 
 Each op has a torch reference (``<op>_reference``) and a Triton implementation, both autograd-aware, behind one
 public function; `resolve_backend` picks Triton on CUDA and the reference elsewhere, ``COLO_KERNELS=triton|torch|auto``
-or `use_backend` forces it. Kernels load, compute in fp32 and store in the tensor's dtype.
+or `use_backend` forces it. Kernels load, compute in fp32 and store in the tensor's dtype. Every op is a torch
+operator, ``torch.ops.colo.<name>`` (`colo.kernels.library`), for either backend: ``torch.compile`` compiles models
+using them without graph breaks, ``torch.export`` keeps them, and checkpointing policies can name them.
 """
 
 from .adamw import FusedAdamW, adamw_reference, fused_adamw

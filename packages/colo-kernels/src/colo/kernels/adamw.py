@@ -7,7 +7,8 @@ Multi-tensor launch: the tensors are grouped by (param dtype, grad dtype), and e
 The launch gets a table of the tensors' addresses (param, grad, exp_avg, exp_avg_sq) and numels, and a table of
 chunks (tensor index, chunk index within the tensor) built on the device; program ``i`` updates ``BLOCK``
 elements of chunk ``i``, casting its tensor's addresses to typed pointers. So a model with hundreds of
-parameters costs one launch per dtype pair, not one per tensor, and nothing is copied into a flat buffer.
+parameters costs one launch per dtype pair, not one per tensor, and nothing is copied into a flat buffer. Either
+backend runs as the operator ``torch.ops.colo.fused_adamw``, which mutates its params and moments in place.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .dispatch import TRITON_DTYPES, UnsupportedKernelInput, resolve_backend
+from .dispatch import TRITON_DTYPES, UnsupportedKernelInput, op_backend, resolve_backend
 
 try:
     import triton
@@ -222,13 +223,33 @@ def fused_adamw(
     _check_lists(params, grads, exp_avgs, exp_avg_sqs)
     if step < 1:
         raise ValueError(f"fused_adamw: step={step}; it counts updates and starts at 1")
-    hyper = {"step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     if not params:
         return
-    if resolve_backend("fused_adamw", *params, *grads, *exp_avgs, *exp_avg_sqs, backend=backend) == "torch":
-        adamw_reference(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+    backend = resolve_backend("fused_adamw", *params, *grads, *exp_avgs, *exp_avg_sqs, backend=backend)
+    if backend == "triton":
+        _check_triton_inputs(params, grads, exp_avgs, exp_avg_sqs)
+    torch.ops.colo.fused_adamw(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), int(step), float(lr), float(beta1),
+        float(beta2), float(eps), float(weight_decay), backend,
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "colo::fused_adamw",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs"),
+    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, int step, "
+    "float lr, float beta1, float beta2, float eps, float weight_decay, str backend) -> ()",
+)
+def _fused_adamw_op(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, backend):
+    """One AdamW step, in place on ``params``, ``exp_avgs`` and ``exp_avg_sqs``."""
+    if not params:
         return
-    _check_triton_inputs(params, grads, exp_avgs, exp_avg_sqs)
+    if op_backend(backend, *params, *grads, *exp_avgs, *exp_avg_sqs) == "torch":
+        adamw_reference(
+            params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay,
+        )  # fmt: skip
+        return
     scalars = {
         "beta1": float(beta1),
         "beta2": float(beta2),
@@ -245,6 +266,11 @@ def fused_adamw(
     with torch.no_grad():
         for group in groups.values():
             _launch_group(*group, scalars)
+
+
+@_fused_adamw_op.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, backend):
+    return None
 
 
 class FusedAdamW(torch.optim.Optimizer):

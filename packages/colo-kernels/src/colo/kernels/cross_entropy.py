@@ -5,6 +5,9 @@ Triton kernels give one program to one row of logits and loop over the vocabular
 online max and sum of exponentials (one read of the row) and saves the row's logsumexp; the backward reads the row
 once more and writes ``(softmax * (1 + 2 * z_loss * lse) - onehot) * scale``.
 
+Either backend runs as the operators ``torch.ops.colo.cross_entropy`` (returning the loss and each row's logsumexp)
+and ``torch.ops.colo.cross_entropy_backward``; the torch backend's gradient is the same closed form.
+
 `_cross_entropy_rows_triton` runs the forward and, in the same program, overwrites the logits with their gradient;
 `fused_linear_cross_entropy` uses it on each chunk of tokens so the chunk's logits never need a second buffer.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, check_triton_dtypes, resolve_backend
+from .dispatch import UnsupportedKernelInput, check_triton_dtypes, op_backend, resolve_backend
 
 try:
     import triton
@@ -264,46 +267,108 @@ def _reduce(loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, re
     return loss_rows.sum() / _mean_divisor(target, ignore_index)
 
 
-class _CrossEntropyTriton(torch.autograd.Function):
-    """Forward: per-row loss and logsumexp (Triton). Backward: softmax - onehot (+ z-loss term) (Triton)."""
+def _forward_torch(logits, target, ignore_index, z_loss, reduction):
+    """`cross_entropy_reference`'s loss, and the fp32 logsumexp of each row for the backward."""
+    valid = target != ignore_index
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    target_logit = logits32.gather(1, torch.where(valid, target, 0).long().unsqueeze(1)).squeeze(1)
+    loss = lse - target_logit
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    return _reduce(torch.where(valid, loss, 0.0), target, ignore_index, reduction), lse
 
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, z_loss, reduction):
-        logits = _row_major(logits)
-        loss_rows, lse = _cross_entropy_rows_triton(logits, target, ignore_index=ignore_index, z_loss=z_loss)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.ignore_index, ctx.z_loss, ctx.reduction = ignore_index, z_loss, reduction
-        return _reduce(loss_rows, target, ignore_index, reduction)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        logits, target, lse = ctx.saved_tensors
-        num_tokens, vocab_size = logits.shape
-        grad_scale = grad_output.float()
-        if ctx.reduction == "mean":
-            grad_scale = grad_scale / _mean_divisor(target, ctx.ignore_index)
-        grad_scale = grad_scale.reshape(-1).contiguous()
-        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        if num_tokens:
-            block_v, rows, num_warps = _tiling(num_tokens, vocab_size, logits.device)
-            _cross_entropy_backward_kernel[(triton.cdiv(num_tokens, rows),)](
-                logits,
-                target,
-                lse,
-                grad_scale,
-                grad_logits,
-                num_tokens,
-                logits.stride(0),
-                grad_logits.stride(0),
-                1 if ctx.reduction == "none" else 0,
-                vocab_size,
-                ctx.ignore_index,
-                float(ctx.z_loss),
-                BLOCK_V=block_v,
-                ROWS=rows,
-                num_warps=num_warps,
-            )
-        return grad_logits, None, None, None, None
+def _grad_scale(grad_output, target, ignore_index, reduction):
+    """The fp32 factor each row's gradient is scaled by: one per row for ``"none"``, one in all for the others."""
+    grad_scale = grad_output.float()
+    if reduction == "mean":
+        grad_scale = grad_scale / _mean_divisor(target, ignore_index)
+    return grad_scale.reshape(-1).contiguous()
+
+
+def _backward_torch(grad_output, logits, target, lse, ignore_index, z_loss, reduction):
+    """``(softmax * (1 + 2 z lse) - onehot) * scale`` in torch ops; zero rows for ignored targets."""
+    valid = target != ignore_index
+    scale = _grad_scale(grad_output, target, ignore_index, reduction)
+    grad = torch.exp(logits.float() - lse.unsqueeze(1))
+    if z_loss:
+        grad = grad * (1.0 + 2.0 * z_loss * lse).unsqueeze(1)
+    grad = grad.scatter_add(1, torch.where(valid, target, 0).long().unsqueeze(1), -torch.ones_like(grad[:, :1]))
+    grad = torch.where(valid.unsqueeze(1), grad * scale.unsqueeze(-1), 0.0)
+    return grad.to(logits.dtype).contiguous()
+
+
+def _backward_triton(grad_output, logits, target, lse, ignore_index, z_loss, reduction):
+    logits = _row_major(logits)
+    num_tokens, vocab_size = logits.shape
+    grad_scale = _grad_scale(grad_output, target, ignore_index, reduction)
+    grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if num_tokens:
+        block_v, rows, num_warps = _tiling(num_tokens, vocab_size, logits.device)
+        _cross_entropy_backward_kernel[(triton.cdiv(num_tokens, rows),)](
+            logits, target, lse.contiguous(), grad_scale, grad_logits, num_tokens, logits.stride(0),
+            grad_logits.stride(0), 1 if reduction == "none" else 0, vocab_size, ignore_index, float(z_loss),
+            BLOCK_V=block_v, ROWS=rows, num_warps=num_warps,
+        )  # fmt: skip
+    return grad_logits
+
+
+@torch.library.custom_op(
+    "colo::cross_entropy",
+    mutates_args=(),
+    schema="(Tensor logits, Tensor target, int ignore_index, float z_loss, str reduction, str backend) "
+    "-> (Tensor, Tensor)",
+)
+def _cross_entropy_op(logits, target, ignore_index, z_loss, reduction, backend):
+    """``(loss, lse)``: the reduced fp32 loss and each row's fp32 logsumexp (saved for the backward)."""
+    if op_backend(backend, logits, target) == "triton":
+        loss_rows, lse = _cross_entropy_rows_triton(_row_major(logits), target, ignore_index=ignore_index,
+                                                    z_loss=z_loss)  # fmt: skip
+        return _reduce(loss_rows, target, ignore_index, reduction), lse
+    return _forward_torch(logits, target, ignore_index, z_loss, reduction)
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, ignore_index, z_loss, reduction, backend):
+    rows = logits.shape[0]
+    loss = logits.new_empty((rows,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "colo::cross_entropy_backward",
+    mutates_args=(),
+    schema="(Tensor grad_output, Tensor logits, Tensor target, Tensor lse, int ignore_index, float z_loss, "
+    "str reduction, str backend) -> Tensor",
+)
+def _cross_entropy_backward_op(grad_output, logits, target, lse, ignore_index, z_loss, reduction, backend):
+    """The gradient of the logits given the loss's gradient and the saved logsumexp."""
+    if op_backend(backend, logits, target) == "triton":
+        return _backward_triton(grad_output, logits, target, lse, ignore_index, z_loss, reduction)
+    return _backward_torch(grad_output, logits, target, lse, ignore_index, z_loss, reduction)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_output, logits, target, lse, ignore_index, z_loss, reduction, backend):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, z_loss, reduction, backend = inputs
+    ctx.ignore_index, ctx.z_loss, ctx.reduction, ctx.backend = ignore_index, z_loss, reduction, backend
+    ctx.save_for_backward(logits, target, output[1])
+
+
+def _backward(ctx, grad_output, _dlse):
+    logits, target, lse = ctx.saved_tensors
+    grad_logits = torch.ops.colo.cross_entropy_backward(
+        grad_output, logits, target, lse, ctx.ignore_index, ctx.z_loss, ctx.reduction, ctx.backend
+    )
+    return grad_logits, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def cross_entropy(
@@ -341,7 +406,8 @@ def cross_entropy(
         UnsupportedKernelInput: on the Triton path, for logits that are not fp32/bf16/fp16 or a non-integer target.
     """
     _check_inputs(logits, target, reduction)
-    if resolve_backend("cross_entropy", logits, target, backend=backend) == "torch":
-        return cross_entropy_reference(logits, target, ignore_index=ignore_index, z_loss=z_loss, reduction=reduction)
-    _check_triton_inputs("cross_entropy", logits, target)
-    return _CrossEntropyTriton.apply(logits, target, ignore_index, z_loss, reduction)
+    backend = resolve_backend("cross_entropy", logits, target, backend=backend)
+    if backend == "triton":
+        _check_triton_inputs("cross_entropy", logits, target)
+    loss, _ = torch.ops.colo.cross_entropy(logits, target, int(ignore_index), float(z_loss), reduction, backend)
+    return loss

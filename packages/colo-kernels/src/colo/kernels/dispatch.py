@@ -3,6 +3,11 @@
 ``COLO_KERNELS=triton|torch|auto`` (default ``auto``) sets the choice for the process; `use_backend` sets it for
 a block (tests use it to run the Triton kernels through Triton's interpreter on CPU); every public op also takes
 ``backend=`` for one call. Triton on a CPU tensor needs ``TRITON_INTERPRET=1`` set before triton is imported.
+
+Every op is a torch operator in the ``colo`` namespace (``torch.ops.colo.rms_norm``, ...; see `colo.kernels.library`)
+whose last argument is the backend. The public functions resolve the choice above in Python, so ``torch.compile``
+traces it (and guards on it), and pass ``"triton"`` or ``"torch"``; an operator called directly may also get
+``"auto"``, which it resolves by device alone (`op_backend`).
 """
 
 from __future__ import annotations
@@ -81,6 +86,18 @@ def resolve_backend(op: str, *tensors: torch.Tensor, backend: str | None = None)
             "to run Triton's interpreter, or use backend='torch'"
         )
     return "triton"
+
+
+def op_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """The implementation a ``torch.ops.colo`` operator runs for its ``backend`` argument: ``"triton"`` or
+    ``"torch"`` as given; ``"auto"`` picks Triton when every tensor is on CUDA and triton imports (the device alone,
+    not `use_backend` or ``COLO_KERNELS``, so an op and its backward, run later, pick the same)."""
+    if backend == "auto":
+        on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+        return "triton" if on_cuda and triton_available() else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"kernel backend {backend!r} is unknown; use one of {BACKENDS}")
+    return backend
 
 
 @contextlib.contextmanager

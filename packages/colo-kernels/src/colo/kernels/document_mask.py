@@ -74,8 +74,11 @@ def _is_integer_tensor(x: object) -> bool:
     return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
 
 
-def check_document_ids(op: str, name: str, ids: object, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """Validate document ids: an integer tensor of ``shape`` on ``device``, non-decreasing within each row.
+def check_document_ids(
+    op: str, name: str, ids: object, shape: tuple[int, int], device: torch.device, *, check_values: bool = True
+) -> torch.Tensor:
+    """Validate document ids: an integer tensor of ``shape`` on ``device``, non-decreasing within each row (the
+    values are checked only with ``check_values``: reading them synchronizes with the device).
 
     Returns the ids as a contiguous int64 tensor; raises a `ValueError` naming ``op``, ``name`` and the fix.
     """
@@ -90,7 +93,7 @@ def check_document_ids(op: str, name: str, ids: object, shape: tuple[int, int], 
     if ids.device != device:
         raise ValueError(f"{op}: {name} is on {ids.device}, q/k/v on {device}; move it to {device}")
     ids = ids.long()
-    if ids.shape[1] > 1:
+    if check_values and ids.shape[1] > 1:
         decreasing = ids[:, 1:] < ids[:, :-1]
         if bool(decreasing.any()):
             row, col = (int(x) for x in decreasing.nonzero()[0])
@@ -110,8 +113,13 @@ def document_mask_inputs(
     document_ids: torch.Tensor | None,
     query_document_ids: torch.Tensor | None = None,
     kv_offsets: torch.Tensor | int | None = None,
+    check_values: bool = True,
 ) -> DocumentMask | None:
     """Validate the document-mask arguments of an attention call; ``None`` when there are none (plain attention).
+
+    The shapes, dtypes and devices are always checked. The values (ids non-decreasing in each row, offsets that
+    keep the queries within the keys) only with ``check_values``: reading them is data-dependent, so the attention
+    ops skip it under ``torch.compile`` / ``torch.export`` (a graph break otherwise) and check in eager mode.
 
     Args:
         op (str): the calling function, for error messages.
@@ -122,6 +130,7 @@ def document_mask_inputs(
             ``kv_offsets[b] + i``'s id for query ``i``.
         kv_offsets (torch.Tensor | int | None): ``(batch,)`` or one int: position of each row's first query among
             the keys; ``None``: ``seq_k - seq_q``.
+        check_values (bool): check the ids' and offsets' values too. Default: ``True``.
 
     Raises:
         ValueError: ids that are not integer, not shaped ``(batch, seq)`` like q/k, not non-decreasing in a row, or
@@ -147,11 +156,13 @@ def document_mask_inputs(
         offsets = kv_offsets.to(device=q.device, dtype=torch.long).contiguous()
     if document_ids is None:
         return DocumentMask(None, None, offsets)
-    key_ids = check_document_ids(op, "document_ids", document_ids, (batch, seq_k), q.device)
+    key_ids = check_document_ids(op, "document_ids", document_ids, (batch, seq_k), q.device, check_values=check_values)
     if query_document_ids is not None:
-        return DocumentMask(check_document_ids(op, "query_document_ids", query_document_ids, (batch, seq_q), q.device),
-                            key_ids, offsets)  # fmt: skip
-    if seq_q and bool(((offsets < 0) | (offsets + seq_q > seq_k)).any()):
+        query_ids = check_document_ids(
+            op, "query_document_ids", query_document_ids, (batch, seq_q), q.device, check_values=check_values
+        )
+        return DocumentMask(query_ids, key_ids, offsets)
+    if check_values and seq_q and bool(((offsets < 0) | (offsets + seq_q > seq_k)).any()):
         raise ValueError(
             f"{op}: kv_offsets {offsets.tolist()} put the {seq_q} queries of a row outside its {seq_k} keys (query i "
             f"sits at key kv_offsets[b] + i, which must be in [0, {seq_k})); fix the offsets, or pass "

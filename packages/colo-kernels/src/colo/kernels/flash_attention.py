@@ -18,6 +18,10 @@ id of its own), optional ``query_document_ids`` and per-row ``kv_offsets``; a qu
 document (causally, with ``causal``). The Triton kernels then visit, per block, only the key (or query) range the
 documents and the causal mask leave visible, precomputed on the host with ``searchsorted``.
 
+Both backends run as two operators: ``torch.ops.colo.flash_attention`` returns ``(out, lse)`` and
+``torch.ops.colo.flash_attention_backward`` the gradients from them; `flash_attention` registers the second as the
+first's backward, and the ring-attention block step below calls them directly.
+
 `attention_block_forward` / `attention_block_backward` expose one block of a ring-attention step: the forward
 returns the block's ``(out, lse)`` for the caller to merge across blocks, and the backward takes the *merged*
 ``out`` and global ``lse``, so summing its per-block results gives the gradients of the full attention.
@@ -29,7 +33,7 @@ import math
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, check_triton_dtypes, interpreter_enabled, resolve_backend
+from .dispatch import UnsupportedKernelInput, check_triton_dtypes, interpreter_enabled, op_backend, resolve_backend
 from .document_mask import (
     DocumentMask,
     block_counter,
@@ -164,19 +168,6 @@ def _reference_attention(q, k, v, group, causal, scale, documents):
         probs = probs * mask
     v32 = v.float().repeat_interleave(group, dim=2) if group > 1 else v.float()
     return torch.einsum("bhqk,bkhd->bqhd", probs, v32).to(q.dtype)
-
-
-def _block_forward_torch(q, k, v, causal, scale, documents=None):
-    """Torch ``(out, lse)`` of one attention block, fp32 math; lse is ``-inf`` on rows that see no key."""
-    group = q.shape[2] // k.shape[2]
-    scores, mask = _scores_fp32(q, k, group, causal, scale, documents)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # -inf for a fully masked row
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    v32 = v.float().repeat_interleave(group, dim=2) if group > 1 else v.float()
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v32)
-    return out.to(q.dtype), lse
 
 
 def _block_backward_torch(dout, q, k, v, out, lse, causal, scale, documents=None):
@@ -636,21 +627,106 @@ def _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents=Non
     return dq, dk, dv
 
 
-class _FlashAttentionTriton(torch.autograd.Function):
-    """Forward: online-softmax kernel saving out and LSE. Backward: recompute probabilities from the LSE."""
+# ----------------------------------------------------------------------------------------------------------------
+# The operators torch.ops.colo.flash_attention and torch.ops.colo.flash_attention_backward
+# ----------------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, documents):
-        out, lse = _block_forward_triton(q, k, v, causal, scale, documents)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.documents = causal, scale, documents
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _block_backward_triton(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.documents)
-        return dq, dk, dv, None, None, None
+def _forward_torch(q, k, v, causal, scale, documents):
+    """Torch ``(out, lse)``: the output exactly as `flash_attention_reference` computes it, and the row logsumexp
+    (``-inf`` for a row that sees no key)."""
+    group = q.shape[2] // k.shape[2]
+    scores, mask = _scores_fp32(q, k, group, causal, scale, documents)
+    if mask is not None:
+        lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        # finfo.min rather than -inf keeps fully masked rows finite (uniform, then zeroed by the mask)
+        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(torch.float32).min), dim=-1) * mask
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+    v32 = v.float().repeat_interleave(group, dim=2) if group > 1 else v.float()
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v32).to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _op_documents(op, q, k, query_document_ids, document_ids, kv_offsets):
+    """The `DocumentMask` of an operator call (values checked by the public functions, in eager mode)."""
+    return document_mask_inputs(
+        op, q, k, document_ids=document_ids, query_document_ids=query_document_ids, kv_offsets=kv_offsets,
+        check_values=False,
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "colo::flash_attention",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? query_document_ids, "
+    "Tensor? document_ids, Tensor? kv_offsets, str backend) -> (Tensor, Tensor)",
+)
+def _flash_attention_op(q, k, v, causal, scale, query_document_ids, document_ids, kv_offsets, backend):
+    """``(out, lse)`` of attention with the document mask of `colo.kernels.document_mask` (query ids default to
+    the ids of their key positions, offsets to ``seq_k - seq_q``); ``lse`` is ``(batch, heads_q, seq_q)`` fp32."""
+    documents = _op_documents("colo::flash_attention", q, k, query_document_ids, document_ids, kv_offsets)
+    if op_backend(backend, q, k, v) == "triton":
+        return _block_forward_triton(q, k, v, causal, scale, documents)
+    return _forward_torch(q, k, v, causal, scale, documents)
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, causal, scale, query_document_ids, document_ids, kv_offsets, backend):
+    batch, seq_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seq_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "colo::flash_attention_backward",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale, "
+    "Tensor? query_document_ids, Tensor? document_ids, Tensor? kv_offsets, str backend) -> (Tensor, Tensor, Tensor)",
+)
+def _flash_attention_backward_op(
+    dout, q, k, v, out, lse, causal, scale, query_document_ids, document_ids, kv_offsets, backend
+):
+    """``(dq, dk, dv)`` from the output and logsumexp (merged over key blocks for ring attention)."""
+    documents = _op_documents("colo::flash_attention_backward", q, k, query_document_ids, document_ids, kv_offsets)
+    if op_backend(backend, dout, q, k, v, out) == "triton":
+        return _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents)
+    dq, dk, dv = _block_backward_torch(dout, q, k, v, out, lse, causal, scale, documents)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_flash_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, query_document_ids, document_ids, kv_offsets, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, query_document_ids, document_ids, kv_offsets, backend = inputs
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.save_for_backward(q, k, v, *output, query_document_ids, document_ids, kv_offsets)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, query_document_ids, document_ids, kv_offsets = ctx.saved_tensors
+    dq, dk, dv = torch.ops.colo.flash_attention_backward(
+        dout, q, k, v, out, lse, ctx.causal, ctx.scale, query_document_ids, document_ids, kv_offsets, ctx.backend
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _document_args(op, q, k, document_ids, query_document_ids, kv_offsets) -> tuple:
+    """The operators' ``(query_document_ids, document_ids, kv_offsets)`` from a public call's arguments: validated
+    (their values too, except under ``torch.compile``, where reading them would break the graph), the query ids
+    gathered from the keys' and an int offset made a tensor."""
+    documents = document_mask_inputs(
+        op, q, k, document_ids=document_ids, query_document_ids=query_document_ids, kv_offsets=kv_offsets,
+        check_values=not torch.compiler.is_compiling(),
+    )  # fmt: skip
+    if documents is None:
+        return None, None, None
+    return documents.query_ids, documents.key_ids, documents.kv_offsets
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -706,15 +782,12 @@ def flash_attention(
             head_dim other than 16, 32, 64 or 128.
     """
     _check_shapes("flash_attention", q, k, v)
-    documents = document_mask_inputs(
-        "flash_attention", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
-        kv_offsets=kv_offsets,
-    )  # fmt: skip
-    if resolve_backend("flash_attention", q, k, v, backend=backend) == "torch":
-        group = q.shape[2] // k.shape[2]
-        return _reference_attention(q, k, v, group, causal, _default_scale(q, scale), documents)
-    _check_triton_inputs("flash_attention", q=q, k=k, v=v)
-    return _FlashAttentionTriton.apply(q, k, v, causal, _default_scale(q, scale), documents)
+    documents = _document_args("flash_attention", q, k, document_ids, query_document_ids, kv_offsets)
+    backend = resolve_backend("flash_attention", q, k, v, backend=backend)
+    if backend == "triton":
+        _check_triton_inputs("flash_attention", q=q, k=k, v=v)
+    out, _ = torch.ops.colo.flash_attention(q, k, v, bool(causal), _default_scale(q, scale), *documents, backend)
+    return out
 
 
 def attention_block_forward(
@@ -755,16 +828,12 @@ def attention_block_forward(
         ``lse`` ``(batch, heads_q, seq_q)`` fp32, natural log of the sum of ``exp(scale * q.k)`` over visible keys.
     """
     _check_shapes("attention_block_forward", q, k, v)
-    documents = document_mask_inputs(
-        "attention_block_forward", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
-        kv_offsets=kv_offsets,
-    )  # fmt: skip
-    scale = _default_scale(q, scale)
-    with torch.no_grad():
-        if resolve_backend("attention_block_forward", q, k, v, backend=backend) == "torch":
-            return _block_forward_torch(q, k, v, causal, scale, documents)
+    documents = _document_args("attention_block_forward", q, k, document_ids, query_document_ids, kv_offsets)
+    backend = resolve_backend("attention_block_forward", q, k, v, backend=backend)
+    if backend == "triton":
         _check_triton_inputs("attention_block_forward", q=q, k=k, v=v)
-        return _block_forward_triton(q, k, v, causal, scale, documents)
+    with torch.no_grad():
+        return torch.ops.colo.flash_attention(q, k, v, bool(causal), _default_scale(q, scale), *documents, backend)
 
 
 def attention_block_backward(
@@ -817,13 +886,11 @@ def attention_block_backward(
         raise ValueError(
             f"attention_block_backward: lse must be (batch, heads_q, seq_q) = {expected_lse}, got {tuple(lse.shape)}"
         )
-    documents = document_mask_inputs(
-        "attention_block_backward", q, k, document_ids=document_ids, query_document_ids=query_document_ids,
-        kv_offsets=kv_offsets,
-    )  # fmt: skip
-    scale = _default_scale(q, scale)
-    with torch.no_grad():
-        if resolve_backend("attention_block_backward", dout, q, k, v, out, backend=backend) == "torch":
-            return _block_backward_torch(dout, q, k, v, out, lse, causal, scale, documents)
+    documents = _document_args("attention_block_backward", q, k, document_ids, query_document_ids, kv_offsets)
+    backend = resolve_backend("attention_block_backward", dout, q, k, v, out, backend=backend)
+    if backend == "triton":
         _check_triton_inputs("attention_block_backward", dout=dout, q=q, k=k, v=v, out=out)
-        return _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents)
+    with torch.no_grad():
+        return torch.ops.colo.flash_attention_backward(
+            dout, q, k, v, out, lse, bool(causal), _default_scale(q, scale), *documents, backend
+        )

@@ -4,7 +4,8 @@
 torch matmul, runs the cross-entropy forward and backward on them (the Triton kernel on the Triton path, torch
 ops on the torch path), overwriting the logits with their gradient, and immediately turns that into the chunk's
 ``grad_hidden`` and a contribution to ``grad_weight`` (and ``grad_bias``). The gradients are therefore computed
-during the forward and kept for the backward, which only scales them by the incoming gradient. Peak extra
+during the forward and kept for the backward, which only scales them by the incoming gradient: the operator
+``torch.ops.colo.fused_linear_cross_entropy`` returns the loss and the three gradients of a unit loss. Peak extra
 memory is one chunk of logits (plus its fp32 copy on the torch path) instead of ``tokens * vocab`` logits and
 their gradient. The same scheme is known as "fused linear cross-entropy" (Liger-Kernel, Hsu et al., 2024) and
 "cut cross-entropy" (Wijmans et al., 2024) for the variant that also tiles the vocabulary.
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .cross_entropy import _check_triton_inputs, _cross_entropy_rows_triton, _mean_divisor, cross_entropy_reference
-from .dispatch import resolve_backend
+from .dispatch import op_backend, resolve_backend
 
 
 def fused_linear_cross_entropy_reference(
@@ -85,51 +86,82 @@ def default_chunk_size(num_tokens: int, hidden_size: int, vocab_size: int) -> in
     return max(1, -(-num_tokens // num_chunks))
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Forward: chunked logits, loss and all gradients. Backward: scale the stored gradients by grad_output."""
+def _loss_and_grads(hidden, weight, bias, target, ignore_index, z_loss, chunk_size, chunk_fn, needs_grad):
+    """The chunked forward: ``(loss, grad_hidden, grad_weight, grad_bias)`` for a unit gradient of the loss; the
+    gradients not asked for are empty."""
+    num_tokens = hidden.shape[0]
+    needs_hidden, needs_weight, needs_bias = needs_grad
+    divisor = _mean_divisor(target, ignore_index)
+    grad_scale = divisor.reciprocal().reshape(1)
+    loss_rows = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0)
+    # grad_weight accumulates in the weight's dtype through addmm_ (no weight-sized temporary per chunk); with
+    # bf16 weights that rounds once per chunk, slightly more than the naive path's single rounding.
+    grad_weight = torch.zeros_like(weight) if needs_weight else weight.new_empty(0)
+    grad_bias = weight.new_zeros(weight.shape[0], dtype=torch.float32) if needs_bias else weight.new_empty(0)
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        hidden_chunk = hidden[start:end]
+        logits = hidden_chunk @ weight.T if bias is None else torch.addmm(bias, hidden_chunk, weight.T)
+        loss_rows[start:end] = chunk_fn(
+            logits, target[start:end], ignore_index=ignore_index, z_loss=z_loss, grad_scale=grad_scale
+        )
+        grad_logits = logits  # overwritten in place by chunk_fn
+        if needs_hidden:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        if needs_weight:
+            grad_weight.addmm_(grad_logits.T, hidden_chunk)
+        if needs_bias:
+            grad_bias += grad_logits.sum(0, dtype=torch.float32)
+        del logits, grad_logits
+    return loss_rows.sum() / divisor, grad_hidden, grad_weight, grad_bias
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, z_loss, chunk_size, chunk_fn, needs_grad):
-        num_tokens = hidden.shape[0]
-        needs_hidden, needs_weight, needs_bias = needs_grad
-        divisor = _mean_divisor(target, ignore_index)
-        grad_scale = divisor.reciprocal().reshape(1)
-        loss_rows = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        # grad_weight accumulates in the weight's dtype through addmm_ (no weight-sized temporary per chunk); with
-        # bf16 weights that rounds once per chunk, slightly more than the naive path's single rounding.
-        grad_weight = torch.zeros_like(weight) if needs_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if needs_bias else None
-        for start in range(0, num_tokens, chunk_size):
-            end = min(start + chunk_size, num_tokens)
-            hidden_chunk = hidden[start:end]
-            logits = hidden_chunk @ weight.T if bias is None else torch.addmm(bias, hidden_chunk, weight.T)
-            loss_rows[start:end] = chunk_fn(
-                logits, target[start:end], ignore_index=ignore_index, z_loss=z_loss, grad_scale=grad_scale
-            )
-            grad_logits = logits  # overwritten in place by chunk_fn
-            if needs_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
-            if needs_weight:
-                grad_weight.addmm_(grad_logits.T, hidden_chunk)
-            if needs_bias:
-                grad_bias += grad_logits.sum(0, dtype=torch.float32)
-            del logits, grad_logits
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return loss_rows.sum() / divisor
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        # Out of place, so that a second backward (retain_graph=True) scales the stored gradients only once.
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = grad_weight * grad_output.to(grad_weight.dtype)
-        if grad_bias is not None:
-            grad_bias = (grad_bias * grad_output).to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+@torch.library.custom_op(
+    "colo::fused_linear_cross_entropy",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float z_loss, "
+    "int chunk_size, bool hidden_grad, bool weight_grad, bool bias_grad, str backend) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _fused_linear_cross_entropy_op(
+    hidden, weight, bias, target, ignore_index, z_loss, chunk_size, hidden_grad, weight_grad, bias_grad, backend
+):
+    """``(loss, grad_hidden, grad_weight, grad_bias)``: the fp32 mean loss of ``(tokens, hidden)`` states and the
+    gradients of a unit loss (fp32 for the bias), computed in the forward; those not asked for are empty."""
+    tensors = (hidden, weight, target) + (() if bias is None else (bias,))
+    chunk_fn = _chunk_loss_and_grad_triton if op_backend(backend, *tensors) == "triton" else _chunk_loss_and_grad_torch
+    needs_grad = (hidden_grad, weight_grad, bias_grad and bias is not None)
+    return _loss_and_grads(hidden, weight, bias, target, ignore_index, z_loss, chunk_size, chunk_fn, needs_grad)
+
+
+@_fused_linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, target, ignore_index, z_loss, chunk_size, hidden_grad, weight_grad, bias_grad, backend):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    grad_hidden = hidden.new_empty(hidden.shape if hidden_grad else (0,))
+    grad_weight = weight.new_empty(weight.shape if weight_grad else (0,))
+    grad_bias = weight.new_empty((weight.shape[0],) if bias_grad and bias is not None else (0,), dtype=torch.float32)
+    return loss, grad_hidden, grad_weight, grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    bias = inputs[2]
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.needs = inputs[7:10]
+    ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, grad_output, *_):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    hidden_grad, weight_grad, bias_grad = ctx.needs
+    # Out of place, so that a second backward (retain_graph=True) scales the stored gradients only once.
+    grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype) if hidden_grad else None
+    grad_weight = grad_weight * grad_output.to(grad_weight.dtype) if weight_grad else None
+    grad_bias = (grad_bias * grad_output).to(ctx.bias_dtype) if bias_grad and ctx.bias_dtype is not None else None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+_fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_linear_cross_entropy(
@@ -193,19 +225,15 @@ def fused_linear_cross_entropy(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1)
     tensors = (hidden2d, weight, target1d) + (() if bias is None else (bias,))
-    if resolve_backend("fused_linear_cross_entropy", *tensors, backend=backend) == "triton":
+    backend = resolve_backend("fused_linear_cross_entropy", *tensors, backend=backend)
+    if backend == "triton":
         _check_triton_inputs("fused_linear_cross_entropy", hidden2d, target1d, name="hidden")
-        chunk_fn = _chunk_loss_and_grad_triton
-    else:
-        chunk_fn = _chunk_loss_and_grad_torch
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden2d.shape[0], weight.shape[1], weight.shape[0])
     grad_on = torch.is_grad_enabled()
-    needs_grad = (
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
-    )
-    return _FusedLinearCrossEntropy.apply(
-        hidden2d, weight, bias, target1d, ignore_index, z_loss, chunk_size, chunk_fn, needs_grad
-    )
+    loss, *_ = torch.ops.colo.fused_linear_cross_entropy(
+        hidden2d, weight, bias, target1d, int(ignore_index), float(z_loss), int(chunk_size),
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad, backend,
+    )  # fmt: skip
+    return loss

@@ -2,7 +2,8 @@
 
 `layer_norm` is the public op; `layer_norm_reference` is the same computation in torch ops. The Triton kernels
 follow `rms_norm`'s layout: rows of ``hidden`` elements, ``ROWS`` rows per program, fp32 math, per-program partial
-weight and bias gradients summed in torch.
+weight and bias gradients summed in torch. Either backend runs as the operators ``torch.ops.colo.layer_norm``
+(returning ``(y, h, mean, rstd)``) and ``torch.ops.colo.layer_norm_backward`` (the Triton kernel's closed form).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._rows import _backward_grid, _row_tiling
-from .dispatch import check_triton_dtypes, resolve_backend
+from .dispatch import check_triton_dtypes, op_backend, resolve_backend
 
 try:
     import triton
@@ -125,63 +126,160 @@ if triton is not None:
             tl.store(dbias_partial_ptr + pid * n_cols + cols, tl.sum(dbias, axis=0), mask=col_mask)
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    """Triton LayerNorm; with a residual it returns ``(y, h)`` and its backward adds the gradient of ``h``."""
+def _forward_triton(x, weight, bias, residual, eps):
+    """Triton forward: ``(y, h, mean, rstd)``; ``h`` is empty without a residual."""
+    shape = x.shape
+    n_cols = shape[-1]
+    x2d = x.contiguous().view(-1, n_cols)
+    n_rows = x2d.shape[0]
+    block_n, rows, num_warps = _row_tiling("layer_norm", n_rows, n_cols, x.device)
+    y = torch.empty_like(x2d)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        residual2d = residual.contiguous().view(-1, n_cols)
+        h = torch.empty_like(x2d)
+    else:
+        residual2d, h = x2d, x2d  # unused by the kernel when HAS_RESIDUAL is False
+    weight_arg = weight.contiguous() if weight is not None else x2d
+    bias_arg = bias.contiguous() if bias is not None else x2d
+    _layer_norm_forward_kernel[(triton.cdiv(n_rows, rows) or 1,)](
+        x2d, residual2d, weight_arg, bias_arg, y, h, mean, rstd, n_rows, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+    )  # fmt: skip
+    h = h.view(shape) if residual is not None else x.new_empty(0)
+    return y.view(shape), h, mean.view(shape[:-1]), rstd.view(shape[:-1])
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps):
-        shape = x.shape
-        n_cols = shape[-1]
-        x2d = x.contiguous().view(-1, n_cols)
-        n_rows = x2d.shape[0]
-        block_n, rows, num_warps = _row_tiling("layer_norm", n_rows, n_cols, x.device)
-        y = torch.empty_like(x2d)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        if residual is not None:
-            residual2d = residual.contiguous().view(-1, n_cols)
-            h = torch.empty_like(x2d)
-        else:
-            residual2d, h = x2d, x2d  # unused by the kernel when HAS_RESIDUAL is False
-        weight_arg = weight.contiguous() if weight is not None else x2d
-        bias_arg = bias.contiguous() if bias is not None else x2d
-        _layer_norm_forward_kernel[(triton.cdiv(n_rows, rows) or 1,)](
-            x2d, residual2d, weight_arg, bias_arg, y, h, mean, rstd, n_rows, n_cols, eps,
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
-        )  # fmt: skip
-        ctx.save_for_backward(h, weight, mean, rstd)
-        ctx.has_residual = residual is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.tiling = (block_n, rows, num_warps)
-        if residual is None:
-            return y.view(shape)
-        return y.view(shape), h.view(shape)
 
-    @staticmethod
-    def backward(ctx, dy, dh_out=None):
-        h, weight, mean, rstd = ctx.saved_tensors
-        block_n, rows, num_warps = ctx.tiling
-        n_rows, n_cols = h.shape
-        shape = dy.shape
-        compute_dweight = weight is not None and ctx.needs_input_grad[1]
-        compute_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        grid = _backward_grid(triton.cdiv(n_rows, rows), h.device)
-        dh = torch.empty_like(h)
-        partial_shape = (grid if compute_dweight else 1, n_cols)
-        dweight_partial = torch.empty(partial_shape, dtype=torch.float32, device=h.device)
-        partial_shape = (grid if compute_dbias else 1, n_cols)
-        dbias_partial = torch.empty(partial_shape, dtype=torch.float32, device=h.device)
-        _layer_norm_backward_kernel[(grid,)](
-            dy.contiguous().view(-1, n_cols), dh_out.contiguous().view(-1, n_cols) if dh_out is not None else dy,
-            h, weight if weight is not None else h, mean, rstd, dh, dweight_partial, dbias_partial, n_rows, n_cols,
-            HAS_DH_OUT=dh_out is not None, HAS_WEIGHT=weight is not None, COMPUTE_DWEIGHT=compute_dweight,
-            COMPUTE_DBIAS=compute_dbias, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
-        )  # fmt: skip
-        dweight = dweight_partial.sum(0).to(weight.dtype) if compute_dweight else None
-        dbias = dbias_partial.sum(0).to(ctx.bias_dtype) if compute_dbias else None
-        dh = dh.view(shape)
-        return dh, dweight, dbias, dh if ctx.has_residual else None, None
+def _backward_triton(dy, dh_out, h, weight, mean, rstd, compute_dweight, compute_dbias, bias_dtype):
+    """Triton backward: ``(dh, dweight, dbias)``, the parameter gradients empty unless asked for."""
+    shape = h.shape
+    n_cols = shape[-1]
+    h = h.contiguous().view(-1, n_cols)
+    n_rows = h.shape[0]
+    block_n, rows, num_warps = _row_tiling("layer_norm", n_rows, n_cols, h.device)
+    grid = _backward_grid(triton.cdiv(n_rows, rows), h.device)
+    dh = torch.empty_like(h)
+    dweight_partial = torch.empty((grid if compute_dweight else 1, n_cols), dtype=torch.float32, device=h.device)
+    dbias_partial = torch.empty((grid if compute_dbias else 1, n_cols), dtype=torch.float32, device=h.device)
+    dy = dy.contiguous().view(-1, n_cols)
+    _layer_norm_backward_kernel[(grid,)](
+        dy, dh_out.contiguous().view(-1, n_cols) if dh_out is not None else dy,
+        h, weight.contiguous() if weight is not None else h, mean.contiguous(), rstd.contiguous(), dh,
+        dweight_partial, dbias_partial, n_rows, n_cols,
+        HAS_DH_OUT=dh_out is not None, HAS_WEIGHT=weight is not None, COMPUTE_DWEIGHT=compute_dweight,
+        COMPUTE_DBIAS=compute_dbias, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+    )  # fmt: skip
+    dweight = dweight_partial.sum(0).to(weight.dtype) if compute_dweight else h.new_empty(0)
+    dbias = dbias_partial.sum(0).to(bias_dtype) if compute_dbias else h.new_empty(0)
+    return dh.view(shape), dweight, dbias
+
+
+def _forward_torch(x, weight, bias, residual, eps):
+    """Torch forward, the values of `layer_norm_reference`: ``(y, h, mean, rstd)``."""
+    h = x if residual is None else x + residual
+    h32 = h.float()
+    mean = h32.mean(-1, keepdim=True)
+    centered = h32 - mean
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    y = centered * rstd
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    h = h.contiguous() if residual is not None else x.new_empty(0)
+    return y.to(x.dtype).contiguous(), h, mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def _backward_torch(dy, dh_out, h, weight, mean, rstd, compute_dweight, compute_dbias, bias_dtype):
+    """Torch backward, the formulas of the Triton kernel."""
+    rstd = rstd.unsqueeze(-1)
+    normed = (h.float() - mean.unsqueeze(-1)) * rstd
+    dy32 = dy.float()
+    dnormed = dy32 * weight.float() if weight is not None else dy32
+    # d/dh of (h - mean) * rstd: rstd * (g - mean(g) - normed * mean(g * normed)) for the upstream g
+    dh = rstd * (dnormed - dnormed.mean(-1, keepdim=True) - normed * (dnormed * normed).mean(-1, keepdim=True))
+    if dh_out is not None:
+        dh = dh + dh_out.float()
+    n_cols = h.shape[-1]
+    dweight = (dy32 * normed).reshape(-1, n_cols).sum(0).to(weight.dtype) if compute_dweight else h.new_empty(0)
+    dbias = dy32.reshape(-1, n_cols).sum(0).to(bias_dtype) if compute_dbias else h.new_empty(0)
+    return dh.to(h.dtype).contiguous(), dweight, dbias
+
+
+@torch.library.custom_op(
+    "colo::layer_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, str backend) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _layer_norm_op(x, weight, bias, residual, eps, backend):
+    """``(y, h, mean, rstd)``: the norm, the residual sum (empty without a residual) and each row's fp32 mean and
+    ``1 / std`` (shaped ``x.shape[:-1]``), saved for the backward."""
+    tensors = [t for t in (x, weight, bias, residual) if t is not None]
+    if op_backend(backend, *tensors) == "triton":
+        return _forward_triton(x, weight, bias, residual, eps)
+    return _forward_torch(x, weight, bias, residual, eps)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, residual, eps, backend):
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), h, stats, stats.new_empty(stats.shape)
+
+
+@torch.library.custom_op(
+    "colo::layer_norm_backward",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor? dh_out, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, bool compute_dweight, "
+    "bool compute_dbias, ScalarType bias_dtype, str backend) -> (Tensor, Tensor, Tensor)",
+)
+def _layer_norm_backward_op(dy, dh_out, h, weight, mean, rstd, compute_dweight, compute_dbias, bias_dtype, backend):
+    """``(dh, dweight, dbias)``: ``dh`` includes ``dh_out``; the parameter gradients are empty unless asked for."""
+    tensors = (h,) if weight is None else (h, weight)
+    if op_backend(backend, *tensors) == "triton":
+        return _backward_triton(dy, dh_out, h, weight, mean, rstd, compute_dweight, compute_dbias, bias_dtype)
+    return _backward_torch(dy, dh_out, h, weight, mean, rstd, compute_dweight, compute_dbias, bias_dtype)
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, dh_out, h, weight, mean, rstd, compute_dweight, compute_dbias, bias_dtype, backend):
+    n_cols = h.shape[-1]
+    dweight = weight.new_empty(n_cols) if compute_dweight else h.new_empty(0)
+    dbias = h.new_empty(n_cols, dtype=bias_dtype) if compute_dbias else h.new_empty(0)
+    return h.new_empty(h.shape), dweight, dbias
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, _, backend = inputs
+    _, h, mean, rstd = output
+    ctx.has_residual, ctx.backend = residual is not None, backend
+    ctx.has_weight = weight is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+
+
+def _backward(ctx, dy, dh_out, _dmean, _drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    compute_dweight = ctx.has_weight and ctx.needs_input_grad[1]
+    compute_dbias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    dh, dweight, dbias = torch.ops.colo.layer_norm_backward(
+        dy, dh_out if ctx.has_residual else None, h, weight, mean, rstd, compute_dweight, compute_dbias,
+        ctx.bias_dtype or torch.float32, ctx.backend,
+    )  # fmt: skip
+    return (
+        dh,
+        dweight if compute_dweight else None,
+        dbias if compute_dbias else None,
+        dh if ctx.has_residual else None,
+        None,
+        None,
+    )
+
+
+_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layer_norm_reference(
@@ -251,7 +349,8 @@ def layer_norm(
             f"it must match x {tuple(x.shape)} {x.dtype}"
         )
     tensors = [t for t in (x, weight, bias, residual) if t is not None]
-    if resolve_backend("layer_norm", *tensors, backend=backend) == "torch":
-        return layer_norm_reference(x, weight, bias, eps, residual=residual)
-    check_triton_dtypes("layer_norm", x=x, weight=weight, bias=bias)
-    return _LayerNormFunction.apply(x, weight, bias, residual, eps)
+    backend = resolve_backend("layer_norm", *tensors, backend=backend)
+    if backend == "triton":
+        check_triton_dtypes("layer_norm", x=x, weight=weight, bias=bias)
+    y, h, _, _ = torch.ops.colo.layer_norm(x, weight, bias, residual, float(eps), backend)
+    return y if residual is None else (y, h)

@@ -1,7 +1,9 @@
 """RMSNorm (Zhang & Sennrich, 2019), optionally fused with the residual add that precedes it in a pre-norm block.
 
 `rms_norm` is the public op; `rms_norm_reference` is the same computation in torch ops. Both compute in fp32 and
-round once to the input's dtype at the end. The Triton kernels treat the input as ``(rows, hidden)``, keep a whole
+round once to the input's dtype at the end. Both run as the operators ``torch.ops.colo.rms_norm`` (returning
+``(y, h, rstd)``) and ``torch.ops.colo.rms_norm_backward``, the torch backend computing the same closed-form
+gradient as the Triton kernel. The Triton kernels treat the input as ``(rows, hidden)``, keep a whole
 row in one block and process ``ROWS`` rows per program; the backward kernel loops over row tiles so each program
 accumulates its own partial weight gradient, summed afterwards in torch.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._rows import _backward_grid, _row_tiling
-from .dispatch import check_triton_dtypes, resolve_backend
+from .dispatch import check_triton_dtypes, op_backend, resolve_backend
 
 try:
     import triton
@@ -97,53 +99,130 @@ if triton is not None:
             tl.store(dweight_partial_ptr + pid * n_cols + cols, tl.sum(dweight, axis=0), mask=col_mask)
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """Triton RMSNorm; with a residual it returns ``(y, h)`` and its backward adds the gradient of ``h``."""
+def _forward_triton(x, weight, residual, eps):
+    """Triton forward: ``(y, h, rstd)``; ``h`` (the residual sum) is empty without a residual."""
+    shape = x.shape
+    n_cols = shape[-1]
+    x2d = x.contiguous().view(-1, n_cols)
+    n_rows = x2d.shape[0]
+    block_n, rows, num_warps = _row_tiling("rms_norm", n_rows, n_cols, x.device)
+    y = torch.empty_like(x2d)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        residual2d = residual.contiguous().view(-1, n_cols)
+        h = torch.empty_like(x2d)
+    else:
+        residual2d, h = x2d, x2d  # unused by the kernel when HAS_RESIDUAL is False
+    _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows) or 1,)](
+        x2d, residual2d, weight.contiguous(), y, h, rstd, n_rows, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+    )  # fmt: skip
+    h = h.view(shape) if residual is not None else x.new_empty(0)
+    return y.view(shape), h, rstd.view(shape[:-1])
 
-    @staticmethod
-    def forward(ctx, x, weight, residual, eps):
-        shape = x.shape
-        n_cols = shape[-1]
-        x2d = x.contiguous().view(-1, n_cols)
-        n_rows = x2d.shape[0]
-        block_n, rows, num_warps = _row_tiling("rms_norm", n_rows, n_cols, x.device)
-        y = torch.empty_like(x2d)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        if residual is not None:
-            residual2d = residual.contiguous().view(-1, n_cols)
-            h = torch.empty_like(x2d)
-        else:
-            residual2d, h = x2d, x2d  # unused by the kernel when HAS_RESIDUAL is False
-        _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows) or 1,)](
-            x2d, residual2d, weight.contiguous(), y, h, rstd, n_rows, n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
-        )  # fmt: skip
-        ctx.save_for_backward(h, weight, rstd)
-        ctx.has_residual = residual is not None
-        ctx.tiling = (block_n, rows, num_warps)
-        if residual is None:
-            return y.view(shape)
-        return y.view(shape), h.view(shape)
 
-    @staticmethod
-    def backward(ctx, dy, dh_out=None):
-        h, weight, rstd = ctx.saved_tensors
-        block_n, rows, num_warps = ctx.tiling
-        n_rows, n_cols = h.shape
-        shape = dy.shape
-        compute_dweight = ctx.needs_input_grad[1]
-        grid = _backward_grid(triton.cdiv(n_rows, rows), h.device)
-        dh = torch.empty_like(h)
-        dweight_partial = torch.empty((grid, n_cols), dtype=torch.float32, device=h.device)
-        _rms_norm_backward_kernel[(grid,)](
-            dy.contiguous().view(-1, n_cols), dh_out.contiguous().view(-1, n_cols) if dh_out is not None else dy,
-            h, weight, rstd, dh, dweight_partial, n_rows, n_cols,
-            HAS_DH_OUT=dh_out is not None, COMPUTE_DWEIGHT=compute_dweight, BLOCK_N=block_n, ROWS=rows,
-            num_warps=num_warps,
-        )  # fmt: skip
-        dweight = dweight_partial.sum(0).to(weight.dtype) if compute_dweight else None
-        dh = dh.view(shape)
-        return dh, dweight, dh if ctx.has_residual else None, None
+def _backward_triton(dy, dh_out, h, weight, rstd, compute_dweight):
+    """Triton backward: ``(dh, dweight)``; ``dweight`` is empty unless ``compute_dweight``."""
+    shape = h.shape
+    n_cols = shape[-1]
+    h = h.contiguous().view(-1, n_cols)
+    n_rows = h.shape[0]
+    block_n, rows, num_warps = _row_tiling("rms_norm", n_rows, n_cols, h.device)
+    grid = _backward_grid(triton.cdiv(n_rows, rows), h.device)
+    dh = torch.empty_like(h)
+    dweight_partial = torch.empty((grid, n_cols), dtype=torch.float32, device=h.device)
+    dy = dy.contiguous().view(-1, n_cols)
+    _rms_norm_backward_kernel[(grid,)](
+        dy, dh_out.contiguous().view(-1, n_cols) if dh_out is not None else dy,
+        h, weight.contiguous(), rstd.contiguous(), dh, dweight_partial, n_rows, n_cols,
+        HAS_DH_OUT=dh_out is not None, COMPUTE_DWEIGHT=compute_dweight, BLOCK_N=block_n, ROWS=rows,
+        num_warps=num_warps,
+    )  # fmt: skip
+    dweight = dweight_partial.sum(0).to(weight.dtype) if compute_dweight else weight.new_empty(0)
+    return dh.view(shape), dweight
+
+
+def _forward_torch(x, weight, residual, eps):
+    """Torch forward, the values of `rms_norm_reference`: ``(y, h, rstd)``."""
+    h = x if residual is None else x + residual
+    h32 = h.float()
+    rstd = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    y = (h32 * rstd * weight.float()).to(x.dtype)
+    h = h.contiguous() if residual is not None else x.new_empty(0)
+    return y.contiguous(), h, rstd.squeeze(-1)
+
+
+def _backward_torch(dy, dh_out, h, weight, rstd, compute_dweight):
+    """Torch backward, the formulas of the Triton kernel: ``(dh, dweight)``."""
+    rstd = rstd.unsqueeze(-1)
+    normed = h.float() * rstd
+    dy32 = dy.float()
+    dnormed = dy32 * weight.float()
+    # d/dh of h * rstd(h): rstd * (g - normed * mean(g * normed)) for the upstream g = dy * weight
+    dh = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
+    if dh_out is not None:
+        dh = dh + dh_out.float()
+    if compute_dweight:
+        dweight = (dy32 * normed).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+    else:
+        dweight = weight.new_empty(0)
+    return dh.to(h.dtype).contiguous(), dweight
+
+
+@torch.library.custom_op(
+    "colo::rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? residual, float eps, str backend) -> (Tensor, Tensor, Tensor)",
+)
+def _rms_norm_op(x, weight, residual, eps, backend):
+    """``(y, h, rstd)``: the norm, the residual sum ``x + residual`` (empty without a residual) and the fp32
+    ``1 / rms`` of each row (shaped ``x.shape[:-1]``), saved for the backward."""
+    if op_backend(backend, x, weight) == "triton":
+        return _forward_triton(x, weight, residual, eps)
+    return _forward_torch(x, weight, residual, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, residual, eps, backend):
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "colo::rms_norm_backward",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor? dh_out, Tensor h, Tensor weight, Tensor rstd, bool compute_dweight, str backend) "
+    "-> (Tensor, Tensor)",
+)
+def _rms_norm_backward_op(dy, dh_out, h, weight, rstd, compute_dweight, backend):
+    """``(dh, dweight)``: the gradient of the normalized input ``h`` (plus ``dh_out``, the gradient the residual
+    sum got from elsewhere) and of the weight (empty unless ``compute_dweight``)."""
+    if op_backend(backend, h, weight) == "triton":
+        return _backward_triton(dy, dh_out, h, weight, rstd, compute_dweight)
+    return _backward_torch(dy, dh_out, h, weight, rstd, compute_dweight)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, dh_out, h, weight, rstd, compute_dweight, backend):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape if compute_dweight else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, _, backend = inputs
+    _, h, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.backend = backend
+    ctx.save_for_backward(h if residual is not None else x, weight, rstd)
+
+
+def _backward(ctx, dy, dh_out, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    dh_out = dh_out if ctx.has_residual else None
+    dh, dweight = torch.ops.colo.rms_norm_backward(dy, dh_out, h, weight, rstd, ctx.needs_input_grad[1], ctx.backend)
+    return dh, dweight if ctx.needs_input_grad[1] else None, dh if ctx.has_residual else None, None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rms_norm_reference(
@@ -200,7 +279,8 @@ def rms_norm(
             f"it must match x {tuple(x.shape)} {x.dtype}"
         )
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if resolve_backend("rms_norm", *tensors, backend=backend) == "torch":
-        return rms_norm_reference(x, weight, eps, residual=residual)
-    check_triton_dtypes("rms_norm", x=x, weight=weight)
-    return _RMSNormFunction.apply(x, weight, residual, eps)
+    backend = resolve_backend("rms_norm", *tensors, backend=backend)
+    if backend == "triton":
+        check_triton_dtypes("rms_norm", x=x, weight=weight)
+    y, h, _ = torch.ops.colo.rms_norm(x, weight, residual, float(eps), backend)
+    return y if residual is None else (y, h)

@@ -7,14 +7,15 @@ rotation of each pair ``(x1[i], x2[i])`` by ``theta_i * p``). The backward is th
 ``-theta``.
 
 The Triton kernel treats q (or k) as rows of ``head_dim`` elements, one row per (batch, position, head), and
-rotates ``ROWS`` rows per program; q and k are two launches because GQA gives them different head counts.
+rotates ``ROWS`` rows per program; q and k are two launches because GQA gives them different head counts. Either
+backend runs as the operator ``torch.ops.colo.rotary``, whose backward is the same operator with ``inverse=True``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import check_triton_dtypes, resolve_backend
+from .dispatch import check_triton_dtypes, op_backend, resolve_backend
 
 try:
     import triton
@@ -82,25 +83,57 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offs
     return y
 
 
-class _RotaryFunction(torch.autograd.Function):
-    """Triton RoPE on q and k; gradients flow to q and k only (cos and sin are constant tables)."""
+def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int, inverse: bool):
+    """`_rotary_kernel` in torch ops: ``[x1 c1 - x2 s1, x2 c2 + x1 s2]``, or its transpose with ``inverse``."""
+    seq_len = x.shape[1]
+    cos = cos[position_offset : position_offset + seq_len].float()[None, :, None, :]
+    sin = sin[position_offset : position_offset + seq_len].float()[None, :, None, :]
+    x32 = x.float()
+    if not inverse:
+        return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype).contiguous()
+    x1, x2 = x32.chunk(2, dim=-1)
+    cos1, cos2 = cos.chunk(2, dim=-1)
+    sin1, sin2 = sin.chunk(2, dim=-1)
+    return torch.cat((x1 * cos1 + x2 * sin2, x2 * cos2 - x1 * sin1), dim=-1).to(x.dtype)
 
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_offset):
+
+@torch.library.custom_op(
+    "colo::rotary",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor cos, Tensor sin, int position_offset, bool inverse, str backend) "
+    "-> (Tensor, Tensor)",
+)
+def _rotary_op(q, k, cos, sin, position_offset, inverse, backend):
+    """``(q_rot, k_rot)``; with ``inverse`` the transposed rotation (by ``-theta``), which is the backward."""
+    if op_backend(backend, q, k, cos, sin) == "triton":
         cos, sin = cos.contiguous(), sin.contiguous()
-        ctx.save_for_backward(cos, sin)
-        ctx.position_offset = position_offset
         return (
-            _rotate(q.contiguous(), cos, sin, position_offset, inverse=False),
-            _rotate(k.contiguous(), cos, sin, position_offset, inverse=False),
+            _rotate(q.contiguous(), cos, sin, position_offset, inverse=inverse),
+            _rotate(k.contiguous(), cos, sin, position_offset, inverse=inverse),
         )
+    return _rotate_torch(q, cos, sin, position_offset, inverse), _rotate_torch(k, cos, sin, position_offset, inverse)
 
-    @staticmethod
-    def backward(ctx, dq_rot, dk_rot):
-        cos, sin = ctx.saved_tensors
-        dq = _rotate(dq_rot.contiguous(), cos, sin, ctx.position_offset, inverse=True) if dq_rot is not None else None
-        dk = _rotate(dk_rot.contiguous(), cos, sin, ctx.position_offset, inverse=True) if dk_rot is not None else None
-        return dq, dk, None, None, None
+
+@_rotary_op.register_fake
+def _(q, k, cos, sin, position_offset, inverse, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, cos, sin, position_offset, inverse, backend = inputs
+    ctx.position_offset, ctx.inverse, ctx.backend = position_offset, inverse, backend
+    ctx.save_for_backward(cos, sin)
+
+
+def _backward(ctx, dq_rot, dk_rot):
+    cos, sin = ctx.saved_tensors
+    dq, dk = torch.ops.colo.rotary(
+        dq_rot, dk_rot, cos, sin, ctx.position_offset, not ctx.inverse, ctx.backend
+    )  # the transposed rotation; autograd passes zeros for an output that got no gradient
+    return dq, dk, None, None, None, None, None
+
+
+_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rotary_cos_sin(
@@ -163,7 +196,7 @@ def rotary(
 
     Position ``s`` of the sequence uses row ``position_offset + s`` of ``cos`` and ``sin``, so a decoding step or
     a sequence-parallel shard passes the absolute position of its first token. Math is in fp32, rounded once to
-    the dtype of q (and k). Gradients flow to q and k; on the Triton path ``cos`` and ``sin`` get none.
+    the dtype of q (and k). Gradients flow to q and k; ``cos`` and ``sin`` are constant tables and get none.
 
     Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
 
@@ -200,7 +233,7 @@ def rotary(
             f"rotary: positions [{position_offset}, {position_offset + seq_len}) fall outside the {cos.shape[0]} "
             "rows of cos/sin; build longer tables with rotary_cos_sin"
         )
-    if resolve_backend("rotary", q, k, cos, sin, backend=backend) == "torch":
-        return rotary_reference(q, k, cos, sin, position_offset=position_offset)
-    check_triton_dtypes("rotary", q=q, k=k, cos=cos, sin=sin)
-    return _RotaryFunction.apply(q, k, cos, sin, int(position_offset))
+    backend = resolve_backend("rotary", q, k, cos, sin, backend=backend)
+    if backend == "triton":
+        check_triton_dtypes("rotary", q=q, k=k, cos=cos, sin=sin)
+    return torch.ops.colo.rotary(q, k, cos, sin, int(position_offset), False, backend)

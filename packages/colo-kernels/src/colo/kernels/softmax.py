@@ -4,7 +4,8 @@
 probability 0 and a row with every position masked is all zeros rather than NaN, on both paths. The Triton
 kernels hold a whole row in one block (``ROWS`` rows per program, fp32 math, as `rms_norm`); an explicit
 ``mask`` is read through its broadcast strides (a per-row offset table plus a column stride), never expanded in
-memory. The backward uses only the saved output: ``dx = scale * y * (dy - sum(dy * y))``.
+memory. The backward uses only the saved output: ``dx = scale * y * (dy - sum(dy * y))``. Either backend runs as
+the operators ``torch.ops.colo.softmax`` and ``torch.ops.colo.softmax_backward``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._rows import _backward_grid, _row_tiling
-from .dispatch import check_triton_dtypes, resolve_backend
+from .dispatch import check_triton_dtypes, op_backend, resolve_backend
 
 try:
     import triton
@@ -90,42 +91,85 @@ def _mask_layout(mask: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, t
     return expanded.view(torch.uint8), row_offsets, expanded.stride()[-1]
 
 
-class _SoftmaxFunction(torch.autograd.Function):
-    """Triton masked softmax; saves only its output for backward."""
+def _forward_triton(x, mask, causal, scale):
+    shape = x.shape
+    n_cols = shape[-1]
+    q_len = shape[-2] if causal else 1
+    x2d = x.contiguous().view(-1, n_cols)
+    n_rows = x2d.shape[0]
+    block_n, rows, num_warps = _row_tiling("softmax", n_rows, n_cols, x.device)
+    y = torch.empty_like(x2d)
+    if mask is not None:
+        mask_arg, mask_row_offsets, mask_col_stride = _mask_layout(mask, shape)
+    else:
+        mask_arg, mask_row_offsets, mask_col_stride = x2d, x2d, 0  # unused when HAS_MASK is False
+    _softmax_forward_kernel[(triton.cdiv(n_rows, rows) or 1,)](
+        x2d, y, mask_arg, mask_row_offsets, mask_col_stride, n_rows, n_cols, q_len, scale,
+        HAS_MASK=mask is not None, CAUSAL=causal, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+    )  # fmt: skip
+    return y.view(shape)
 
-    @staticmethod
-    def forward(ctx, x, mask, causal, scale):
-        shape = x.shape
-        n_cols = shape[-1]
-        q_len = shape[-2] if causal else 1
-        x2d = x.contiguous().view(-1, n_cols)
-        n_rows = x2d.shape[0]
-        block_n, rows, num_warps = _row_tiling("softmax", n_rows, n_cols, x.device)
-        y = torch.empty_like(x2d)
-        if mask is not None:
-            mask_arg, mask_row_offsets, mask_col_stride = _mask_layout(mask, shape)
-        else:
-            mask_arg, mask_row_offsets, mask_col_stride = x2d, x2d, 0  # unused when HAS_MASK is False
-        _softmax_forward_kernel[(triton.cdiv(n_rows, rows) or 1,)](
-            x2d, y, mask_arg, mask_row_offsets, mask_col_stride, n_rows, n_cols, q_len, scale,
-            HAS_MASK=mask is not None, CAUSAL=causal, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
-        )  # fmt: skip
-        ctx.save_for_backward(y)
-        ctx.scale = scale
-        ctx.tiling = (block_n, rows, num_warps)
-        return y.view(shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        block_n, rows, num_warps = ctx.tiling
-        n_rows, n_cols = y.shape
-        dx = torch.empty_like(y)
-        _softmax_backward_kernel[(_backward_grid(triton.cdiv(n_rows, rows), y.device),)](
-            dy.contiguous().view(-1, n_cols), y, dx, n_rows, n_cols, ctx.scale,
-            BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
-        )  # fmt: skip
-        return dx.view(dy.shape), None, None, None
+def _backward_triton(dy, y, scale):
+    shape = y.shape
+    n_cols = shape[-1]
+    y = y.contiguous().view(-1, n_cols)
+    n_rows = y.shape[0]
+    block_n, rows, num_warps = _row_tiling("softmax", n_rows, n_cols, y.device)
+    dx = torch.empty_like(y)
+    _softmax_backward_kernel[(_backward_grid(triton.cdiv(n_rows, rows), y.device),)](
+        dy.contiguous().view(-1, n_cols), y, dx, n_rows, n_cols, scale,
+        BLOCK_N=block_n, ROWS=rows, num_warps=num_warps,
+    )  # fmt: skip
+    return dx.view(shape)
+
+
+@torch.library.custom_op(
+    "colo::softmax",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? mask, bool causal, float scale, str backend) -> Tensor",
+)
+def _softmax_op(x, mask, causal, scale, backend):
+    """The masked, scaled softmax of `softmax`."""
+    if op_backend(backend, x) == "triton":
+        return _forward_triton(x, mask, causal, scale)
+    return softmax_reference(x, causal=causal, mask=mask, scale=scale).contiguous()
+
+
+@_softmax_op.register_fake
+def _(x, mask, causal, scale, backend):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(
+    "colo::softmax_backward", mutates_args=(), schema="(Tensor dy, Tensor y, float scale, str backend) -> Tensor"
+)
+def _softmax_backward_op(dy, y, scale, backend):
+    """``dx = scale * y * (dy - sum(dy * y))`` from the saved output alone (masked entries have ``y = 0``)."""
+    if op_backend(backend, y) == "triton":
+        return _backward_triton(dy, y, scale)
+    y32 = y.float()
+    dy32 = dy.float()
+    return (scale * y32 * (dy32 - (dy32 * y32).sum(-1, keepdim=True))).to(y.dtype).contiguous()
+
+
+@_softmax_backward_op.register_fake
+def _(dy, y, scale, backend):
+    return y.new_empty(y.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, _, scale, backend = inputs
+    ctx.scale, ctx.backend = scale, backend
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.colo.softmax_backward(dy, y, ctx.scale, ctx.backend), None, None, None, None
+
+
+_softmax_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def softmax_reference(
@@ -191,7 +235,7 @@ def softmax(
         if broadcast != x.shape:
             raise ValueError(f"softmax: mask {tuple(mask.shape)} does not broadcast to x {tuple(x.shape)}")
     tensors = (x,) if mask is None else (x, mask)
-    if resolve_backend("softmax", *tensors, backend=backend) == "torch":
-        return softmax_reference(x, causal=causal, mask=mask, scale=scale)
-    check_triton_dtypes("softmax", x=x)
-    return _SoftmaxFunction.apply(x, mask, bool(causal), float(scale))
+    backend = resolve_backend("softmax", *tensors, backend=backend)
+    if backend == "triton":
+        check_triton_dtypes("softmax", x=x)
+    return torch.ops.colo.softmax(x, mask, bool(causal), float(scale), backend)

@@ -1,6 +1,8 @@
 """SwiGLU activation (Shazeer, 2020): ``silu(gate) * up``, the gating in Llama's MLP.
 
-`swiglu` is the public op; `swiglu_reference` is the same computation in torch ops. The Triton kernels are
+`swiglu` is the public op; `swiglu_reference` is the same computation in torch ops. Either backend runs as the
+operators ``torch.ops.colo.swiglu`` and ``torch.ops.colo.swiglu_backward`` (the torch backend's gradient is the
+Triton kernel's closed form). The Triton kernels are
 elementwise over the flattened tensors, one ``BLOCK`` per program, fp32 math; the backward recomputes
 ``sigmoid(gate)`` instead of saving it.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import check_triton_dtypes, resolve_backend
+from .dispatch import check_triton_dtypes, op_backend, resolve_backend
 
 try:
     import triton
@@ -55,31 +57,79 @@ def _block(numel: int, device: torch.device) -> tuple[int, int]:
     return (1024, 4) if device.type == "cuda" else (min(65536, triton.next_power_of_2(max(numel, 1))), 4)
 
 
-class _SwiGLUFunction(torch.autograd.Function):
-    """Triton SwiGLU; saves gate and up and recomputes the sigmoid in backward."""
+def _forward_triton(gate, up):
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    numel = gate.numel()
+    block, num_warps = _block(numel, gate.device)
+    _swiglu_forward_kernel[(triton.cdiv(numel, block) or 1,)](gate, up, out, numel, BLOCK=block, num_warps=num_warps)
+    return out
 
-    @staticmethod
-    def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        numel = gate.numel()
-        block, num_warps = _block(numel, gate.device)
-        _swiglu_forward_kernel[(triton.cdiv(numel, block) or 1,)](
-            gate, up, out, numel, BLOCK=block, num_warps=num_warps
-        )
-        ctx.save_for_backward(gate, up)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        numel = gate.numel()
-        block, num_warps = _block(numel, gate.device)
-        _swiglu_backward_kernel[(triton.cdiv(numel, block) or 1,)](
-            dout.contiguous(), gate, up, dgate, dup, numel, BLOCK=block, num_warps=num_warps
-        )
-        return dgate, dup
+def _backward_triton(dout, gate, up):
+    gate, up = gate.contiguous(), up.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    numel = gate.numel()
+    block, num_warps = _block(numel, gate.device)
+    _swiglu_backward_kernel[(triton.cdiv(numel, block) or 1,)](
+        dout.contiguous(), gate, up, dgate, dup, numel, BLOCK=block, num_warps=num_warps
+    )
+    return dgate, dup
+
+
+def _backward_torch(dout, gate, up):
+    """The Triton kernel's formulas in torch ops, fp32 math."""
+    dout32, gate32, up32 = dout.float(), gate.float(), up.float()
+    sigmoid = torch.sigmoid(gate32)
+    # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+    dgate = dout32 * up32 * sigmoid * (1.0 + gate32 * (1.0 - sigmoid))
+    dup = dout32 * gate32 * sigmoid
+    return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
+
+
+@torch.library.custom_op("colo::swiglu", mutates_args=(), schema="(Tensor gate, Tensor up, str backend) -> Tensor")
+def _swiglu_op(gate, up, backend):
+    """``silu(gate) * up``."""
+    if op_backend(backend, gate, up) == "triton":
+        return _forward_triton(gate, up)
+    return swiglu_reference(gate, up).contiguous()
+
+
+@_swiglu_op.register_fake
+def _(gate, up, backend):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op(
+    "colo::swiglu_backward",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor gate, Tensor up, str backend) -> (Tensor, Tensor)",
+)
+def _swiglu_backward_op(dout, gate, up, backend):
+    """``(dgate, dup)``; the sigmoid is recomputed, not saved."""
+    if op_backend(backend, gate, up) == "triton":
+        return _backward_triton(dout, gate, up)
+    return _backward_torch(dout, gate, up)
+
+
+@_swiglu_backward_op.register_fake
+def _(dout, gate, up, backend):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(gate, up)
+
+
+def _backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    dgate, dup = torch.ops.colo.swiglu_backward(dout, gate, up, ctx.backend)
+    return dgate, dup, None
+
+
+_swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -112,7 +162,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
         raise ValueError(
             f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match"
         )
-    if resolve_backend("swiglu", gate, up, backend=backend) == "torch":
-        return swiglu_reference(gate, up)
-    check_triton_dtypes("swiglu", gate=gate)
-    return _SwiGLUFunction.apply(gate, up)
+    backend = resolve_backend("swiglu", gate, up, backend=backend)
+    if backend == "triton":
+        check_triton_dtypes("swiglu", gate=gate)
+    return torch.ops.colo.swiglu(gate, up, backend)

@@ -54,9 +54,13 @@ class Plugin:
     max_grad_norm: float | None = None
     """Clip gradients to this global norm (``None``: no clipping; the norm is still reported)."""
     compile_blocks: bool = False
-    """`torch.compile` every block of the model (the children of its ``layers``), after parallelization."""
+    """`torch.compile` every block of the model (the children of its ``layers``), after parallelization. Blocks
+    without collectives inside (no tensor or sequence parallelism) compile with ``fullgraph=True``: colo.kernels'
+    ops are torch operators (``torch.ops.colo.*``), so such a block is one graph and a graph break is an error
+    rather than a silent slowdown. Blocks of a tp/sp plan call colo.comm collectives, which break the graph."""
     compile_options: dict | None = None
-    """Keyword arguments for `torch.compile` (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...)."""
+    """Keyword arguments for `torch.compile` (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...);
+    ``"fullgraph"`` given here overrides the choice above."""
     activation_checkpointing: str | None = None
     """Activation checkpointing of the model's blocks (`colo.apps.apply_activation_checkpointing`), after
     parallelization and before compilation: ``"full"`` (keep block inputs, recompute the block), ``"selective"``
@@ -106,8 +110,11 @@ class Plugin:
                 f"{type(self).__name__}.compile_blocks needs the model's blocks in a `layers` ModuleList or "
                 f"ModuleDict; {type(model).__name__} has none: compile the model yourself before boosting it"
             )
+        # a block is one graph unless the plan put collectives inside it (tensor / sequence parallelism)
+        fullgraph = getattr(self, "tp", 1) == 1 and getattr(self, "sp", 1) == 1
+        options = {"fullgraph": fullgraph, **(self.compile_options or {})}
         for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
-            block.compile(**(self.compile_options or {}))
+            block.compile(**options)
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         """The mesh axes and sizes this plugin runs on (validated against ``world_size`` before any collective)."""
