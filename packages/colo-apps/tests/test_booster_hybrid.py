@@ -361,3 +361,30 @@ def test_gemini_with_a_device_budget_below_the_model_size_matches_the_single_pro
     for losses, expected_losses, budget, report in run_distributed(_gemini_below_the_model_size, world_size=2):
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert 0 < report.tiers["device"].high_water <= budget  # the arena never held more than the budget
+
+
+def _eval_step(kind, settings):
+    from colo.apps import DDP, Booster
+    from colo.apps.booster import HybridParallel
+
+    model = make_model()
+    booster = Booster({"ddp": DDP, "hybrid": HybridParallel}[kind](**settings))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    mesh = booster.mesh
+    rows = ROWS // mesh.size("dp")
+    batch = {k: v[mesh.rank("dp") * rows : (mesh.rank("dp") + 1) * rows] for k, v in global_batch(0).items()}
+    return booster.mean_over_data_ranks(booster.eval_step(batch)), booster.eval_microbatches
+
+
+@pytest.mark.parametrize(
+    "kind, settings, microbatches",
+    [("ddp", {}, 1), ("hybrid", {"pp": 2, "num_microbatches": 2}, 2), ("hybrid", {"tp": 2}, 1)],
+    ids=["ddp-dp2", "pp2", "tp2"],
+)
+def test_eval_step_gives_the_single_process_loss_under_every_layout(kind, settings, microbatches):
+    # the global batch's loss: equal row counts per data rank, so the mean of their means is the whole batch's mean
+    with torch.no_grad():
+        expected = make_model()(**global_batch(0)).loss.item()
+    for loss, eval_microbatches in run_distributed(_eval_step, kind, settings, world_size=2):
+        assert loss == pytest.approx(expected, rel=1e-5)  # tp sums partial logits in another order
+        assert eval_microbatches == microbatches

@@ -69,6 +69,11 @@ class Booster:
         self.lr_scheduler = lr_scheduler
         return self.engine.model, self.engine.optimizer, criterion, dataloader, lr_scheduler
 
+    @property
+    def mesh(self):
+        """The `colo.comm.Mesh` the plugin runs on (after `boost`)."""
+        return self._require_engine().mesh
+
     def _require_engine(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("call booster.boost(model, optimizer, ...) first")
@@ -102,6 +107,31 @@ class Booster:
         live in shards outside a forward: read them from a checkpoint (`save`) instead.
         """
         return self._require_engine().unwrap()
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of ``batch`` (this data-parallel rank's rows), forward only, for every plugin: the model's own
+        forward and loss (or the boost ``criterion``) weighted as a training step weights it, and with a pipeline
+        the stages' forward-only schedule (every rank of the pipeline gets the loss; the batch's size must divide
+        by `eval_microbatches`). Average it over the data ranks with `mean_over_data_ranks`."""
+        return self._require_engine().eval_loss(dict(batch))
+
+    @property
+    def eval_microbatches(self) -> int:
+        """What the size of an `eval_step` batch must divide by (a pipeline's ``num_microbatches``, else 1)."""
+        return self._require_engine().eval_microbatches
+
+    def forward(self, batch: Mapping[str, torch.Tensor]):
+        """The boosted model's output on one microbatch, as a training step calls it (no pipeline: with pp > 1 use
+        `eval_step`). For criteria-driven evaluation (reward models, DPO) that needs the raw output."""
+        engine = self._require_engine()
+        if engine.eval_microbatches != 1:
+            raise RuntimeError("Booster.forward runs one model; with pp > 1 use booster.eval_step(batch)")
+        return engine.forward(dict(batch))
+
+    def mean_over_data_ranks(self, value: torch.Tensor | float) -> float:
+        """The mean of a scalar over the data-parallel ranks (one tiny all-reduce; every rank calls it)."""
+        return self._require_engine().mean_over_data_ranks(torch.as_tensor(value, dtype=torch.float64))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through the plugin (loss scaling, gradient hooks) for a hand-written loop without pipelines."""

@@ -35,7 +35,7 @@ def precompute_reference_logps(
     all-gathered.
 
     Args:
-        forward: runs the pair forward on a batch dict (``booster.engine.forward`` of a boosted model whose
+        forward: runs the pair forward on a batch dict (``booster.forward`` of a boosted model whose
             forward is `attach_pair_forward(head="logps")`), or such a model itself (called as ``model(**batch)``).
         dataset (Dataset): `PreferenceDataset` items.
         batch_size (int): pairs per forward. Default: ``8``.

@@ -67,7 +67,7 @@ class PreferenceTask:
         group = trainer.sample_group
         batch_size = max(1, data.batch_size // self.config.schedule.num_microbatches)
         self.table = precompute_reference_logps(
-            trainer.engine.forward,
+            trainer.booster.forward,
             dataset,
             batch_size=batch_size,
             num_replicas=group.size,
@@ -123,7 +123,7 @@ class PreferenceTask:
         for first in range(0, per_rank, size):
             indices = [group.rank + group.size * i for i in range(first, min(first + size, per_rank))]
             micro = {k: v.to(trainer.device) for k, v in collate([evaluation[i] for i in indices]).items()}
-            self.criterion(trainer.engine.forward(micro), micro)
+            self.criterion(trainer.booster.forward(micro), micro)
         if self.kind == "dpo":
             self.criterion.sft = was_sft
         metrics = self.criterion.take_metrics(group)

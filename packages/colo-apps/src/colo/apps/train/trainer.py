@@ -26,8 +26,6 @@ from colo.comm import all_gather_object, barrier, init_distributed
 
 from ..booster import Booster
 from ..booster.llama_plan import set_materialize_fn
-from ..booster.microbatch import loss_of
-from ..booster.plugins.hybrid import PipelineEngine
 from ..data import collate, load_tokenizer
 from ..lora import add_lora, lora_layers
 from ..mfu import mfu, peak_flops
@@ -107,8 +105,7 @@ class Trainer:
         self.model, self.optimizer, *_ = self.booster.boost(
             model, optimizer, criterion=criterion, lr_scheduler=scheduler
         )
-        self.engine = self.booster.engine
-        mesh = self.engine.mesh
+        mesh = self.booster.mesh
         sample_group = mesh.group(*self.plugin.sample_axes(mesh))
         self.data: RunData = build_data(config, self.tokenizer, num_replicas=sample_group.size, rank=sample_group.rank)
         self.sample_group = sample_group
@@ -169,7 +166,7 @@ class Trainer:
 
     def _describe(self, model: Llama) -> str:
         config = self.config
-        mesh = ", ".join(f"{axis}={size}" for axis, size in self.engine.mesh.shape.items())
+        mesh = ", ".join(f"{axis}={size}" for axis, size in self.booster.mesh.shape.items())
         lines = [
             f"colo train: {config.name} | {self.world_size} process(es) on {self.device.type} | plugin "
             f"{config.plugin.name} ({config.plugin.precision}) | mesh {mesh}",
@@ -333,10 +330,9 @@ class Trainer:
         group, evaluation = self.sample_group, self.data.eval
         per_rank = len(evaluation) // group.size
         size = self.config.eval.batch_size
-        pipelined = isinstance(self.engine, PipelineEngine)
+        microbatches = self.booster.eval_microbatches
         starts = range(0, per_rank - size + 1, size)
-        if pipelined:  # forward-only through the stages; a batch splits into the schedule's microbatches
-            microbatches = self.config.schedule.num_microbatches
+        if microbatches > 1:  # a pipeline: forward-only through the stages, the batch split into its microbatches
             if size % microbatches or not starts:
                 raise ValueError(
                     f"eval with pp > 1 runs batches of eval.batch_size={size} sequences split into "
@@ -351,13 +347,9 @@ class Trainer:
             if not indices:
                 break
             micro = {name: tensor.to(self.device) for name, tensor in collate([evaluation[i] for i in indices]).items()}
-            if pipelined:
-                total += self.engine.evaluate(micro).double().cpu()
-            else:
-                micro, weight = self.engine.prepare_micro(micro)
-                total += (loss_of(self.engine.forward(micro), micro, None) * weight).detach().double().cpu()
+            total += self.booster.eval_step(micro).double().cpu()
             count += 1
-        loss = self.engine.mean_over_data_ranks(total / max(count, 1))
+        loss = self.booster.mean_over_data_ranks(total / max(count, 1))
         self.log.log({"step": step, "eval_loss": loss})
         self.log.print(f"eval at step {step}: held-out loss {loss:.4f} (perplexity {math.exp(min(loss, 50)):.2f})")
         return loss

@@ -183,6 +183,17 @@ class Engine:
         """Call the model on one microbatch (``model(**micro)``)."""
         return self.model(**micro)
 
+    @property
+    def eval_microbatches(self) -> int:
+        """How many microbatches `eval_loss` splits a batch into (a batch's size must divide by it): 1 here."""
+        return 1
+
+    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of ``batch`` on this rank, forward only (the caller disables gradients): the plugin's share of
+        it (`prepare_micro`), its loss weighted the way a training step weights it."""
+        micro, weight = self.prepare_micro(batch)
+        return loss_of(self.forward(micro), micro, self.criterion) * weight
+
     def prepare_micro(self, micro: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
         """This rank's part of a microbatch and the weight of its loss (sequence parallelism splits sequences)."""
         return micro, 1.0

@@ -320,7 +320,11 @@ class PipelineEngine(Engine):
         self.zero_grad()
         return self.mean_over_data_ranks(result.loss.detach().double().cpu()), grad_norm, skipped
 
-    def evaluate(self, batch) -> torch.Tensor:
+    @property
+    def eval_microbatches(self) -> int:
+        return self.plugin.num_microbatches
+
+    def eval_loss(self, batch) -> torch.Tensor:
         """The mean loss of ``batch`` (this data rank's share), forward only through the pipeline's stages
         (`PipelineExecutor.evaluate`); every rank of the pipeline gets it. The batch splits into the schedule's
         microbatches, so its size must divide by ``num_microbatches``."""
