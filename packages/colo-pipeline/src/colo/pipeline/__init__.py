@@ -36,6 +36,7 @@ from .partition import (
 from .render import render_png, render_text
 from .schedules import (
     GENERATORS,
+    MicrobatchCountError,
     gpipe,
     interleaved_1f1b,
     loop_placement,
@@ -62,6 +63,7 @@ __all__ = [
     "PendingWeightGrad",
     "PipelineExecutor",
     "Schedule",
+    "MicrobatchCountError",
     "ScheduleError",
     "ScheduleReport",
     "SimulationResult",

@@ -14,6 +14,12 @@ from ._placement import with_communication
 from .actions import BW, Action, B, F, Schedule, W
 
 
+class MicrobatchCountError(ValueError):
+    """``num_microbatches`` does not fit the schedule: fewer than the pipeline's ranks (1F1B, zero-bubble), or not a
+    multiple of them (interleaved 1F1B). A config that sets the count elsewhere can tell this apart from other
+    errors by its type."""
+
+
 def _check_common(name: str, num_ranks: int, num_microbatches: int) -> None:
     for field, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -22,7 +28,7 @@ def _check_common(name: str, num_ranks: int, num_microbatches: int) -> None:
 
 def _require_enough_microbatches(name: str, num_ranks: int, num_microbatches: int) -> None:
     if num_microbatches < num_ranks:
-        raise ValueError(
+        raise MicrobatchCountError(
             f"{name}: num_microbatches={num_microbatches} is smaller than the pipeline size num_ranks={num_ranks}; "
             f"use num_microbatches >= {num_ranks} (more microbatches also shrink the bubble), or gpipe"
         )
@@ -92,7 +98,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, num_chunks: int =
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"interleaved_1f1b: num_chunks={num_chunks!r} must be a positive int (2 is typical)")
     if num_microbatches % num_ranks:
-        raise ValueError(
+        raise MicrobatchCountError(
             f"interleaved_1f1b: num_microbatches={num_microbatches} is not a multiple of num_ranks={num_ranks}; "
             f"microbatches go through the chunks in groups of {num_ranks}: use "
             f"num_microbatches={num_microbatches + num_ranks - num_microbatches % num_ranks}"

@@ -13,6 +13,8 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from colo.pipeline import MicrobatchCountError
+
 from ..booster import DDP, Gemini, HybridParallel, Plugin, Zero
 from ._fields import dataclass_fields
 
@@ -41,10 +43,8 @@ class _PluginSection(BaseModel):
     def _plugin_checks(self):
         try:
             self.build()
-        except ValueError as error:
-            if "num_microbatches" in str(error) or "schedule" in str(error):
-                return self  # depends on schedule.num_microbatches: checked again by RunConfig
-            raise
+        except MicrobatchCountError:
+            return self  # depends on schedule.num_microbatches, set by the run: checked again by RunConfig
         return self
 
 
