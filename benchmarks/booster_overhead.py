@@ -146,7 +146,7 @@ def instrument(clock: PhaseClock, model: torch.nn.Module, optimizer: torch.optim
 
 def instrument_zero(clock: PhaseClock, zero) -> None:
     """Time a ZeroOptimizer's grad sync wait, grad norm, step (the rest of it) and zero_grad."""
-    zero._finish_grad_sync = clock.wrap("grad_sync_wait", zero._finish_grad_sync)
+    zero.grad_sync.finish = clock.wrap("grad_sync_wait", zero.grad_sync.finish)
     zero.grad_norm = clock.wrap("grad_norm", zero.grad_norm)
     zero.step = clock.wrap("zero_step_rest", zero.step)
     zero.zero_grad = clock.wrap("zero_grad", zero.zero_grad)

@@ -8,8 +8,8 @@ max over ranks):
 - ``forward`` (model call with the loss), ``backward`` (``loss.backward()`` / ``zero.backward``), ``step``
   (optimizer step, for colo the whole ``ZeroOptimizer.step``), ``zero_grad``;
 - for colo, inside those, by wrapping ``ZeroOptimizer``'s methods on the instance from outside (nothing in
-  ``colo.zero`` is changed): ``grad_sync`` (``_finish_grad_sync``: issuing what is left and waiting for the
-  reduce-scatters), ``optimizer`` (the torch AdamW step on the shards), ``refresh`` (``_refresh_params``: the
+  ``colo.zero`` is changed): ``grad_sync`` (``zero.grad_sync.finish``: issuing what is left and waiting for the
+  reduce-scatters), ``optimizer`` (the torch AdamW step on the shards), ``refresh`` (``zero.param_sync.refresh``: the
   all-gather of the updated parameters, stages 1/2), ``reduce_scatter_issue`` (calls of ``reduce_scatter``,
   including its copies), and at stage 3 ``gather_forward`` / ``gather_backward`` (``ChunkGatherer.gather``,
   waiting on all-gathers);
@@ -103,17 +103,17 @@ def _setup(impl: str, model: torch.nn.Module, timer: PhaseTimer, chunk_numel: in
         optimizer = optimizer_for(model.parameters())
         return train_model, lambda loss: loss.backward(), optimizer.step, lambda: optimizer.zero_grad(True), {}
 
-    import colo.zero.zero_optimizer as zero_module
+    import colo.zero.grad_sync as grad_sync_module
     from colo.comm import Mesh
     from colo.zero import ZeroOptimizer
 
     stage = int(impl[-1])
     mesh = Mesh(dp=dist.get_world_size())
     zero = ZeroOptimizer(model, optimizer_for(model.parameters()), mesh=mesh, stage=stage, chunk_numel=chunk_numel)
-    zero._finish_grad_sync = timer.wrap("grad_sync", zero._finish_grad_sync)
-    zero._refresh_params = timer.wrap("refresh", zero._refresh_params)
+    zero.grad_sync.finish = timer.wrap("grad_sync", zero.grad_sync.finish)
+    zero.param_sync.refresh = timer.wrap("refresh", zero.param_sync.refresh)
     zero.optimizer.step = timer.wrap("optimizer", zero.optimizer.step)
-    zero_module.reduce_scatter = timer.wrap("reduce_scatter_issue", zero_module.reduce_scatter)
+    grad_sync_module.reduce_scatter = timer.wrap("reduce_scatter_issue", grad_sync_module.reduce_scatter)
     if zero.gatherer is not None:
         gather = zero.gatherer.gather
 

@@ -278,6 +278,28 @@ def test_a_donated_reduce_scatter_gives_the_same_part_without_a_copy(algorithm):
         assert shares_memory == (algorithm in ("all_reduce", "p2p"))
 
 
+def _reduce_scatter_donating_the_whole(algorithm):
+    rank = dist.get_rank()
+    with force_algorithm("reduce_scatter", algorithm):
+        bucket = torch.arange(8.0) * (rank + 1)
+        handle = reduce_scatter(bucket, donate="whole", async_op=True)
+        part = handle.wait()
+    return part, bucket, handle.input_reduced
+
+
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "all_to_all", "p2p"])
+def test_donating_the_whole_tensor_leaves_it_intact_or_says_it_holds_the_sum(algorithm):
+    total = torch.arange(8.0) * 3
+    for rank, (part, bucket, input_reduced) in enumerate(
+        run_distributed(_reduce_scatter_donating_the_whole, algorithm, world_size=2)
+    ):
+        assert torch.equal(part, total[rank * 4 : (rank + 1) * 4])
+        # only the all-reduce form sums in the tensor, all of it; the p2p form would sum its own part only, so it
+        # is not given the tensor
+        assert input_reduced == (algorithm == "all_reduce")
+        assert torch.equal(bucket, total if input_reduced else torch.arange(8.0) * (rank + 1))
+
+
 def _overlapping_p2p_collectives():
     rank, n = dist.get_rank(), dist.get_world_size()
     with force_algorithm("all_gather", "p2p"), force_algorithm("reduce_scatter", "p2p"):

@@ -319,12 +319,12 @@ def _overlapped_param_gather(stage):
         losses, in_flight = [], []
         for step in range(3):
             loss = model(*_local_batch(step, mesh))  # with overlap, waits for each chunk's gather in its pre-hook
-            in_flight.append(len(zero._param_gathers))
+            in_flight.append(len(zero.param_sync.in_flight))
             zero.backward(loss)
             zero.step()
             zero.zero_grad()
             losses.append(loss.item())
-        in_flight.append(len(zero._param_gathers))
+        in_flight.append(len(zero.param_sync.in_flight))
         runs.append((losses, in_flight, zero.full_params()))
     return runs
 

@@ -321,7 +321,7 @@ def reduce_scatter(
     *,
     group: Group | dist.ProcessGroup | None = None,
     dim: int = 0,
-    donate: bool = False,
+    donate: bool | str = False,
     async_op: bool = False,
 ):
     """Reduce ``tensor`` over the group and return this rank's equal part of the result along ``dim``.
@@ -338,7 +338,12 @@ def reduce_scatter(
         dim: the dimension to split.
         donate: the caller gives ``tensor`` up: the all-reduce form then reduces in it, without a copy, the p2p
             form adds the copies it receives into this rank's part of it, and the result may be a view of it
-            (ZeRO's gradient buckets, dropped right after); the other forms only read it.
+            (ZeRO's gradient buckets, dropped right after); the other forms only read it. ``"whole"``: given up
+            only to a form that reduces all of it in place (the all-reduce form; on a group of one, the tensor is
+            its own reduction): every element then holds the group's reduction (for ``"avg"``, the sum), and
+            the `Handle`'s ``input_reduced`` says so; every other form leaves it as it was. For a caller that goes
+            on using the tensor (ZeRO-1's persistent gradient buffer): it learns from the handle what the call did
+            to it.
         async_op: return a `Handle` instead of waiting.
 
     Returns:
@@ -354,12 +359,20 @@ def reduce_scatter(
             f"reduce_scatter: dim {dim} of shape {tuple(tensor.shape)} has extent {tensor.shape[dim]}, which does "
             f"not divide by the group size {n}; pad it to a multiple of {n}"
         )
+    if donate not in (False, True, "whole"):
+        raise ValueError(f"reduce_scatter: donate={donate!r} must be False, True or 'whole'")
     if n == 1:  # this rank's part is the whole tensor, reduced over one copy: the tensor itself
         result = tensor if donate else _local_copy(tensor)
-        return _on_one_rank("reduce_scatter", group, tensor.dtype, result, async_op)
+        handle = _on_one_rank("reduce_scatter", group, tensor.dtype, result, async_op)
+        if async_op:
+            handle.input_reduced = bool(donate)
+        return handle
     full = tensor.movedim(dim, 0).contiguous() if dim else tensor.contiguous()
     part = full.shape[0] // n
     algorithm = choose_algorithm("reduce_scatter", group.backend, _nbytes(full))
+    reduced_in_place = bool(donate) and algorithm == "all_reduce" and full is tensor
+    if donate == "whole":  # only the all-reduce form may use the tensor
+        donate = reduced_in_place
     volume = (n - 1) / n * _nbytes(full)
     impl_volume = 2 * volume if algorithm == "all_reduce" else volume
     record("reduce_scatter", group.name, n, tensor.dtype, volume, impl_volume, algorithm)
@@ -425,7 +438,10 @@ def reduce_scatter(
             result.div_(n)
         return result.movedim(0, dim) if dim else result
 
-    return issue("reduce_scatter", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
+    handle = issue("reduce_scatter", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
+    if async_op:
+        handle.input_reduced = reduced_in_place
+    return handle
 
 
 def _reduce_copies(copies: torch.Tensor, op: str, *, out: torch.Tensor) -> None:

@@ -69,6 +69,9 @@ class Handle:
         self._detail = detail
         self._done = False
         self._result: Any = None
+        self.input_reduced = False
+        """Whether the call reduced its (donated) input in place, all of it: every element holds the group's
+        reduction (`reduce_scatter` with ``donate="whole"`` sets it; the input is then no longer the caller's)."""
 
     def wait(self) -> Any:
         """Block until the operation completes; return its result (a tensor, a list, or ``None``)."""

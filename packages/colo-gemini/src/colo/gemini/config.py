@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colo.zero import MixedPrecision
+from colo.zero.config import ChunkConfig
 
 from .placement import TIERS
 
@@ -53,8 +53,9 @@ def _check_fractions(name: str, fractions: dict[str, float]) -> dict[str, float]
 
 
 @dataclass(kw_only=True)
-class GeminiConfig:
-    """Settings of `GeminiOptimizer`. Sizes are bytes, or strings such as ``"512MiB"`` / ``"2GB"``."""
+class GeminiConfig(ChunkConfig):
+    """Settings of `GeminiOptimizer`: `colo.zero.config.ChunkConfig`'s (``data_axes``, ``chunk_numel``,
+    ``mixed_precision``) and the tiers'. Sizes are bytes, or strings such as ``"512MiB"`` / ``"2GB"``."""
 
     placement: str = "static"
     """``"static"``: homes from ``param_fractions`` / ``optim_fractions``. ``"auto"``: everything off the device
@@ -79,14 +80,8 @@ class GeminiConfig:
     Colossal-AI's ``offload_optim_frac`` is ``1 - optim_fractions["device"]``."""
     prefetch: int = 2
     """How many chunks ahead to bring to the device (0: fetch on demand only)."""
-    data_axes: tuple[str, ...] = ("dp",)
-    """Mesh axes the chunks are sharded over, fused (``("dp", "sp")`` with sequence parallelism)."""
-    chunk_numel: int | None = None
-    """Chunk capacity in elements; ``None`` searches for the size that wastes the least padding."""
     max_chunk_numel: int = 1 << 24
     """Largest capacity the search tries (smaller chunks move in finer steps)."""
-    mixed_precision: MixedPrecision | None = None
-    """Compute / communication dtypes; ``None``: compute in the model's dtype. Masters are fp32 either way."""
     device: str | torch.device | None = None
     """The compute device; ``None``: the current CUDA device when there is one, else ``cpu``."""
     pin_memory: bool | None = None
@@ -118,15 +113,7 @@ class GeminiConfig:
             raise ValueError("GeminiConfig.disk_capacity is set without disk_dir; set disk_dir too")
         if self.prefetch < 0:
             raise ValueError(f"GeminiConfig.prefetch={self.prefetch} must be >= 0 (0 fetches on demand only)")
-        if isinstance(self.data_axes, str):
-            self.data_axes = (self.data_axes,)
-        self.data_axes = tuple(self.data_axes)
-        if not self.data_axes:
-            raise ValueError("GeminiConfig.data_axes is empty; name the data-parallel axes, e.g. ('dp',)")
-        if self.chunk_numel is not None and self.chunk_numel < 1:
-            raise ValueError(f"GeminiConfig.chunk_numel={self.chunk_numel} must be positive, or None to search")
-        if self.max_chunk_numel < 1:
-            raise ValueError(f"GeminiConfig.max_chunk_numel={self.max_chunk_numel} must be positive")
+        super().__post_init__()
         if self.disk_threads < 1:
             raise ValueError(f"GeminiConfig.disk_threads={self.disk_threads} must be at least 1")
         if self.pin_memory and not torch.cuda.is_available():

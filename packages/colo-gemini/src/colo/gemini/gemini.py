@@ -14,21 +14,20 @@ Memory Management", 2022), with ZeRO-Infinity's NVMe tier (Rajbhandari et al., 2
 
 from __future__ import annotations
 
-import functools
 import os
 import uuid
 
 import torch
 
-from colo.comm import Mesh, all_gather, all_reduce, reduce_scatter
-from colo.zero import Chunk, DynamicLossScaler, plan_chunks
-from colo.zero.clip import clip_coefficient, global_grad_norm
-from colo.zero.optimizer_setup import OptimizerLike, param_group_index, resolve_optimizer
+from colo.comm import all_reduce
+from colo.zero import Chunk
+from colo.zero.core import ChunkOptimizer
+from colo.zero.grad_sync import BucketGradSync, LocalResult, reduce_scatter_async
 
 from .config import GeminiConfig
 from .hooks import GeminiGatherer
 from .manager import ChunkManager
-from .optimizer import HybridAdam, check_optimizer
+from .optimizer import STATE_NAMES, HybridAdam, check_optimizer
 from .placement import (
     AutoPolicy,
     Placement,
@@ -44,7 +43,48 @@ from .tiers import DeviceArena, DiskTier, GeminiMemoryError, HostTier, format_by
 from .tracer import GeminiMemoryReport, MemoryTracer, NonModelMemory, TierReport
 
 
-class GeminiOptimizer:
+class GeminiGradSync(BucketGradSync):
+    """colo.zero's bucket strategy with Gemini's buckets: each in the device arena (`ChunkManager.grad_bucket`),
+    reduced as soon as it is complete and landed at once on the tier of the chunk's optimizer state
+    (`HybridAdam.accumulate_grad`), outside the non-model memory count."""
+
+    def __init__(self, chunks, *, group, reduce_dtype, manager: ChunkManager, hybrid: HybridAdam, on_reduced, on_grad):
+        reduce = reduce_scatter_async(group, donate=False) if group.size > 1 else LocalResult
+        super().__init__(chunks, group=group, reduce=reduce, reduce_dtype=reduce_dtype, on_reduced=on_reduced)
+        self.manager = manager
+        self.hybrid = hybrid
+        self.on_grad = on_grad
+
+    def _take_bucket(self, chunk, dtype: torch.dtype) -> torch.Tensor:
+        return self.manager.grad_bucket(chunk)
+
+    def _give_bucket(self, chunk, bucket: torch.Tensor) -> None:
+        self.manager.free_bucket(chunk)
+
+    def _bucket_of(self, chunk) -> torch.Tensor:
+        return self.manager.grad_bucket(chunk)  # the arena may have moved it (`ChunkManager.compact`)
+
+    def _land(self, chunk, reduced: torch.Tensor, *, first: bool) -> None:
+        self.hybrid.accumulate_grad(chunk, reduced, scale=1.0 / self.group.size)  # the shards are zeroed in discard
+
+    def _clear(self, chunk) -> None:
+        """Nothing: `discard` zeroed the shard."""
+
+    def on_grad_ready(self, chunk, slot, param: torch.Tensor) -> None:
+        self.on_grad()
+        super().on_grad_ready(chunk, slot, param)
+
+    @torch.no_grad()
+    def reduce_chunk(self, chunk) -> None:
+        with self.manager.non_model.suspended():
+            super().reduce_chunk(chunk)
+
+    def discard(self) -> None:
+        super().discard()
+        self.hybrid.zero_grad()
+
+
+class GeminiOptimizer(ChunkOptimizer):
     """Trains ``model`` with its chunks placed over device, host and disk tiers; see the module docstring.
 
     Build every replica with the same seed: each rank keeps its shard of its own copy. Everything that can be
@@ -60,6 +100,8 @@ class GeminiOptimizer:
         mesh: the mesh holding ``config.data_axes``.
         config: a `GeminiConfig`; or pass its fields as keyword arguments (``placement="auto"``).
         loss_scaler: a `colo.zero.DynamicLossScaler`; created over the data group when computing in fp16.
+        param_order: parameter names in packing order (`colo.zero.execution_order`, which prefetch follows);
+            default registration order.
         checkpoint_names: ``fn(name, parameter) -> [(checkpoint name, first row, rows), ...] | None`` giving the
             names checkpoints use for a parameter, as `colo.zero.ZeroOptimizer` takes it (a fused q/k/v weight
             saved as q, k and v, so checkpoints are interchangeable with ZeRO's); ``None``: parameter names.
@@ -74,66 +116,21 @@ class GeminiOptimizer:
         gemini.zero_grad()
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: OptimizerLike = None,
-        *,
-        mesh: Mesh,
-        config: GeminiConfig | None = None,
-        loss_scaler: DynamicLossScaler | None = None,
-        checkpoint_names=None,
-        **config_fields,
-    ) -> None:
-        if config is not None and config_fields:
-            raise ValueError(f"pass either config= or its fields ({sorted(config_fields)}), not both")
-        self.config = config if config is not None else GeminiConfig(**config_fields)
-        self.model = model
-        self.mesh = mesh
-        self.checkpoint_names = checkpoint_names
-        unknown = [axis for axis in self.config.data_axes if axis not in mesh.axis_names]
-        if unknown:
-            raise ValueError(
-                f"GeminiConfig.data_axes names {unknown}, not axes of the mesh {mesh.axis_names}; pick from those"
-            )
-        params = dict(model.named_parameters())
-        if not params:
-            raise ValueError("the model has no parameters for GeminiOptimizer to place")
-        devices = {p.device for p in params.values()}
-        if len(devices) > 1:
-            raise ValueError(
-                f"the model's parameters are on several devices {sorted(map(str, devices))}; move it to one "
-                "device (model.to('cpu')) before GeminiOptimizer"
-            )
-        self.device = self.config.resolved_device()
-        self.optimizer = resolve_optimizer(
-            optimizer, list(params.values()), default=torch.optim.AdamW, owner="GeminiOptimizer"
-        )
-        check_optimizer(self.optimizer)
-        group_of = param_group_index(self.optimizer, params, owner="GeminiOptimizer")
-        mp = self.config.mixed_precision
-        self.param_dtype = mp.param_dtype if mp is not None else None
-        self.reduce_dtype = mp.reduce_dtype if mp is not None else None
-        self.num_shards = mesh.size(*self.config.data_axes)
-        shard_rank = mesh.rank(*self.config.data_axes)
+    config_type = GeminiConfig
 
-        entries = [(name, p, group_of.get(id(p), -1)) for name, p in params.items()]
-        plans = plan_chunks(
-            entries,
-            num_shards=self.num_shards,
-            chunk_numel=self.config.chunk_numel,
-            max_chunk_numel=self.config.max_chunk_numel,
-        )
-        self.chunks = [
-            Chunk(i, plan, num_shards=self.num_shards, shard_rank=shard_rank) for i, plan in enumerate(plans)
-        ]
-        self.chunk_of: dict[int, Chunk] = {id(slot.param): c for c in self.chunks for slot in c.slots}
+    def _compute_device(self, model_device: torch.device) -> torch.device:
+        return self.config.resolved_device()
+
+    def _build(self, group_of: dict[int, int]) -> None:
+        model = self.model
+        check_optimizer(self.optimizer)
+        self._plan_chunks(group_of, num_shards=self.group.size, shard_rank=self.group.rank)
+        self.norm_group = self.group
         self.sizes = [chunk_sizes(c, compute_dtype=self.param_dtype or c.dtype) for c in self.chunks]
         module_chunks = self._module_chunks(model)
         self.placement, capacities, self.working_set = self._plan(module_chunks)
 
         # the configuration is valid and the model fits: build the tiers and move the model into them
-        self.group = mesh.group(*self.config.data_axes)
         self.tracer = MemoryTracer()
         pin = self.config.pin_memory if self.config.pin_memory is not None else torch.cuda.is_available()
         self.arena = DeviceArena(capacities["device"], device=self.device)
@@ -166,14 +163,6 @@ class GeminiOptimizer:
         self.manager.relocatables = self.hybrid.relocatables
         self._move_model_into_chunks(model)
 
-        self.loss_scaler = loss_scaler
-        if loss_scaler is None and self.param_dtype == torch.float16:
-            self.loss_scaler = DynamicLossScaler(group=self.group)
-        self._received: dict[int, set[str]] = {chunk.index: set() for chunk in self.chunks}
-        """Per chunk, the names of the parameters whose gradient is in the chunk's bucket."""
-        self._grads_prepared = False
-        self.last_grad_norm: float | None = None
-        self.last_step_skipped = False
         self.warmed_up = self.config.placement != "auto"
         self._warmup_hook = None
         self._end_of_backward_queued = False
@@ -181,13 +170,17 @@ class GeminiOptimizer:
             self._warmup_hook = model.register_forward_pre_hook(lambda module, args: self.non_model.start())
         self.gatherer = GeminiGatherer(self.chunks, manager=self.manager)
         self.gatherer.install(model, self.chunk_of)
-        self._hooks = []
-        for chunk in self.trainable_chunks:
-            for slot in chunk.slots:
-                hook = functools.partial(self._on_grad_ready, chunk, slot)
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+        self.grad_sync = GeminiGradSync(
+            self.trainable_chunks,
+            group=self.group,
+            reduce_dtype=self.reduce_dtype,
+            manager=self.manager,
+            hybrid=self.hybrid,
+            on_reduced=self.gatherer.release,
+            on_grad=self._on_grad,
+        )
+        self._hooks += self.grad_sync.install()
         self.tracer.end_setup()
-        self.zero_grad()
 
     # --- construction -----------------------------------------------------------------------------------------
 
@@ -254,131 +247,40 @@ class GeminiOptimizer:
                 if buffer is not None and buffer.device != self.device:
                     module._buffers[name] = buffer.to(self.device)
 
-    @property
-    def trainable_chunks(self) -> list[Chunk]:
-        """Chunks of trainable parameters (the ones with masters, gradients and optimizer state)."""
-        return [chunk for chunk in self.chunks if chunk.trainable]
+    # --- the core's steps -------------------------------------------------------------------------------------
 
-    # --- gradients --------------------------------------------------------------------------------------------
-
-    def _on_grad_ready(self, chunk: Chunk, slot, param: torch.Tensor) -> None:
-        """Copy a parameter's gradient into its chunk's bucket; reduce the bucket once the chunk is complete."""
+    def _on_grad(self) -> None:
+        """A gradient arrived: during the warm-up, count non-model memory until this backward ends, no longer."""
         if self.non_model.active and not self._end_of_backward_queued:
-            self._end_of_backward_queued = True  # count the warm-up's non-model memory until backward ends only
+            self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket = self.manager.grad_bucket(chunk)
-        received = self._received[chunk.index]
-        region = chunk.slot_view(bucket, slot)
-        if slot.name in received:  # a second gradient in the same bucket (accumulation over micro-steps)
-            region.add_(param.grad)
-        else:
-            region.copy_(param.grad)
-            received.add(slot.name)
-        param.grad = None
-        if len(received) == len(chunk.slots):
-            self._reduce_grads(chunk)
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         self.policy.on_pause(non_model=self.non_model.sample())
         self.non_model.pause()
 
-    @torch.no_grad()
-    def _reduce_grads(self, chunk: Chunk) -> None:
-        """Reduce-scatter the bucket into this rank's gradient shard, on the tier of the chunk's optimizer state."""
-        with self.non_model.suspended():
-            bucket = self.manager.grad_bucket(chunk)
-            received = self._received[chunk.index]
-            for slot in chunk.slots:  # parameters that got no gradient (unused this step) contribute zeros
-                if slot.name not in received:
-                    chunk.slot_view(bucket, slot).zero_()
-            received.clear()
-            if self.num_shards > 1:
-                if self.reduce_dtype is not None and bucket.dtype != self.reduce_dtype:
-                    bucket = bucket.to(self.reduce_dtype)
-                piece = reduce_scatter(bucket, "sum", group=self.group)
-            else:
-                piece = bucket
-            self.hybrid.accumulate_grad(chunk, piece, scale=1.0 / self.num_shards)
-            self.manager.free_bucket(chunk)
-            self.gatherer.release(chunk)
+    def _finish_grad_sync(self) -> list[torch.Tensor]:
+        self.grad_sync.finish()
+        return [self.hybrid.states[chunk.index].grad for chunk in self.trainable_chunks]
 
-    def _prepare_grads(self) -> bool:
-        """Reduce what is not reduced yet, check for overflow and unscale, once per step; returns whether to skip."""
-        if self._grads_prepared:
-            return self.last_step_skipped
-        for chunk in self.trainable_chunks:  # chunks with unused parameters never completed in backward
-            if self._received[chunk.index]:
-                self._reduce_grads(chunk)
-        self.last_step_skipped = False
-        shards = self.hybrid.grad_shards()
-        if self.loss_scaler is not None:
-            probe = [torch.zeros(0, device=self.device)]  # the scaler's flag lives on the first tensor's device
-            self.last_step_skipped = self.loss_scaler.found_inf(probe + shards)
-            if not self.last_step_skipped:
-                for shard in shards:
-                    shard.div_(self.loss_scaler.scale)
-        self._grads_prepared = True
-        return self.last_step_skipped
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return self._grad_shards
 
-    # --- the training-loop API --------------------------------------------------------------------------------
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled by the loss scaler when there is one."""
-        if self.loss_scaler is not None:
-            loss = self.loss_scaler.scale_loss(loss)
-        loss.backward()
-
-    def reduce_gradients(self) -> bool:
-        """Reduce this step's gradients now (``step()`` does it otherwise); returns whether the step is skipped."""
-        return self._prepare_grads()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip gradients by their global norm over all shards and tiers, like ``torch.nn.utils.clip_grad_norm_``.
-
-        Returns:
-            The total norm before clipping (``inf`` when the step overflowed and will be skipped).
-        """
-        if self._prepare_grads():
-            return float("inf")
-        shards = self.hybrid.grad_shards()
-        total = global_grad_norm(shards, group=self.group, norm_type=norm_type)
-        coefficient = clip_coefficient(total, max_norm)
-        if coefficient < 1.0:
-            for shard in shards:
-                shard.mul_(coefficient)
-        self.last_grad_norm = total
-        return total
-
-    def step(self) -> bool:
-        """Reduce gradients, step every chunk where its optimizer state lives, refresh the compute copies.
-
-        The first step under ``placement="auto"`` ends the warm-up: the recorded access order and non-model
-        memory are turned into the plan the later steps follow.
-
-        Returns:
-            Whether the step was skipped (an fp16 overflow).
-        """
-        skipped = self._prepare_grads()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(skipped)
+    def _update(self, skipped: bool) -> None:
+        """Step every chunk where its optimizer state lives and refresh the compute copies. The first step under
+        ``placement="auto"`` ends the warm-up: the recorded access order and non-model memory are turned into the
+        plan the later steps follow."""
         self.manager.release_all()
         if not self.warmed_up:
             self._finish_warmup()
         if not skipped:
             self.hybrid.step(self.manager.write_params, self.manager.dtype_of)
-        self._grads_prepared = False
         self.policy.end_step()
         self.tracer.end_step()
-        return skipped
 
-    def zero_grad(self) -> None:
-        """Zero the gradient shards and drop any ``.grad`` left on the parameters."""
-        self.hybrid.zero_grad()
-        for chunk in self.trainable_chunks:
-            for slot in chunk.slots:
-                slot.param.grad = None
-        self._grads_prepared = False
+    def _discard_grads(self) -> None:
+        self.grad_sync.discard()
 
     def release_params(self) -> None:
         """Release every gathered chunk (after an evaluation forward under ``torch.no_grad``, say)."""
@@ -422,25 +324,37 @@ class GeminiOptimizer:
                 self.hybrid.move(chunk, "device")
                 spare -= size
 
-    # --- inspection -------------------------------------------------------------------------------------------
+    # --- inspection and checkpoint state ----------------------------------------------------------------------
 
-    def _gather_named(self, shards: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        result = {}
-        for chunk in self.trainable_chunks:
-            shard = shards[chunk.index].to(self.device).contiguous()
-            full = all_gather(shard, group=self.group) if self.num_shards > 1 else shard
-            for slot in chunk.slots:
-                result[slot.name] = chunk.slot_view(full, slot).detach().to("cpu", copy=True)
-        return result
+    @property
+    def gathered_device(self) -> torch.device:
+        """`full_params` / `full_grads` return CPU tensors: the model may not fit the device."""
+        return torch.device("cpu")
 
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """The fp32 masters of every trainable parameter, gathered on CPU (a collective)."""
-        return self._gather_named({c.index: self.hybrid.read(c)["master"] for c in self.trainable_chunks})
+    def shard_tensors(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """The chunk's master and Adam moments, wherever they live (on CPU); a frozen chunk's compute shard."""
+        if not chunk.trainable:
+            return {"master": self.manager.read_params(chunk)}
+        return {name: tensor.detach().to("cpu") for name, tensor in self.hybrid.read(chunk).items()}
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """The reduced fp32 gradients of every trainable parameter, gathered on CPU (a collective; after backward)."""
-        self._prepare_grads()
-        return self._gather_named({c.index: self.hybrid.states[c.index].grad for c in self.trainable_chunks})
+    def shard_scalars(self, chunk: Chunk) -> dict[str, list]:
+        return {"step": [float(self.hybrid.states[chunk.index].step.item()), "float32"]}
+
+    def load_targets(self, chunk: Chunk, state_names: list[str]) -> dict[str, torch.Tensor]:
+        """Staging tensors on CPU (moments absent from the checkpoint load as zeros)."""
+        if not chunk.trainable:
+            return {"master": torch.zeros(chunk.shard_numel, dtype=self.manager.dtype_of(chunk))}
+        return {name: torch.zeros(chunk.shard_numel, dtype=torch.float32) for name in ("master", *STATE_NAMES)}
+
+    @torch.no_grad()
+    def finish_load(self, loaded: dict[int, dict[str, torch.Tensor]], scalars: dict[int, dict[str, list]]) -> None:
+        self.manager.release_all()
+        for chunk in self.chunks:
+            buffers = loaded[chunk.index]
+            if chunk.trainable:
+                step = (scalars.get(chunk.index) or {}).get("step", [0.0, None])[0]
+                self.hybrid.load(chunk, buffers, step=int(step))
+            self.manager.write_params(chunk, buffers["master"].to(self.manager.dtype_of(chunk)), "host")
 
     def memory_report(self) -> GeminiMemoryReport:
         """Per-tier capacity, use and high-water mark, and per step the bytes moved and the prefetch outcomes."""
@@ -464,21 +378,17 @@ class GeminiOptimizer:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike, *, metadata: dict | None = None, expected_names=None) -> None:
-        """Save masters, Adam moments and frozen weights to the new checkpoint directory ``path`` (every rank calls
-        it), in colo's sharded format with colo.zero's metadata; see `colo.gemini.checkpoint.save_gemini`."""
-        from .checkpoint import save_gemini
+    checkpoint_key = "gemini"
 
-        save_gemini(self, path, metadata=metadata, expected_names=expected_names)
+    def save(self, path: str | os.PathLike, *, metadata: dict | None = None, expected_names=None) -> None:
+        """Save masters, Adam moments and frozen weights to the new checkpoint directory ``path`` (every rank of the
+        data group calls it), in colo's sharded format, interchangeable with colo.zero's (`colo.zero.state`)."""
+        super().save(path, metadata=metadata, group=self.group, expected_names=expected_names)
 
     def load(self, path: str | os.PathLike) -> dict:
         """Load a Gemini or ZeRO checkpoint saved at any data-parallel size and placement; returns its metadata.
-
-        See `colo.gemini.checkpoint.load_gemini`.
-        """
-        from .checkpoint import load_gemini
-
-        return load_gemini(self, path)
+        A checkpoint written before the first optimizer step, without moments, loads them as zeros."""
+        return super().load(path)
 
     def close(self) -> None:
         """Remove the hooks, finish transfers and delete the disk tier's files."""

@@ -16,25 +16,33 @@ from .amp import DynamicLossScaler, MixedPrecision
 from .buffer_pool import BufferPool
 from .chunk import BUFFER_NAMES, TIERS, Chunk, ChunkBuffer, ChunkPlan, ParamSlot, execution_order, plan_chunks
 from .clip import clip_coefficient, global_grad_norm
+from .config import ChunkConfig, ZeroConfig
+from .core import ChunkOptimizer
+from .grad_sync import BucketGradSync, GradSync, PersistentGradSync
 from .memory import MemoryEstimate, MemoryReport, estimate_memory, memory_report
 from .stage3 import ChunkGatherer
-from .zero_optimizer import ZeroConfig, ZeroOptimizer
+from .zero_optimizer import ZeroOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketGradSync",
     "BufferPool",
     "BUFFER_NAMES",
     "TIERS",
     "Chunk",
     "ChunkBuffer",
+    "ChunkConfig",
     "ChunkGatherer",
+    "ChunkOptimizer",
     "ChunkPlan",
     "DynamicLossScaler",
+    "GradSync",
     "MemoryEstimate",
     "MemoryReport",
     "MixedPrecision",
     "ParamSlot",
+    "PersistentGradSync",
     "ZeroConfig",
     "ZeroOptimizer",
     "__version__",

@@ -85,9 +85,11 @@ class DynamicLossScaler:
         """``loss * scale`` (call ``.backward()`` on the result)."""
         return loss * self.scale
 
-    def found_inf(self, grads: list[torch.Tensor]) -> bool:
-        """Whether any rank of the group has an inf or nan in ``grads`` (one all-reduce of a flag)."""
-        device = grads[0].device if grads else torch.device("cpu")
+    def found_inf(self, grads: list[torch.Tensor], *, device: torch.device | None = None) -> bool:
+        """Whether any rank of the group has an inf or nan in ``grads`` (one all-reduce of a flag, on ``device``:
+        the compute device, which the group's backend serves; default the first gradient's device)."""
+        if device is None:
+            device = grads[0].device if grads else torch.device("cpu")
         local = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         all_reduce(flag, op="max", group=self.group)
@@ -104,3 +106,23 @@ class DynamicLossScaler:
         if self.clean_steps >= self.growth_interval:
             self.scale *= self.growth_factor
             self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        """The scaler's changing state (JSON-serialisable): the scale, the clean steps since the last change, and
+        the number of skipped steps. The settings (factors, interval) are the constructor's."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "num_skipped": self.num_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned.
+
+        Raises:
+            ValueError: ``state`` holds keys `state_dict` does not write.
+        """
+        unknown = sorted(set(state) - {"scale", "clean_steps", "num_skipped"})
+        if unknown:
+            raise ValueError(
+                f"DynamicLossScaler.load_state_dict: unknown keys {unknown}; pass what state_dict() returned"
+            )
+        self.scale = float(state.get("scale", self.scale))
+        self.clean_steps = int(state.get("clean_steps", self.clean_steps))
+        self.num_skipped = int(state.get("num_skipped", self.num_skipped))
