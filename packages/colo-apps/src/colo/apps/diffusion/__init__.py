@@ -1,12 +1,15 @@
 """colo.apps.diffusion: text-to-image denoiser training under colo's plugins (diffusers in the ``diffusion`` extra).
 
 Only the denoiser (a diffusers ``UNet2DConditionModel`` inside `DenoiserLoss`) is boosted; the frozen CLIP text
-encoder and ``AutoencoderKL`` run beside it on every rank (`DiffusionBatchBuilder`). diffusers is imported lazily:
-``import colo.apps.diffusion`` works without it, building a model needs it.
+encoder and ``AutoencoderKL`` run beside it on every rank (`DiffusionBatchBuilder`), or the VAE encodes the images
+once into a `LatentCache`; `add_unet_lora` trains peft LoRA adapters on the UNet's attention instead of the UNet.
+diffusers is imported lazily: ``import colo.apps.diffusion`` works without it, building a model needs it.
 """
 
 from .data import COLORS, SHAPES, ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate
 from .ema import ShardedEMA
+from .latent_cache import LatentCache, build_latent_cache, load_latent_cache
+from .lora import UNET_ATTENTION_TARGETS, add_unet_lora, save_unet_lora, unet_lora_state
 from .models import (
     DiffusionModelConfig,
     build_text_encoder,
@@ -20,19 +23,26 @@ from .objective import DenoiserLoss, DiffusionBatchBuilder, DiffusionObjective, 
 __all__ = [
     "COLORS",
     "SHAPES",
+    "UNET_ATTENTION_TARGETS",
     "DenoiserLoss",
     "DiffusionBatchBuilder",
     "DiffusionModelConfig",
     "DiffusionObjective",
     "ImageCaptionFolder",
+    "LatentCache",
     "ShapesDataset",
     "ShardedEMA",
+    "add_unet_lora",
+    "build_latent_cache",
     "build_text_encoder",
     "build_unet",
     "build_vae",
     "caption_vocabulary",
     "collate",
+    "load_latent_cache",
     "save_caption_tokenizer",
+    "save_unet_lora",
     "step_generator",
     "tokenize_captions",
+    "unet_lora_state",
 ]

@@ -32,6 +32,18 @@ class DiffusionSection(BaseModel):
         "0, saved to output_dir/vae and reused on resume), then freeze it.",
     )
     vae_lr: float = Field(default=2e-3, gt=0, description="Learning rate of the VAE pre-training.")
+    cache_latents: bool = Field(
+        default=False,
+        description="Encode the images once with the frozen VAE into output_dir/latents (safetensors: the "
+        "posterior's mean and std; reused on resume, rebuilt when the images or the VAE changed) and train from "
+        "it, drawing a fresh latent per step; training then holds no VAE (the sample grids load it).",
+    )
+    unet_from: str | None = Field(
+        default=None,
+        description="A local UNet2DConditionModel directory to start from, e.g. an export's unet/ (None: built "
+        "from the sizes above, seeded). The base of a LoRA run (the lora section: adapters on the UNet's "
+        "attention, to_q / to_k / to_v / to_out.0 unless lora.target_modules names others).",
+    )
     prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The objective.")
     snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off).")
     noise_offset: float = Field(default=0.0, ge=0, description="Noise offset (0: off).")

@@ -82,6 +82,11 @@ class ShapesDataset(torch.utils.data.Dataset):
         cy = size / 2 + (u[2] - 0.5) * size * 0.15
         return color, shape, background, cx, cy, radius
 
+    def caption(self, index: int) -> str:
+        """The caption of item ``index`` (without drawing its image)."""
+        color, shape, background, *_ = self.describe(index)
+        return f"a {color} {shape} on {background}"
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.length:
             raise IndexError(index)
@@ -126,6 +131,10 @@ class ImageCaptionFolder(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def caption(self, index: int) -> str:
+        """The caption of item ``index`` (without reading its image)."""
+        return self.records[index][1]
 
     def __getitem__(self, index: int) -> dict:
         from PIL import Image

@@ -1,5 +1,8 @@
 """`colo convert CKPT --to diffusers OUT`: a ``StableDiffusionPipeline`` directory from a diffusion checkpoint (any
-layout): the EMA weights when the run kept them, the run's VAE and caption tokenizer, no safety checker."""
+layout): the EMA weights when the run kept them, the run's VAE and caption tokenizer, no safety checker.
+
+A LoRA run (``lora.enabled``) exports its frozen base UNet in the pipeline and the trained adapters (EMA ones when
+kept) beside it as ``OUT/pytorch_lora_weights.safetensors``: ``pipeline.load_lora_weights(OUT)`` applies them."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     from transformers import CLIPTokenizer
 
     from ..train.config import RunConfig
+    from .lora import add_unet_lora, lora_settings, save_unet_lora, unet_lora_state
     from .models import build_text_encoder, build_unet, build_vae, require_diffusers
     from .sampling import build_pipeline
     from .trainer import EMA_DIR, RUN_KEY
@@ -51,17 +55,48 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
         vae = require_diffusers().AutoencoderKL.from_pretrained(vae_dir)
     else:
         vae = build_vae(model_config, seed=config.seed + 2)
-    unet = build_unet(model_config, seed=0)
+    # the architecture (of diffusion.unet_from, or the sizes); every weight comes from the checkpoint
+    unet = build_unet(model_config, seed=0) if section.unet_from is None else _unet_like(section.unet_from)
+    lora = config.lora.enabled
+    if lora:  # the names of a LoRA run's tensors: X.base_layer.weight, X.lora_A.default.weight, ...
+        add_unet_lora(unet, **lora_settings(config.lora))
+    state = {name: torch.empty_like(value) for name, value in unet.state_dict().items()}
+    load_checkpoint(checkpoint, {"unet." + name: value for name, value in state.items()}, strict=False)
     ema_path = os.path.join(checkpoint, EMA_DIR)
-    if use_ema and os.path.isdir(ema_path):
-        source, prefix = ema_path, EMA_PREFIX + "unet."
-    else:
-        source, prefix = checkpoint, "unet."
-    targets = {prefix + name: torch.empty_like(p) for name, p in unet.state_dict().items()}
-    load_checkpoint(source, targets, strict=False)
-    unet.load_state_dict({name.removeprefix(prefix): value for name, value in targets.items()})
+    if use_ema and os.path.isdir(ema_path):  # the averaged trainable weights (a LoRA run's: the adapters)
+        averaged = set(read_index(ema_path).tensors)
+        prefix = EMA_PREFIX + "unet."
+        targets = {prefix + name: value for name, value in state.items() if prefix + name in averaged}
+        load_checkpoint(ema_path, targets, strict=False)
+    adapters = None
+    if lora:  # the frozen base into the pipeline, the adapters beside it
+        adapters = unet_lora_state({"unet." + name: value for name, value in state.items()})
+        unet = build_unet(model_config, seed=0) if section.unet_from is None else _unet_like(section.unet_from)
+        state = {name.replace(".base_layer.", "."): value for name, value in state.items() if ".lora_" not in name}
+    unet.load_state_dict(state)
     pipeline = build_pipeline(
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, objective=section.objective()
     )
     pipeline.save_pretrained(out)
-    return [out]
+    if adapters is None:
+        return [out]
+    return [out, save_unet_lora(out, adapters, **_adapter_config(config.lora))]
+
+
+def _unet_like(directory: str):
+    """A `UNet2DConditionModel` with the configuration saved in ``directory`` (weights: initialised, not read)."""
+    from .models import require_diffusers
+
+    diffusers = require_diffusers()
+    return diffusers.UNet2DConditionModel.from_config(diffusers.UNet2DConditionModel.load_config(directory))
+
+
+def _adapter_config(section) -> dict:
+    from .lora import UNET_ATTENTION_TARGETS
+
+    return {
+        "r": section.r,
+        "alpha": section.alpha,
+        "use_rslora": section.use_rslora,
+        "target_modules": section.target_modules or UNET_ATTENTION_TARGETS,
+    }

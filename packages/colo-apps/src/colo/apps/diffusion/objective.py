@@ -100,13 +100,27 @@ class DiffusionBatchBuilder:
         tokenizer, text_encoder: the frozen text side.
         vae: the frozen `AutoencoderKL` (``None`` with cached latents).
         seed: the run's seed.
+        scaling_factor: the latents' scale (``None``: the VAE's; needed without one, e.g. the `LatentCache`'s).
     """
 
-    def __init__(self, objective: DiffusionObjective, *, tokenizer, text_encoder, vae=None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        objective: DiffusionObjective,
+        *,
+        tokenizer,
+        text_encoder,
+        vae=None,
+        seed: int = 0,
+        scaling_factor: float | None = None,
+    ) -> None:
         self.objective = objective
         self.scheduler = objective.scheduler()
         self.tokenizer, self.text_encoder, self.vae = tokenizer, text_encoder, vae
-        self.scaling_factor = float(vae.config.scaling_factor) if vae is not None else 0.18215
+        if scaling_factor is None:
+            if vae is None:
+                raise ValueError("DiffusionBatchBuilder without a VAE needs scaling_factor (the latent cache's)")
+            scaling_factor = vae.config.scaling_factor
+        self.scaling_factor = float(scaling_factor)
         self.seed = seed
 
     @torch.no_grad()

@@ -49,3 +49,36 @@ def step_images(step: int):
 
     dataset = ShapesDataset(64, image_size=16, seed=0)
     return collate([dataset[(GLOBAL_BATCH * step + i) % len(dataset)] for i in range(GLOBAL_BATCH)])
+
+
+def tiny_run_config(output_dir: str, *, lora: dict | None = None, **diffusion):
+    """The run config of a tiny 2-process ZeRO-2 ``data.task: diffusion`` run of 3 steps (no VAE pre-training, no
+    evals, a checkpoint at step 3); ``diffusion`` fields override the section's, ``lora`` fills the lora section."""
+    from colo.apps.train.config import RunConfig
+
+    return RunConfig(
+        output_dir=output_dir,
+        seed=SEED,
+        plugin={"name": "zero", "stage": 2},
+        optimizer={"lr": LR, "weight_decay": 0.0},
+        schedule={"total_steps": 3, "warmup_steps": 1},
+        data={"task": "diffusion", "global_batch_size": GLOBAL_BATCH},
+        checkpoint={"every_steps": 3, "resume": "auto"},
+        logging={"every_steps": 1, "tensorboard": False, "progress_bar": False},
+        lora=lora or {},
+        diffusion={
+            "unet_channels": [8, 16],
+            "norm_num_groups": 4,
+            "text_hidden_size": 16,
+            "text_layers": 1,
+            "vae_channels": [8, 8],
+            "num_images": 16,
+            "ema_decay": 0.9,
+            "prediction_type": "v_prediction",
+            "condition_dropout": 0.2,
+            "sample_prompts": ["a red circle on white"],
+            "samples_per_prompt": 1,
+            "sample_steps": 1,
+            **diffusion,
+        },
+    )

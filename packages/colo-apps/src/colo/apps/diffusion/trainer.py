@@ -18,7 +18,9 @@ from ..train.optim import build_scheduler
 from ..train.state import checkpoint_path, prune_checkpoints, resolve_resume
 from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate
 from .ema import ShardedEMA
-from .models import build_text_encoder, build_unet, build_vae, save_caption_tokenizer
+from .latent_cache import CACHE_DIR, build_latent_cache
+from .lora import add_unet_lora, lora_settings
+from .models import build_text_encoder, build_unet, build_vae, require_diffusers, save_caption_tokenizer
 from .objective import DenoiserLoss, DiffusionBatchBuilder
 
 RUN_KEY = "diffusion_run"
@@ -36,6 +38,24 @@ def captions_vocabulary(dataset) -> list[str]:
     if isinstance(dataset, ShapesDataset):
         return caption_vocabulary()
     return sorted({w for _, text in dataset.records for w in text.lower().split()})
+
+
+def load_vae(config):
+    """The run's frozen VAE: ``diffusion.vae_from``, the one pre-trained into ``output_dir/vae``, or the seeded one."""
+    section, vae_dir = config.diffusion, os.path.join(config.output_dir, "vae")
+    if section.vae_from is not None or os.path.isdir(vae_dir):
+        vae = require_diffusers().AutoencoderKL.from_pretrained(section.vae_from or vae_dir)
+    else:
+        vae = build_vae(section.model_config_object(), seed=config.seed + 2)
+    return vae.requires_grad_(False).eval()
+
+
+def initial_unet(config):
+    """The denoiser before training: ``diffusion.unet_from`` or built from the sizes (seeded); without adapters."""
+    section = config.diffusion
+    if section.unet_from is not None:
+        return require_diffusers().UNet2DConditionModel.from_pretrained(section.unet_from)
+    return build_unet(section.model_config_object(), seed=config.seed + 3)
 
 
 def frozen_components(config, *, rank: int, world_size: int):
@@ -58,17 +78,11 @@ def frozen_components(config, *, rank: int, world_size: int):
         dist.barrier()
     from transformers import CLIPTokenizer
 
-    from .models import require_diffusers
-
     tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
     text_encoder = build_text_encoder(
         model_config, tokenizer, seed=config.seed + 1, pretrained=section.text_encoder_from
     )
-    if section.vae_from is not None or os.path.isdir(vae_dir):
-        vae = require_diffusers().AutoencoderKL.from_pretrained(section.vae_from or vae_dir)
-    else:
-        vae = build_vae(model_config, seed=config.seed + 2)
-    return tokenizer, text_encoder, vae.requires_grad_(False).eval(), dataset
+    return tokenizer, text_encoder, load_vae(config), dataset
 
 
 class DiffusionTrainer:
@@ -91,17 +105,40 @@ class DiffusionTrainer:
                 f"{config.schedule.num_microbatches}"
             )
         self.objective = section.objective()
-        self.tokenizer, self.text_encoder, self.vae, self.dataset = frozen_components(
+        self.tokenizer, self.text_encoder, vae, self.dataset = frozen_components(
             config, rank=self.rank, world_size=self.world_size
         )
+        self.latents = None
+        if section.cache_latents:  # encode once; training then holds no VAE (sample_grid loads it)
+            self.latents = build_latent_cache(
+                os.path.join(config.output_dir, CACHE_DIR),
+                self.dataset,
+                vae,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+            vae = None
+        self.vae = vae
         self.builder = DiffusionBatchBuilder(
-            self.objective, tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae, seed=config.seed
+            self.objective,
+            tokenizer=self.tokenizer,
+            text_encoder=self.text_encoder,
+            vae=self.vae,
+            seed=config.seed,
+            scaling_factor=self.latents.scaling_factor if self.latents is not None else None,
         )
-        self.unet = build_unet(section.model_config_object(), seed=config.seed + 3)
+        self.unet = initial_unet(config)
+        if config.lora.enabled:
+            torch.manual_seed(config.seed)  # the same adapters on every rank (boost also broadcasts rank 0's)
+            add_unet_lora(self.unet, **lora_settings(config.lora))
         model = DenoiserLoss(self.unet)
         opt = config.optimizer
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+            [p for p in model.parameters() if p.requires_grad],
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
         )
         scheduler = build_scheduler(optimizer, config.schedule, peak_lr=opt.lr)
         self.booster.boost(model, optimizer, lr_scheduler=scheduler)
@@ -123,6 +160,12 @@ class DiffusionTrainer:
         indices = order[first : first + size]
         per_rank = size // self.dp_size
         rows = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        if self.latents is not None:  # cached posterior statistics; the builder draws the latent sample
+            mean, std = self.latents.rows(indices[rows])
+            captions = [self.dataset.caption(i) for i in indices[rows]]
+            return self.builder(
+                step=step, captions=captions, latent_mean=mean, latent_std=std, rows=rows, global_rows=size
+            )
         images = collate([self.dataset[i] for i in indices[rows]])
         return self.builder(
             step=step, captions=images["caption"], pixel_values=images["pixel_values"], rows=rows, global_rows=size
@@ -180,8 +223,6 @@ class DiffusionTrainer:
 
     def sample_grid(self, step: int) -> str | None:
         """Every rank gathers the EMA (a collective); rank 0 samples the fixed prompts and seeds and writes a PNG."""
-        import copy
-
         from .sampling import build_pipeline, sample_images, save_grid
 
         averaged = self.ema.full() if self.ema is not None else None
@@ -195,12 +236,17 @@ class DiffusionTrainer:
         if self.rank != 0:
             return None
         section = self.config.diffusion
-        unet = copy.deepcopy(build_unet(section.model_config_object(), seed=0))
+        unet = initial_unet(self.config)  # a LoRA run's frozen base is still this one
+        if self.config.lora.enabled:
+            add_unet_lora(unet, **lora_settings(self.config.lora))
         state = {name.removeprefix("unet."): value for name, value in averaged.items()}
-        unet.load_state_dict(state)
+        missing = set(state) - set(unet.state_dict())
+        if missing:
+            raise KeyError(f"the averaged weights name parameters the UNet does not have: {sorted(missing)[:3]}")
+        unet.load_state_dict(state, strict=not self.config.lora.enabled)
         pipeline = build_pipeline(
             unet=unet.eval(),
-            vae=self.vae,
+            vae=self.vae if self.vae is not None else load_vae(self.config),  # cached latents: loaded for the grid
             text_encoder=self.text_encoder,
             tokenizer=self.tokenizer,
             objective=self.objective,
