@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from colo.gemini import GeminiConfig, GeminiOptimizer
 from colo.zero import MixedPrecision
 
 from ..plans import find_plan
 from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
+from .driver import OptimizerDriver
 
 
 @dataclass(kw_only=True)
@@ -82,29 +81,11 @@ class Gemini(Plugin):
         )
 
 
-class GeminiEngine(Engine):
-    """Runs steps for `Gemini`."""
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.optimizer.backward(loss)
+class GeminiEngine(OptimizerDriver, Engine):
+    """Runs steps for `Gemini`: the chunk-optimizer driver, reducing every microbatch."""
 
     def no_sync(self):
         raise RuntimeError("the Gemini plugin reduces gradients every microbatch; it has no no_sync()")
 
-    def step(self) -> tuple[float | None, bool]:
-        max_norm = self.plugin.max_grad_norm if self.plugin.max_grad_norm is not None else float("inf")
-        norm = self.optimizer.clip_grad_norm_(max_norm)
-        return norm, self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    @property
-    def torch_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer.optimizer
-
     def save(self, path: str, *, metadata: dict) -> None:
         self.optimizer.save(path, metadata=metadata, expected_names=self.expected_names)
-
-    def load(self, path: str) -> dict:
-        return self.optimizer.load(path)

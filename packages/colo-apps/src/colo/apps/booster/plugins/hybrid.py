@@ -23,6 +23,7 @@ from ...lora.tensor_parallel import (
 from ..plans import materialize_device, plan_for
 from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
+from .driver import OptimizerDriver
 from .zero import ZeroEngine
 
 SP_MODES = (None, "megatron", "ulysses", "ring")
@@ -291,7 +292,7 @@ class HybridEngine(ZeroEngine):
         return self.plan.prepare_batch(micro, mesh=self.mesh, plugin=self.plugin)
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(OptimizerDriver, Engine):
     """Runs a pipeline step (`colo.pipeline.PipelineExecutor`) with ZeRO over the data axes."""
 
     def __init__(
@@ -337,16 +338,10 @@ class PipelineEngine(Engine):
     def no_sync(self):
         raise RuntimeError("with pp > 1 the pipeline accumulates microbatches itself: use booster.train_step(batch)")
 
-    step = ZeroEngine.step
-    zero_grad = ZeroEngine.zero_grad
-    wait_params = ZeroEngine.wait_params
-    torch_optimizer = ZeroEngine.torch_optimizer
-    load = ZeroEngine.load
-
     def checkpoint_state(self) -> tuple[dict, dict]:
-        """`ZeroEngine.checkpoint_state` with this rank's tied copies marked as replicas (the first stage holding
+        """The optimizer's checkpoint state with this rank's tied copies marked as replicas (the first stage holding
         the parameter writes it, under the same checkpoint name)."""
-        tensors, own = ZeroEngine.checkpoint_state(self)
+        tensors, own = super().checkpoint_state()
         for key, value in tensors.items():
             weight = key.removeprefix(OPTIM_PREFIX).rpartition("/")[0] if key.startswith(OPTIM_PREFIX) else key
             if weight in self.tied_copies:

@@ -11,6 +11,7 @@ from colo.zero import MixedPrecision, ZeroOptimizer
 from ..plans import find_plan
 from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
+from .driver import OptimizerDriver
 
 
 @dataclass(kw_only=True)
@@ -71,45 +72,28 @@ class Zero(Plugin):
             offload_optimizer=self.offload_optimizer,
             checkpoint_names=plan.checkpoint_names(model) if plan is not None else None,
         )
-        return ZeroEngine(self, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
+        return ZeroEngine(
+            self,
+            model=model,
+            optimizer=zero,
+            mesh=mesh,
+            criterion=criterion,
+            accumulate_without_sync=self.accumulate_without_sync,
+        )
 
 
-class ZeroEngine(Engine):
-    """Runs steps for `Zero` (and for the data-parallel part of `HybridParallel` without a pipeline)."""
+class ZeroEngine(OptimizerDriver, Engine):
+    """Runs steps for `Zero` (and for the data-parallel part of `HybridParallel` without a pipeline).
 
-    def __init__(self, plugin, *, model, optimizer: ZeroOptimizer, mesh, criterion) -> None:
+    Args:
+        accumulate_without_sync: accumulate full gradients over microbatches without communication (stages 0/2/3;
+            `Zero.accumulate_without_sync`). Default: ``False``.
+    """
+
+    def __init__(self, plugin, *, model, optimizer: ZeroOptimizer, mesh, criterion, accumulate_without_sync=False):
         # stage 1 accumulates in its full buffers and reduces (overlapped) in the last microbatch's backward, the
         # others under no_sync; stages 0/2/3 reduce every microbatch unless told to accumulate
-        sync_every = optimizer.config.stage != 1 and not getattr(plugin, "accumulate_without_sync", False)
+        sync_every = optimizer.config.stage != 1 and not accumulate_without_sync
         super().__init__(
             plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion, sync_every_microbatch=sync_every
         )
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.optimizer.backward(loss)
-
-    def no_sync(self):
-        return self.optimizer.no_sync()
-
-    def step(self) -> tuple[float | None, bool]:
-        zero = self.optimizer
-        max_norm = self.plugin.max_grad_norm
-        norm = zero.clip_grad_norm_(max_norm) if max_norm is not None else zero.grad_norm()
-        skipped = zero.step()
-        return norm, skipped
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    def wait_params(self) -> None:
-        self.optimizer.wait_params()
-
-    @property
-    def torch_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer.optimizer
-
-    def checkpoint_state(self) -> tuple[dict, dict]:
-        return self.optimizer.checkpoint_state()
-
-    def load(self, path: str) -> dict:
-        return self.optimizer.load(path)
