@@ -23,7 +23,7 @@ Example::
 
 from .actions import BACKWARD_OPS, BW, COMM_OPS, COMPUTE_OPS, Action, B, F, Schedule, W
 from .backward import PendingWeightGrad, backward_input, backward_weight
-from .executor import PipelineExecutor, StepResult
+from .executor import PipelineExecutor, PipelineStepResult
 from .p2p import StageMeta, TensorMeta
 from .partition import (
     build_stages,
@@ -68,7 +68,7 @@ __all__ = [
     "ScheduleReport",
     "SimulationResult",
     "StageMeta",
-    "StepResult",
+    "PipelineStepResult",
     "TensorMeta",
     "TimelineEvent",
     "W",

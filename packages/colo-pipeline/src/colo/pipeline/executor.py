@@ -28,7 +28,7 @@ from .validate import validate
 
 
 @dataclass(frozen=True)
-class StepResult:
+class PipelineStepResult:
     """What one `PipelineExecutor.step` did.
 
     Attributes:
@@ -166,7 +166,7 @@ class PipelineExecutor:
 
     # --- one step -----------------------------------------------------------------------------------------------
 
-    def step(self, inputs: Any = None, targets: Any = None, *, return_loss: bool = True) -> StepResult:
+    def step(self, inputs: Any = None, targets: Any = None, *, return_loss: bool = True) -> PipelineStepResult:
         """Run one training step's forwards and backwards (the optimizer step is the caller's).
 
         Args:
@@ -176,7 +176,7 @@ class PipelineExecutor:
             return_loss: broadcast the loss from the last stage so every rank returns it.
 
         Returns:
-            A `StepResult`. Gradients are accumulated into the chunks' parameters' ``.grad``.
+            A `PipelineStepResult`. Gradients are accumulated into the chunks' parameters' ``.grad``.
         """
         m = self.schedule.num_microbatches
         self._microbatches: list[Any] | None = None
@@ -224,7 +224,7 @@ class PipelineExecutor:
             buffer = loss.detach().float().reshape(1) if loss is not None else torch.zeros(1, device=self.device)
             loss = broadcast(buffer.contiguous(), src=holder, group=self.group)[0]
         self._microbatches = self._targets = None
-        return StepResult(loss=loss, actions=tuple(ran), peak_live_activations=peak)
+        return PipelineStepResult(loss=loss, actions=tuple(ran), peak_live_activations=peak)
 
     @torch.no_grad()
     def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
