@@ -93,7 +93,7 @@ def test_every_field_is_documented():
     schema = RunConfig.model_json_schema()
     defs = schema["$defs"]
     walk(schema, defs, "config")
-    for plugin in ("DDPConfig", "ZeroConfig", "GeminiConfig", "HybridParallelConfig"):
+    for plugin in ("DDPSection", "ZeroSection", "GeminiSection", "HybridParallelSection"):
         walk(defs[plugin], defs, plugin)
 
 

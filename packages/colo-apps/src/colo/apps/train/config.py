@@ -15,7 +15,7 @@ from ..data.sft import ChatTemplate
 from ..diffusion.config import DiffusionSection
 from ..models.llama import PRESETS, LlamaConfig, get_preset
 from ._fields import dataclass_fields
-from .plugin_config import DDPConfig, PluginConfig
+from .plugin_config import DDPSection, PluginConfig
 
 
 class _Section(BaseModel):
@@ -403,7 +403,7 @@ class RunConfig(_Section):
         default="auto", description="'auto': CUDA when available (one device per local rank), else CPU."
     )
     model: ModelSection = Field(default_factory=ModelSection, description=ModelSection.__doc__)
-    plugin: PluginConfig = Field(default_factory=lambda: DDPConfig(name="ddp"), description="The Booster plugin.")
+    plugin: PluginConfig = Field(default_factory=lambda: DDPSection(name="ddp"), description="The Booster plugin.")
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description=OptimizerSection.__doc__)
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description=ScheduleSection.__doc__)
     data: DataSection = Field(default_factory=DataSection, description=DataSection.__doc__)

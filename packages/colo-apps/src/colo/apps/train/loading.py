@@ -93,9 +93,9 @@ def apply_overrides(data: Mapping, overrides: Iterable[str]) -> dict:
 
 
 def _switch_plugin(section: dict, name: object) -> None:
-    from .plugin_config import DDPConfig, GeminiConfig, HybridConfig, ZeroConfig
+    from .plugin_config import DDPSection, GeminiSection, HybridSection, ZeroSection
 
-    sections = dict(zip(PLUGIN_NAMES, (DDPConfig, ZeroConfig, GeminiConfig, HybridConfig)))
+    sections = dict(zip(PLUGIN_NAMES, (DDPSection, ZeroSection, GeminiSection, HybridSection)))
     if name not in sections:
         return  # validation reports the unknown name
     allowed = set(sections[name].model_fields)

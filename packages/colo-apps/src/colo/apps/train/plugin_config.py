@@ -54,7 +54,7 @@ def _init_fields(cls: type) -> set[str]:
 
 def _section(name: str, plugin_class: type, doc: str) -> type[_PluginSection]:
     model = create_model(
-        f"{plugin_class.__name__}Config",
+        f"{plugin_class.__name__}Section",
         __base__=_PluginSection,
         __doc__=doc,
         name=(Literal[name], Field(description=f"The plugin: {name!r} selects `{plugin_class.__name__}`.")),
@@ -64,12 +64,12 @@ def _section(name: str, plugin_class: type, doc: str) -> type[_PluginSection]:
     return model
 
 
-DDPConfig = _section("ddp", DDP, "torch DistributedDataParallel over every rank (parameters replicated).")
-ZeroConfig = _section("zero", Zero, "ZeRO stages 0-3 over every rank (colo.zero).")
-GeminiConfig = _section("gemini", Gemini, "Gemini: ZeRO-3-style chunks placed over device, host and disk.")
-HybridConfig = _section("hybrid", HybridParallel, "Tensor x pipeline x sequence x data parallelism, ZeRO 0-2.")
+DDPSection = _section("ddp", DDP, "torch DistributedDataParallel over every rank (parameters replicated).")
+ZeroSection = _section("zero", Zero, "ZeRO stages 0-3 over every rank (colo.zero).")
+GeminiSection = _section("gemini", Gemini, "Gemini: ZeRO-3-style chunks placed over device, host and disk.")
+HybridSection = _section("hybrid", HybridParallel, "Tensor x pipeline x sequence x data parallelism, ZeRO 0-2.")
 
-PluginConfig = Annotated[Union[DDPConfig, ZeroConfig, GeminiConfig, HybridConfig], Field(discriminator="name")]  # noqa: UP007
+PluginConfig = Annotated[Union[DDPSection, ZeroSection, GeminiSection, HybridSection], Field(discriminator="name")]  # noqa: UP007
 """One of the plugin sections, told apart by ``name`` (``ddp``, ``zero``, ``gemini``, ``hybrid``)."""
 
 PLUGIN_NAMES = ("ddp", "zero", "gemini", "hybrid")
