@@ -53,15 +53,14 @@ import copy
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _peer_processes import peak_rss_mb, run_rank_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LR, BETA, EPS, MAX_GRAD_NORM, WEIGHT_DECAY = 1e-4, 0.1, 1e-8, 1.0, 0.01
@@ -129,12 +128,6 @@ def optimizer_groups(model) -> list[dict]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # --- colo: one rank, under colo.comm.launch ------------------------------------------------------------------------
@@ -276,45 +269,16 @@ def trl_rank(args) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_trl(impl: str, args, tokenizer_dir: str) -> list[dict]:
-    world = IMPLS[impl][1]
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as scratch:
-        procs = []
-        for rank in range(world):
-            env = {**os.environ, **RANK_ENV}
-            if world > 1:  # what torchrun / accelerate launch would set
-                env.update(
-                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                )  # fmt: skip
-            command = [
-                sys.executable, __file__, "--trl-worker",
-                "--pairs", str(args.pairs), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                "--seed", str(args.seed), "--tokenizer-dir", tokenizer_dir,
-                "--trl-output-dir", os.path.join(scratch, "trl"), "--out", os.path.join(scratch, f"rank{rank}.json"),
-            ]  # fmt: skip
-            procs.append(
-                subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            )
-        outputs = []
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=args.row_timeout)[0])
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{impl}: timed out after {args.row_timeout} s") from None
-        if any(p.returncode for p in procs):
-            failed = next(i for i, p in enumerate(procs) if p.returncode)
-            raise RuntimeError(f"{impl} rank {failed} exited {procs[failed].returncode}:\n{outputs[failed][-3000:]}")
-        return [json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(world)]
+    def command(rank: int, scratch: str) -> list[str]:
+        return [
+            sys.executable, __file__, "--trl-worker",
+            "--pairs", str(args.pairs), "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--seed", str(args.seed), "--tokenizer-dir", tokenizer_dir,
+            "--trl-output-dir", os.path.join(scratch, "trl"), "--out", os.path.join(scratch, f"rank{rank}.json"),
+        ]  # fmt: skip
+
+    return run_rank_processes(impl, IMPLS[impl][1], command, env=RANK_ENV, timeout=args.row_timeout)
 
 
 # --- the driver ----------------------------------------------------------------------------------------------------
