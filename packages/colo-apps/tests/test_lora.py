@@ -161,7 +161,7 @@ def _plugin_run(kind, settings):
         ("ddp", {}, 2),
         ("zero", {"stage": 2}, 2),
         ("zero", {"stage": 3}, 2),
-        ("gemini", {"device_capacity": "64MiB"}, 2),  # chunks placed by Gemini's auto policy
+        ("gemini", {"placement": "auto", "device_capacity": "64MiB"}, 2),  # chunks placed by Gemini's auto policy
         ("hybrid", {"tp": 2, "zero_stage": 1}, 4),  # dp2 x tp2
         ("hybrid", {"tp": 4, "zero_stage": 0}, 4),  # tp4 > 2 kv heads: k/v (and their lora_B rows) replicated
         ("hybrid", {"tp": 2, "sp_mode": "megatron", "zero_stage": 1}, 2),  # Megatron-SP

@@ -15,7 +15,7 @@ Example::
 """
 
 from .checkpoint import load_gemini, save_gemini
-from .config import GeminiConfig, parse_bytes
+from .config import GeminiConfig, GeminiTiers, parse_bytes
 from .gemini import GeminiOptimizer
 from .hooks import GeminiGatherer
 from .manager import ChunkManager
@@ -34,6 +34,7 @@ __all__ = [
     "DeviceArena",
     "DiskTier",
     "GeminiConfig",
+    "GeminiTiers",
     "GeminiGatherer",
     "GeminiMemoryError",
     "GeminiMemoryReport",

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -53,22 +52,27 @@ def _check_fractions(name: str, fractions: dict[str, float]) -> dict[str, float]
 
 
 @dataclass(kw_only=True)
-class GeminiConfig(ChunkConfig):
-    """Settings of `GeminiOptimizer`: `colo.zero.config.ChunkConfig`'s (``data_axes``, ``chunk_numel``,
-    ``mixed_precision``) and the tiers'. Sizes are bytes, or strings such as ``"512MiB"`` / ``"2GB"``."""
+class GeminiTiers:
+    """Where Gemini keeps chunk data: the placement policy and the tier budgets.
+
+    Defined once, here: `GeminiConfig` and the Booster's ``Gemini`` plugin (and through it the run config) both
+    inherit these fields, so their defaults cannot drift. Sizes are bytes, or strings such as ``"512MiB"``.
+    """
 
     placement: str = "static"
-    """``"static"``: homes from ``param_fractions`` / ``optim_fractions``. ``"auto"``: everything off the device
-    at first, a warm-up step records the chunks' access order and the non-model memory, then the parameters
+    """``"static"`` (the default, as Colossal-AI's ``GeminiPlugin``): homes from ``param_fractions`` /
+    ``optim_fractions`` (everything on the device unless they say otherwise). ``"auto"``: everything off the
+    device at first, a warm-up step records the chunks' access order and the non-model memory, then the parameters
     become resident if they all fit (and optimizer state fills the rest), otherwise the device is a cache that
-    evicts the chunk needed farthest ahead and prefetches in the recorded order."""
+    evicts the chunk needed farthest ahead and prefetches in the recorded order (needs ``device_capacity``
+    without CUDA)."""
     device_capacity: int | str | None = None
     """The device budget: the arena that holds every chunk buffer on the device; under ``auto`` the non-model
     memory the warm-up records is kept free of chunks as well. ``None``: static: just large enough for what the
     fractions put there plus the working set; auto: the GPU's free memory (required without CUDA)."""
     host_capacity: int | str | None = None
     """Host memory Gemini may use for chunk data; ``None``: no limit."""
-    disk_dir: str | os.PathLike | None = None
+    disk_dir: str | None = None
     """Directory of the disk tier (NVMe offload); each rank uses a subdirectory. ``None``: no disk tier."""
     disk_capacity: int | str | None = None
     """Bytes the disk tier may use; ``None``: the free space of ``disk_dir``."""
@@ -80,16 +84,10 @@ class GeminiConfig(ChunkConfig):
     Colossal-AI's ``offload_optim_frac`` is ``1 - optim_fractions["device"]``."""
     prefetch: int = 2
     """How many chunks ahead to bring to the device (0: fetch on demand only)."""
-    max_chunk_numel: int = 1 << 24
-    """Largest capacity the search tries (smaller chunks move in finer steps)."""
-    device: str | torch.device | None = None
-    """The compute device; ``None``: the current CUDA device when there is one, else ``cpu``."""
-    pin_memory: bool | None = None
-    """Pin host buffers; ``None``: when CUDA is available (pinning raises without it)."""
-    disk_threads: int = 2
-    """Background I/O threads of the disk tier."""
 
-    def __post_init__(self) -> None:
+    def check_tiers(self) -> None:
+        """Validate the tier settings (naming the field and the fix); sizes become bytes, fractions cover every
+        tier."""
         if self.placement not in PLACEMENTS:
             raise ValueError(f"GeminiConfig.placement={self.placement!r} is not a policy; use one of {PLACEMENTS}")
         for name in ("device_capacity", "host_capacity", "disk_capacity"):
@@ -113,6 +111,28 @@ class GeminiConfig(ChunkConfig):
             raise ValueError("GeminiConfig.disk_capacity is set without disk_dir; set disk_dir too")
         if self.prefetch < 0:
             raise ValueError(f"GeminiConfig.prefetch={self.prefetch} must be >= 0 (0 fetches on demand only)")
+
+    def tier_settings(self) -> dict:
+        """The `GeminiTiers` fields of this object, by name (to build a `GeminiConfig` from a plugin)."""
+        return {f.name: getattr(self, f.name) for f in fields(GeminiTiers)}
+
+
+@dataclass(kw_only=True)
+class GeminiConfig(ChunkConfig, GeminiTiers):
+    """Settings of `GeminiOptimizer`: `colo.zero.config.ChunkConfig`'s (``data_axes``, ``chunk_numel``,
+    ``mixed_precision``), the tiers' (`GeminiTiers`) and the device's."""
+
+    max_chunk_numel: int = 1 << 24
+    """Largest capacity the search tries (smaller chunks move in finer steps)."""
+    device: str | torch.device | None = None
+    """The compute device; ``None``: the current CUDA device when there is one, else ``cpu``."""
+    pin_memory: bool | None = None
+    """Pin host buffers; ``None``: when CUDA is available (pinning raises without it)."""
+    disk_threads: int = 2
+    """Background I/O threads of the disk tier."""
+
+    def __post_init__(self) -> None:
+        self.check_tiers()
         super().__post_init__()
         if self.disk_threads < 1:
             raise ValueError(f"GeminiConfig.disk_threads={self.disk_threads} must be at least 1")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from colo.gemini import GeminiConfig, GeminiOptimizer
+from colo.gemini import GeminiConfig, GeminiOptimizer, GeminiTiers
 from colo.zero import MixedPrecision
 
 from ..plans import find_plan
@@ -14,30 +14,15 @@ from .driver import OptimizerDriver
 
 
 @dataclass(kw_only=True)
-class Gemini(Plugin):
+class Gemini(Plugin, GeminiTiers):
     """Heterogeneous memory management (`colo.gemini`): ZeRO-3-style sharding over every rank, each chunk kept on
     the device, the host or the disk by the ``placement`` policy and moved just in time.
 
-    The fields are `colo.gemini.GeminiConfig`'s (sizes as bytes or ``"512MiB"``); they are validated here, before
-    any collective. Gradients are reduced every microbatch (Gemini keeps no full gradient buffer).
+    The tier fields (``placement``, the capacities, ``disk_dir``, the static fractions, ``prefetch``) are
+    `colo.gemini.GeminiTiers`'s, defined once there with their defaults; they are validated here, before any
+    collective. Gradients are reduced every microbatch (Gemini keeps no full gradient buffer).
     """
 
-    placement: str = "auto"
-    """``"auto"`` (warm-up trace, farthest-next-use eviction, prefetch) or ``"static"`` (fractions per tier)."""
-    device_capacity: int | str | None = None
-    """The device budget for chunk data (and, under ``auto``, the non-model memory recorded in warm-up)."""
-    host_capacity: int | str | None = None
-    """Host memory for chunk data; ``None``: no limit."""
-    disk_dir: str | None = None
-    """Directory of the disk tier (NVMe offload); ``None``: no disk tier."""
-    disk_capacity: int | str | None = None
-    """Bytes the disk tier may use; ``None``: the free space of ``disk_dir``."""
-    param_fractions: dict[str, float] = field(default_factory=lambda: {"device": 1.0})
-    """Static placement: parameter bytes per tier."""
-    optim_fractions: dict[str, float] = field(default_factory=lambda: {"device": 1.0})
-    """Static placement: optimizer-state bytes per tier."""
-    prefetch: int = 2
-    """Chunks to bring to the device ahead of use."""
     chunk_numel: int | None = None
     """Chunk capacity in elements (``None``: searched)."""
 
@@ -53,18 +38,9 @@ class Gemini(Plugin):
     def gemini_config(self) -> GeminiConfig:
         """The `GeminiConfig` these settings describe."""
         mixed = None if self.precision == "fp32" else MixedPrecision(param_dtype=self.compute_dtype)
-        return GeminiConfig(
-            placement=self.placement,
-            device_capacity=self.device_capacity,
-            host_capacity=self.host_capacity,
-            disk_dir=self.disk_dir,
-            disk_capacity=self.disk_capacity,
-            param_fractions=dict(self.param_fractions),
-            optim_fractions=dict(self.optim_fractions),
-            prefetch=self.prefetch,
-            chunk_numel=self.chunk_numel,
-            mixed_precision=mixed,
-        )
+        tiers = {**self.tier_settings(), "param_fractions": dict(self.param_fractions)}
+        tiers["optim_fractions"] = dict(self.optim_fractions)
+        return GeminiConfig(**tiers, chunk_numel=self.chunk_numel, mixed_precision=mixed)
 
     def configure(self, model, optimizer, *, criterion=None) -> Engine:
         mesh = self.build_mesh()
