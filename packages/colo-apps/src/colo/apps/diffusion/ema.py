@@ -25,19 +25,14 @@ PREFIX = "ema/"
 def _master_pieces(engine) -> Iterator[tuple[str, torch.Tensor, dict | None]]:
     """``(checkpoint name, this rank's current fp32 values, FlatShard fields | None)`` of every trainable
     parameter: flat ranges of the chunks' masters under ZeRO / Gemini, whole parameters otherwise."""
-    from colo.gemini import GeminiOptimizer
-    from colo.zero import ZeroOptimizer
+    from colo.zero import ChunkOptimizer
     from colo.zero.state import flat_pieces
 
     optimizer = engine.optimizer
-    if isinstance(optimizer, (ZeroOptimizer, GeminiOptimizer)) and getattr(optimizer, "num_shards", 2) > 1:
-        if isinstance(optimizer, ZeroOptimizer):
-            optimizer.wait_params()
+    if isinstance(optimizer, ChunkOptimizer) and optimizer.num_shards > 1:
+        optimizer.before_checkpoint()  # the shards are read: parameter gathers in flight land first
         for chunk in optimizer.trainable_chunks:
-            if isinstance(optimizer, GeminiOptimizer):
-                master = optimizer.hybrid.read(chunk)["master"]
-            else:
-                master = chunk.buffer("master")
+            master = optimizer.shard_tensors(chunk)["master"]
             for slot in chunk.slots:
                 placement = {"global_shape": tuple(slot.shape), "replica": False}
                 for name, start, end, fields in flat_pieces(
@@ -45,7 +40,7 @@ def _master_pieces(engine) -> Iterator[tuple[str, torch.Tensor, dict | None]]:
                 ):
                     yield name, master[start:end], fields
         return
-    if isinstance(optimizer, ZeroOptimizer):  # stage 0: every rank holds every master
+    if isinstance(optimizer, ChunkOptimizer):  # one shard (ZeRO stage 0): every rank holds every master
         for name, value in optimizer.full_params().items():
             yield name, value, None
         return
@@ -78,7 +73,9 @@ class ShardedEMA:
     ) -> None:
         if not 0 <= min_decay <= decay <= 1:
             raise ValueError(f"ShardedEMA needs 0 <= min_decay <= decay <= 1, got min_decay={min_decay}, decay={decay}")
-        self.engine = booster._require_engine()
+        if booster.engine is None:
+            raise RuntimeError("ShardedEMA(booster): call booster.boost(model, optimizer, ...) first")
+        self.engine = booster.engine
         self.decay, self.min_decay, self.update_after_step = decay, min_decay, update_after_step
         self.use_ema_warmup, self.inv_gamma, self.power = use_ema_warmup, inv_gamma, power
         self.optimization_step = 0
