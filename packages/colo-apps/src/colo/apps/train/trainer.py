@@ -141,7 +141,7 @@ class Trainer:
     def _build_model(self) -> Llama:
         """The run's model: pretrained (``model.init_from``) or fresh from the seed, with LoRA adapters when asked."""
         config = self.config
-        if config.plugin.name == "hybrid":
+        if self.plugin.materializes_meta_models:
             with torch.device("meta"):  # each rank materializes only its shards: from the seed or init_from
                 model = Llama(self.llama_config)
             if config.model.init_from is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,10 @@ LOSS_WEIGHTINGS = ("microbatch", "token")
 @dataclass(kw_only=True)
 class Plugin:
     """Settings every plugin has; subclasses add their own and build an `Engine` in `configure`."""
+
+    materializes_meta_models: ClassVar[bool] = False
+    """Whether `configure` takes a model built on the meta device and materializes only this rank's shards (from
+    the plugin's seed or the plan's materialize function); other plugins need the whole model in memory."""
 
     precision: str = "fp32"
     """Compute precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 with dynamic loss scaling)."""

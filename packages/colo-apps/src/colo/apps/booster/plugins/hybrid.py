@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -60,6 +61,8 @@ class HybridParallel(Plugin):
     """ZeRO chunk capacity in elements (``None``: searched)."""
     seed: int = 0
     """Seed materializing a model built on the meta device (each rank initializes only its shards)."""
+
+    materializes_meta_models: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
