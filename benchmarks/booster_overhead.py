@@ -69,6 +69,7 @@ from zero_dp import (  # noqa: E402
     _adamw,
     _versions,
     loss_agreement,
+    median_rows,
     print_agreement,
     print_rows,
     token_batch,
@@ -366,32 +367,20 @@ def measure(impl: str, shape: str, args) -> dict:
     }
 
 
+def _phase_medians(ok: list[dict]) -> dict:
+    names = sorted({name for r in ok for name in r["phase_s"]})
+    return {
+        "median_step_s": statistics.median(r["median_step_s"] for r in ok),
+        "phase_s": {name: statistics.median(r["phase_s"].get(name, 0.0) for r in ok) for name in names},
+    }
+
+
 def summarize(runs: list[dict], impls: list[str], shapes: list[str]) -> dict:
-    """Medians over repeats per (shape, row), scaling, the Booster/plain ratios and the loss agreement."""
+    """Medians over repeats per (shape, row) (zero_dp's `median_rows` plus the phases), scaling, the Booster/plain
+    ratios and the loss agreement."""
     summary: dict[str, dict] = {}
     for shape in shapes:
-        rows = {}
-        for impl in impls:
-            ok = [r for r in runs if r["impl"] == impl and r["shape"] == shape and "error" not in r]
-            failed = [r for r in runs if r["impl"] == impl and r["shape"] == shape and "error" in r]
-            if not ok:
-                rows[impl] = {"error": failed[0]["error"] if failed else "not run"}
-                continue
-            names = sorted({name for r in ok for name in r["phase_s"]})
-            rows[impl] = {
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
-                "tokens_per_s_repeats": [r["tokens_per_s"] for r in ok],
-                "median_step_s": statistics.median(r["median_step_s"] for r in ok),
-                "phase_s": {name: statistics.median(r["phase_s"].get(name, 0.0) for r in ok) for name in names},
-                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in ok),
-                "losses": ok[0]["losses"],
-            }
-        single = rows.get("single", {}).get("tokens_per_s")
-        if single:
-            rows["single"]["limit_tokens_per_s"] = NUM_RANKS * single
-            for impl, row in rows.items():
-                if "tokens_per_s" in row:
-                    row["scaling"] = 1.0 if impl == "single" else row["tokens_per_s"] / (NUM_RANKS * single)
+        rows = median_rows(runs, impls, shape, extra=_phase_medians)
         summary[shape] = {
             "rows": rows,
             "booster_vs_plain": _ratios(runs, rows, shape),

@@ -268,33 +268,40 @@ def measure(impl: str, shape: str, args) -> dict:
     }
 
 
+def median_rows(runs: list[dict], impls: list[str], shape: str, *, extra=None) -> dict[str, dict]:
+    """One row per impl for ``shape``: medians over the repeats (tokens/s, peak RSS; ``extra(ok_runs)`` adds a
+    benchmark's own columns), the first repeat's losses, and the scaling against ``NUM_RANKS`` x the single row.
+    Shared by every benchmark that runs the interleaved impl x shape x repeat grid (zero_dp, booster_overhead)."""
+    rows = {}
+    for impl in impls:
+        ok = [r for r in runs if r["impl"] == impl and r["shape"] == shape and "error" not in r]
+        failed = [r for r in runs if r["impl"] == impl and r["shape"] == shape and "error" in r]
+        if not ok:
+            rows[impl] = {"error": failed[0]["error"] if failed else "not run"}
+            continue
+        rows[impl] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+            "tokens_per_s_repeats": [r["tokens_per_s"] for r in ok],
+            **(extra(ok) if extra is not None else {}),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in ok),
+            "losses": ok[0]["losses"],
+        }
+    single = rows.get("single", {}).get("tokens_per_s")
+    if single:
+        rows["single"]["limit_tokens_per_s"] = NUM_RANKS * single
+        for impl, row in rows.items():
+            if "tokens_per_s" in row:
+                row["scaling"] = 1.0 if impl == "single" else row["tokens_per_s"] / (NUM_RANKS * single)
+    return rows
+
+
 def summarize(runs: list[dict], impls: list[str], shapes: list[str]) -> dict:
     """Medians over repeats per (shape, impl), scaling vs 2 x single, and the loss agreement of the 2-rank rows."""
     summary: dict[str, dict] = {}
     for shape in shapes:
-        rows = {}
-        for impl in impls:
-            ok = [r for r in runs if r["impl"] == impl and r["shape"] == shape and "error" not in r]
-            failed = [r for r in runs if r["impl"] == impl and r["shape"] == shape and "error" in r]
-            if not ok:
-                rows[impl] = {"error": failed[0]["error"] if failed else "not run"}
-                continue
-            rows[impl] = {
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
-                "tokens_per_s_repeats": [r["tokens_per_s"] for r in ok],
-                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in ok),
-                "losses": ok[0]["losses"],
-            }
-        single = rows.get("single", {}).get("tokens_per_s")
-        if single:
-            rows["single"]["limit_tokens_per_s"] = NUM_RANKS * single
-            for impl, row in rows.items():
-                if "tokens_per_s" in row and impl != "single":
-                    row["scaling"] = row["tokens_per_s"] / (NUM_RANKS * single)
-            rows["single"]["scaling"] = 1.0
+        rows = median_rows(runs, impls, shape)
         multi = {impl: row["losses"] for impl, row in rows.items() if "losses" in row and IMPLS[impl].num_ranks > 1}
-        agreement = loss_agreement(multi)
-        summary[shape] = {"rows": rows, "loss_agreement": agreement}
+        summary[shape] = {"rows": rows, "loss_agreement": loss_agreement(multi)}
     return summary
 
 
