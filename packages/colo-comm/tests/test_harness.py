@@ -54,3 +54,17 @@ def test_a_small_distributed_test_is_cheap_on_a_warm_pool(capsys):
     assert get_pool(2).starts == starts  # the same ranks served every call
     with capsys.disabled():
         print(f"\n[harness] warm 2-rank pool: {per_test * 1000:.1f} ms per small distributed test")
+
+
+def test_load_beside_imports_a_helper_module_once_per_process(tmp_path):
+    from colo.comm.testing import load_beside
+
+    (tmp_path / "_shared.py").write_text("class Thing:\n    pass\n")
+    (tmp_path / "_other.py").write_text("VALUE = 1\n")
+    test_file = str(tmp_path / "test_x.py")
+    first = load_beside(test_file, "_shared.py", module_name="colo_comm_test_load_beside")
+    assert load_beside(test_file, "_shared.py", module_name="colo_comm_test_load_beside") is first
+    with pytest.raises(ValueError, match="is taken by"):
+        load_beside(test_file, "_other.py", module_name="colo_comm_test_load_beside")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_beside(test_file, "_missing.py", module_name="colo_comm_test_load_beside_missing")

@@ -1,6 +1,6 @@
 """The test model, data, budgets and helpers shared by colo-gemini's tests.
 
-Loaded by path (``_load_helpers()`` in each test file): pytest's importlib mode does not make test helpers importable.
+Loaded by path with `colo.comm.testing.load_beside` (once per process, shared by the test files and their ranks).
 """
 
 from __future__ import annotations

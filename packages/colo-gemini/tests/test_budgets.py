@@ -4,27 +4,14 @@ constructor, before any collective, with the field to change."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from colo.comm import Mesh
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
 from colo.gemini import GeminiConfig, GeminiMemoryError, GeminiOptimizer
 
-
-def _load_helpers():
-    """The shared test model and budgets (``_helpers.py`` beside this file), loaded by path."""
-    path = pathlib.Path(__file__).with_name("_helpers.py")
-    spec = importlib.util.spec_from_file_location("colo_gemini_test_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _load_helpers()
+h = load_beside(__file__, "_helpers.py", module_name="colo_gemini_test_helpers")
 
 
 # --- budgets --------------------------------------------------------------------------------------------------

@@ -4,26 +4,13 @@ gradient is then reduced in another order); ZeRO checkpoints load into Gemini an
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from colo.comm import Mesh
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
 
-
-def _load_helpers():
-    """The shared test model and budgets (``_helpers.py`` beside this file), loaded by path."""
-    path = pathlib.Path(__file__).with_name("_helpers.py")
-    spec = importlib.util.spec_from_file_location("colo_gemini_test_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _load_helpers()
+h = load_beside(__file__, "_helpers.py", module_name="colo_gemini_test_helpers")
 
 
 def _checkpoint_resume(path, budget):

@@ -15,28 +15,15 @@ compared bit for bit. Placement itself adds nothing: moving a buffer between tie
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from colo.comm import Mesh
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
 from colo.gemini import GeminiOptimizer
 from colo.zero import MixedPrecision
 
-
-def _load_helpers():
-    """The shared test model and budgets (``_helpers.py`` beside this file), loaded by path."""
-    path = pathlib.Path(__file__).with_name("_helpers.py")
-    spec = importlib.util.spec_from_file_location("colo_gemini_test_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _load_helpers()
+h = load_beside(__file__, "_helpers.py", module_name="colo_gemini_test_helpers")
 
 
 def _train_against_reference(budget, *, mixed=False, num_steps=5, num_microsteps=1, max_norm=None, compact=False):

@@ -1,6 +1,6 @@
 """A tiny language model with uneven, tied, frozen and no-decay parameters, shared by colo-zero's tests.
 
-Loaded by path (``load_models()`` in each test file): pytest's importlib mode does not make test helpers importable.
+Loaded by path with `colo.comm.testing.load_beside` (once per process, shared by the test files and their ranks).
 """
 
 from __future__ import annotations

@@ -7,28 +7,15 @@ averages a different slice of the global batch and the reduction sums in another
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from colo.comm import Mesh, all_reduce
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
 from colo.tensor.checkpoint import CheckpointError, read_index
 from colo.zero import MixedPrecision, ZeroOptimizer
 
-
-def _load_models():
-    """The shared tiny model module (``_models.py`` beside this file), loaded by path."""
-    path = pathlib.Path(__file__).with_name("_models.py")
-    spec = importlib.util.spec_from_file_location("colo_zero_test_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models()
+_models = load_beside(__file__, "_models.py", module_name="colo_zero_test_models")
 GLOBAL_ROWS = 8
 """Rows of every step's global batch, the same at any data-parallel size."""
 

@@ -11,27 +11,15 @@ test_zero_stages.py.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 from colo.comm import CommTracker, Mesh, force_algorithm
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
 from colo.zero import ZeroOptimizer
 
-
-def _load_models():
-    """The shared tiny model module (``_models.py`` beside this file), loaded by path."""
-    path = pathlib.Path(__file__).with_name("_models.py")
-    spec = importlib.util.spec_from_file_location("colo_zero_test_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models()
+_models = load_beside(__file__, "_models.py", module_name="colo_zero_test_models")
 ROWS_PER_RANK = 4
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 # the reduce-scatter forms: read the buffer / sum in it / read it / sum in its own part

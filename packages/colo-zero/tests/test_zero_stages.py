@@ -9,27 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 from colo.comm import CommTracker, Mesh, force_algorithm
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
 from colo.zero import DynamicLossScaler, MixedPrecision, ZeroOptimizer, estimate_memory
 
-
-def _load_models():
-    """The shared tiny model module (``_models.py`` beside this file), loaded by path."""
-    path = pathlib.Path(__file__).with_name("_models.py")
-    spec = importlib.util.spec_from_file_location("colo_zero_test_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models()
+_models = load_beside(__file__, "_models.py", module_name="colo_zero_test_models")
 TinyLM, param_groups, make_models, batch, VOCAB = (
     _models.TinyLM,
     _models.param_groups,

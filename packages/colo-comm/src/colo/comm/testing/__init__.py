@@ -19,6 +19,7 @@ Example::
 """
 
 from .markers import requires_cuda, requires_gpus
+from .modules import load_beside
 from .pool import RankPool, get_pool, run_distributed, shutdown_pools
 
-__all__ = ["RankPool", "get_pool", "requires_cuda", "requires_gpus", "run_distributed", "shutdown_pools"]
+__all__ = ["RankPool", "get_pool", "load_beside", "requires_cuda", "requires_gpus", "run_distributed", "shutdown_pools"]
