@@ -48,7 +48,8 @@ from .parallelize import match_modules, parallelize
 from .placement import Partial, Placement, Replicate, Shard
 from .qkv import QKVParallelLinear, valid_tp_sizes
 from .random import MODEL_PARALLEL_STREAM, RNGTracker, model_parallel_seed, seed_tensor_parallel
-from .redistribute import RedistributePlan, RedistributeStep, gather, plan_redistribute, redistribute
+from .redistribute import gather, plan_redistribute, redistribute
+from .redistribute_plan import RedistributePlan, RedistributeStep
 from .ring_attention import RingAttentionCore, ring_attention, ring_attention_calls
 from .sequence_parallel import (
     SequenceParallelColumnLinear,

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from colo.comm import all_gather, all_reduce, all_to_all, reduce_scatter
 
 from .layout import partial_identity
 from .placement import Partial, Shard, chunk_range, chunk_size
-
-if TYPE_CHECKING:
-    from .redistribute import RedistributeStep
+from .redistribute_plan import RedistributeStep
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:

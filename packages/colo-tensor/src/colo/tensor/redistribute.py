@@ -33,80 +33,13 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ._transforms import run_step
 from .layout import Layout, PlacementsLike, require_layout, set_layout
 from .placement import Placement, Replicate, Shard, chunk_size
-
-
-@dataclass(frozen=True)
-class RedistributeStep:
-    """One step of a redistribution: the placement of ``axis`` changes from ``src`` to ``dst``.
-
-    Attributes:
-        axis: the mesh axis.
-        src: its placement before the step.
-        dst: its placement after the step.
-        kind: ``"local"`` (no data moves), ``"slice"``, ``"to_partial"``, ``"all_gather"``, ``"all_reduce"``,
-            ``"reduce_scatter"``, ``"all_reduce_slice"`` or ``"all_to_all"``.
-        collective: the colo collective the step calls (the `CommTracker` op name), ``None`` for local steps and
-            for collectives skipped because every piece in the group is empty.
-        bytes: this rank's volume as the `CommTracker` counts it (0 for local steps).
-        before: the layout before the step.
-        after: the layout after the step.
-        note: why the step is what it is when that is not obvious (padding, fallbacks).
-    """
-
-    axis: str
-    src: Placement
-    dst: Placement
-    kind: str
-    collective: str | None
-    bytes: float
-    before: Layout
-    after: Layout
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class RedistributePlan:
-    """The steps from one layout to another, in order, with their planned volume on this rank."""
-
-    src: Layout
-    dst: Layout
-    steps: tuple[RedistributeStep, ...]
-
-    @property
-    def bytes(self) -> float:
-        """Total volume on this rank, as the `CommTracker` counts it."""
-        return sum(step.bytes for step in self.steps)
-
-    def bytes_by(self, collective: str | None = None, *, axis: str | None = None) -> float:
-        """Volume of the steps calling ``collective`` on ``axis`` (``None``: any), like `CommTracker.bytes`."""
-        return sum(
-            s.bytes
-            for s in self.steps
-            if s.collective is not None
-            and (collective is None or s.collective == collective)
-            and (axis is None or s.axis == axis)
-        )
-
-    @property
-    def num_collectives(self) -> int:
-        """Number of collective calls the plan makes."""
-        return sum(step.collective is not None for step in self.steps)
-
-    def __str__(self) -> str:
-        lines = [f"{self.src} -> {self.dst}"]
-        for step in self.steps:
-            what = step.collective or "local"
-            note = f"  ({step.note})" if step.note else ""
-            lines.append(f"  {step.axis}: {step.src!r} -> {step.dst!r}  {step.kind} [{what}] {step.bytes:.0f} B{note}")
-        return "\n".join(lines)
-
+from .redistribute_plan import RedistributePlan, RedistributeStep
 
 # --- the search ---------------------------------------------------------------------------------------------
 
