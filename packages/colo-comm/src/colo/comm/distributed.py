@@ -10,13 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .group import clear_group_cache
-
-DEFAULT_TIMEOUT_S = 300.0
-"""Default seconds before a collective fails instead of hanging (override: ``timeout=`` or ``COLO_COMM_TIMEOUT``)."""
+from .group import clear_group_cache, current_timeout, reset_timeout, set_timeout, timeout_seconds
 
 _BACKENDS = ("gloo", "nccl")
-_state: dict[str, float] = {}
 
 
 @dataclass(frozen=True)
@@ -60,17 +56,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
-    if timeout is None:
-        timeout = float(os.environ.get("COLO_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    timeout = float(timeout)
-    if timeout <= 0:
-        raise ValueError(f"timeout={timeout} must be a positive number of seconds")
-    return timeout
-
-
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None:
@@ -106,7 +91,7 @@ def init_distributed(backend: str = "auto", *, timeout: float | datetime.timedel
             )
         return _info(current)
 
-    seconds = _timeout_seconds(timeout)
+    seconds = timeout_seconds(timeout)
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -128,7 +113,7 @@ def init_distributed(backend: str = "auto", *, timeout: float | datetime.timedel
         world_size=world_size,
         timeout=datetime.timedelta(seconds=seconds),
     )
-    _state["timeout"] = seconds
+    set_timeout(seconds)
     return _info(resolved)
 
 
@@ -138,14 +123,9 @@ def _info(backend: str) -> DistributedInfo:
     return DistributedInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, current_timeout())
 
 
-def current_timeout() -> float:
-    """Seconds before a collective on colo's groups fails (the value given to `init_distributed`)."""
-    return _state.get("timeout", _timeout_seconds(None))
-
-
 def destroy_distributed() -> None:
     """Tear down the default process group and every group colo created; a no-op when not initialized."""
     clear_group_cache()
-    _state.pop("timeout", None)
+    reset_timeout()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -62,10 +63,41 @@ class Group:
         return str(dist.get_backend(self.process_group))
 
 
+DEFAULT_TIMEOUT_S = 300.0
+"""Default seconds before a collective fails instead of hanging (override: ``timeout=`` or ``COLO_COMM_TIMEOUT``)."""
+
+_timeout: dict[str, float] = {}  # "seconds": the job's collective timeout, set by init_distributed
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
+    """``timeout`` as positive seconds; ``None``: ``COLO_COMM_TIMEOUT`` or `DEFAULT_TIMEOUT_S`."""
+    if timeout is None:
+        timeout = float(os.environ.get("COLO_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    timeout = float(timeout)
+    if timeout <= 0:
+        raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+    return timeout
+
+
+def set_timeout(seconds: float) -> None:
+    """Make ``seconds`` the timeout of the groups created from now on (`init_distributed` calls it)."""
+    _timeout["seconds"] = timeout_seconds(seconds)
+
+
+def reset_timeout() -> None:
+    """Forget the job's timeout (`destroy_distributed`): back to ``COLO_COMM_TIMEOUT`` or the default."""
+    _timeout.pop("seconds", None)
+
+
+def current_timeout() -> float:
+    """Seconds before a collective on colo's groups fails (the value given to `init_distributed`)."""
+    return _timeout.get("seconds", timeout_seconds(None))
+
+
 def default_timeout() -> float:
     """The timeout, in seconds, of the default process group (set by `init_distributed`)."""
-    from .distributed import current_timeout
-
     return current_timeout()
 
 
