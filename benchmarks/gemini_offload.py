@@ -23,6 +23,11 @@ where the row reports them.
     python benchmarks/gemini_offload.py [--rounds 5] [--steps 2] [--blocks 8] [--hidden 512] [--budget-fraction 0.75]
 
 Writes ``benchmarks/results/gemini_offload_cpu.json``.
+
+With ``--device cuda`` the rows train on the GPU: Gemini's device tier is the GPU under ``device_capacity`` (the
+budget), its host tier host memory; colo's ZeRO-3 row keeps its compute copies on the GPU and its optimizer on the
+host; DeepSpeed offloads parameters and optimizer state to the host (DeepSpeedCPUAdam, compiled on first use).
+Host threads are left at torch's default there (the host optimizers use them). ``--out`` names the JSON.
 """
 
 from __future__ import annotations
@@ -208,10 +213,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="batch rows (tokens)")
     parser.add_argument("--budget-fraction", type=float, default=0.75, help="device budget / parameter bytes")
     parser.add_argument("--skip-deepspeed", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS / "gemini_offload_cpu.json")
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
     from colo.comm import Mesh, find_free_port, init_distributed
@@ -227,8 +237,10 @@ def main() -> None:
     budget = int(param_bytes * args.budget_fraction)
     warmup = 2
     total_steps = warmup + args.rounds * args.steps
-    batches = [_batch(step, rows=args.rows, hidden=args.hidden) for step in range(total_steps)]
-    reference = _reference_losses(copy.deepcopy(base), batches)
+    batches = [
+        tuple(t.to(device) for t in _batch(step, rows=args.rows, hidden=args.hidden)) for step in range(total_steps)
+    ]
+    reference = _reference_losses(copy.deepcopy(base).to(device), batches)
 
     chunk_numel = 4 * args.hidden * args.hidden + 4 * args.hidden  # one up or down projection per chunk
     auto = GeminiRow(
@@ -254,7 +266,7 @@ def main() -> None:
         f"device_capacity = budget - auto's non-model peak; param_fractions device {device_fraction:.2f} / host "
         f"{1 - device_fraction:.2f}; optimizer state on the host"
     )
-    rows: list[Row] = [auto, static, ZeroRow(copy.deepcopy(base), mesh)]
+    rows: list[Row] = [auto, static, ZeroRow(copy.deepcopy(base).to(device), mesh)]
     deepspeed_ok, deepspeed_reason = _deepspeed_status()
     if deepspeed_ok and not args.skip_deepspeed:
         try:
@@ -304,7 +316,9 @@ def main() -> None:
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(),
-            "device": "cpu (no GPU: Gemini's device tier is a preallocated host arena)",
+            "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else "cpu (no GPU: Gemini's device tier is a preallocated host arena)",
             "world_size": 1,
         },
         "model": {

@@ -39,6 +39,7 @@ import torch
 from colo.kernels.dispatch import triton_available
 
 OPS = (
+    "copy",
     "rms_norm",
     "layer_norm",
     "rotary",
@@ -84,6 +85,7 @@ class OpBench:
     flops_forward: float | None = None
     flops_forward_backward: float | None = None
     has_backward: bool = True
+    mode_without_backward: str = "step"
 
 
 def device_peaks(device_name: str) -> tuple[float | None, float | None]:
@@ -115,6 +117,22 @@ def _standard_impls(op: Callable, reference: Callable, args: tuple, kwargs: dict
 
 def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_()
+
+
+def _bench_copy(quick: bool, device: torch.device, dtype: torch.dtype, extras: bool) -> OpBench:
+    """``dst.copy_(src)`` of a large tensor: the bandwidth a memory-bound kernel can reach on this device, measured
+    in the same run as the ops (the yardstick of the ``pct_of_copy`` column)."""
+    numel = 1 << 12 if quick else 1 << 29  # 1 GiB of bf16
+    src = torch.randn(numel, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    size = src.numel() * src.element_size()
+    return OpBench(
+        f"x=({numel},)",
+        {"torch": Impl(lambda: dst.copy_(src))},
+        bytes_forward=2 * size,
+        has_backward=False,
+        mode_without_backward="forward",
+    )
 
 
 def _bench_norm(name: str, quick: bool, device: torch.device, dtype: torch.dtype, extras: bool) -> OpBench:
@@ -213,21 +231,50 @@ def _bench_fused_linear_cross_entropy(quick: bool, device: torch.device, dtype: 
     )
 
 
-def _bench_flash_attention(quick: bool, device: torch.device, dtype: torch.dtype, extras: bool) -> OpBench:
+ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384)
+"""Sequence lengths of the attention sweep (head dim 128, 32 heads, batch * seq = 16k tokens), causal and not."""
+ATTENTION_REFERENCE_MAX_SEQ = 4096
+"""Longest sequence the dense torch reference (and its compiled form) runs at: it materializes the score matrix."""
+
+
+def _bench_flash_attention(quick: bool, device: torch.device, dtype: torch.dtype, extras: bool) -> list[OpBench]:
+    """One bench per (sequence length, causal): colo's kernel, the dense reference up to
+    `ATTENTION_REFERENCE_MAX_SEQ`, and on CUDA ``scaled_dot_product_attention`` pinned to the flash backend."""
     module = importlib.import_module("colo.kernels.flash_attention")
-    batch, seq, heads, head_dim = (1, 16, 2, 16) if quick else (4, 4096, 32, 128)
-    q, k, v = (_leaf(torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype)) for _ in range(3))
-    kwargs = {"causal": True}
-    impls = _standard_impls(
-        module.flash_attention, module.flash_attention_reference, (q, k, v), kwargs, [q, k, v], extras
-    )
-    if extras:  # SDPA takes (batch, heads, seq, head_dim)
-        q_t, k_t, v_t = (_leaf(t.transpose(1, 2).contiguous()) for t in (q, k, v))
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        impls["sdpa"] = Impl(lambda: sdpa(q_t, k_t, v_t, is_causal=True).transpose(1, 2), [q_t, k_t, v_t])
-    flops = 4.0 * batch * heads * seq * seq * head_dim / 2  # causal: half the score matrix
-    shape = f"q=k=v=({batch}, {seq}, {heads}, {head_dim}), causal"
-    return OpBench(shape, impls, flops_forward=flops, flops_forward_backward=3.5 * flops)
+    heads, head_dim = (2, 16) if quick else (32, 128)
+    seqs = (16,) if quick else ATTENTION_SEQS
+    benches = []
+    for seq in seqs:
+        for causal in (True, False):
+            batch = 1 if quick else max(1, 16384 // seq)
+            q, k, v = (_leaf(torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype)) for _ in range(3))
+            kwargs = {"causal": causal}
+            impls = {
+                "colo-triton": Impl(
+                    functools.partial(module.flash_attention, q, k, v, backend="triton", **kwargs), [q, k, v]
+                )
+            }
+            if seq <= ATTENTION_REFERENCE_MAX_SEQ:
+                impls.update(
+                    _standard_impls(
+                        module.flash_attention, module.flash_attention_reference, (q, k, v), kwargs, [q, k, v], extras
+                    )
+                )
+            if extras:  # SDPA takes (batch, heads, seq, head_dim)
+                q_t, k_t, v_t = (_leaf(t.transpose(1, 2).contiguous()) for t in (q, k, v))
+                impls["sdpa-flash"] = Impl(functools.partial(_sdpa_flash, q_t, k_t, v_t, causal), [q_t, k_t, v_t])
+            flops = 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+            shape = f"q=k=v=({batch}, {seq}, {heads}, {head_dim}), {'causal' if causal else 'full'}"
+            benches.append(OpBench(shape, impls, flops_forward=flops, flops_forward_backward=3.5 * flops))
+    return benches
+
+
+def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``scaled_dot_product_attention`` restricted to its flash backend (an error if it cannot run), as (b, s, h, d)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
 
 
 def _bench_adamw(quick: bool, device: torch.device, dtype: torch.dtype, extras: bool) -> OpBench:
@@ -255,7 +302,8 @@ def _bench_adamw(quick: bool, device: torch.device, dtype: torch.dtype, extras: 
     return OpBench(shape, impls, bytes_forward=7 * 4 * numel, has_backward=False)
 
 
-_BUILDERS: dict[str, Callable[..., OpBench]] = {
+_BUILDERS: dict[str, Callable[..., OpBench | list[OpBench]]] = {
+    "copy": _bench_copy,
     "rms_norm": functools.partial(_bench_norm, "rms_norm"),
     "layer_norm": functools.partial(_bench_norm, "layer_norm"),
     "rotary": _bench_rotary,
@@ -310,10 +358,11 @@ def _run_op(name: str, bench: OpBench, device, warmup: int, repeats: int, peaks)
     bandwidth_peak, tflops_peak = peaks
     rows = []
     reference_output = None
-    if bench.has_backward:
+    reference = bench.impls.get("torch") or bench.impls.get("sdpa-flash")
+    if bench.has_backward and reference is not None:
         with torch.no_grad():
-            reference_output = _tensors(bench.impls["torch"].run())[0].float()
-    modes = ("forward", "forward+backward") if bench.has_backward else ("step",)
+            reference_output = _tensors(reference.run())[0].float()
+    modes = ("forward", "forward+backward") if bench.has_backward else (bench.mode_without_backward,)
     for impl_name, impl in bench.impls.items():
         for mode in modes:
             row: dict[str, Any] = {"op": name, "impl": impl_name, "mode": mode, "shape": bench.shape}
@@ -330,7 +379,7 @@ def _run_op(name: str, bench: OpBench, device, warmup: int, repeats: int, peaks)
                 if mode == "forward":
                     with torch.no_grad():
                         output = _tensors(impl.run())[0].float()
-                    if output.shape == reference_output.shape:
+                    if reference_output is not None and output.shape == reference_output.shape:
                         row["max_abs_diff_vs_torch"] = (output - reference_output).abs().max().item()
                 row["median_ms"] = _median_ms(fn, device, warmup, repeats)
                 row["peak_memory_mib"] = _peak_extra_mib(fn, device)
@@ -356,18 +405,21 @@ def _format_table(rows: list[dict]) -> str:
         ("op", "op", "{}"),
         ("impl", "impl", "{}"),
         ("mode", "mode", "{}"),
+        ("shape", "shape", "{}"),
         ("median_ms", "ms", "{:.3f}"),
         ("gb_per_s", "GB/s", "{:.1f}"),
         ("bandwidth_pct", "%BW", "{:.0f}"),
         ("tflops", "TFLOP/s", "{:.1f}"),
         ("peak_memory_mib", "peak MiB", "{:.0f}"),
+        ("pct_of_copy", "%copy", "{:.0f}"),
+        ("vs_compile", "x compile", "{:.2f}"),
         ("max_abs_diff_vs_torch", "max|diff|", "{:.2e}"),
     ]
     table = [[title for _, title, _ in columns]]
     for row in rows:
         cells = [fmt.format(row[key]) if row.get(key) is not None else "" for key, _, fmt in columns]
         if "error" in row:
-            cells[3] = row["error"]
+            cells[4] = row["error"]
         table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(columns) - 1)] + [0]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table)
@@ -431,15 +483,57 @@ def run(
     for name in ops or OPS:
         torch.manual_seed(0)
         try:
-            bench = _BUILDERS[name](quick, torch_device, torch_dtype, extras)
+            built = _BUILDERS[name](quick, torch_device, torch_dtype, extras)
         except (ImportError, AttributeError) as error:  # an op another change has not landed yet
             report["skipped"][name] = f"not importable: {error}"
             continue
-        report["rows"].extend(_run_op(name, bench, torch_device, warmup, repeats, peaks))
-        del bench
+        for bench in built if isinstance(built, list) else [built]:
+            report["rows"].extend(_run_op(name, bench, torch_device, warmup, repeats, peaks))
+        del built, bench
         if torch_device.type == "cuda":
             torch.cuda.empty_cache()
+    report["goals"] = goals(report["rows"])
     return report
+
+
+MEMORY_BOUND_OPS = ("rms_norm", "layer_norm", "rotary", "swiglu", "softmax", "cross_entropy", "adamw")
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's targets read off the rows (reported, not enforced), and ``pct_of_copy`` / ``vs_compile`` added to
+    the rows they concern:
+
+    - memory-bound ops: colo-triton's GB/s as a percentage of ``copy`` in the same run (target >= 85) and its speed
+      relative to ``torch.compile`` of the reference (time ratio, target >= 1.0);
+    - attention: colo-triton's forward+backward speed relative to SDPA's flash backend per shape (target >= 0.9);
+    - fused linear cross-entropy: colo-triton's peak memory over the naive (torch) version (target <= 0.25).
+    """
+    by_key = {(row["op"], row["shape"], row["impl"], row["mode"]): row for row in rows if "error" not in row}
+    copy = next((row["gb_per_s"] for row in rows if row["op"] == "copy" and "gb_per_s" in row), None)
+    result: dict[str, list[dict]] = {"memory_bound": [], "attention": [], "fused_linear_cross_entropy": []}
+    for (op, shape, impl, mode), row in by_key.items():
+        if impl != "colo-triton":
+            continue
+        if op in MEMORY_BOUND_OPS and row.get("gb_per_s") is not None:
+            compiled = by_key.get((op, shape, "torch.compile", mode))
+            row["pct_of_copy"] = 100 * row["gb_per_s"] / copy if copy else None
+            row["vs_compile"] = compiled["median_ms"] / row["median_ms"] if compiled else None
+            result["memory_bound"].append(
+                {"op": op, "mode": mode, "pct_of_copy": row["pct_of_copy"], "vs_compile": row["vs_compile"]}
+            )
+        elif op == "flash_attention":
+            sdpa = by_key.get((op, shape, "sdpa-flash", mode))
+            if sdpa is not None:
+                result["attention"].append(
+                    {"shape": shape, "mode": mode, "vs_sdpa_flash": sdpa["median_ms"] / row["median_ms"]}
+                )
+        elif op == "fused_linear_cross_entropy" and mode == "forward+backward":
+            naive = by_key.get((op, shape, "torch", mode))
+            if naive is not None and naive.get("peak_memory_mib") and row.get("peak_memory_mib") is not None:
+                result["fused_linear_cross_entropy"].append(
+                    {"shape": shape, "peak_memory_vs_naive": row["peak_memory_mib"] / naive["peak_memory_mib"]}
+                )
+    return result
 
 
 def _relaunch_in_interpreter_on_cpu(device: str | None) -> None:
@@ -489,6 +583,13 @@ def main(argv: list[str] | None = None, *, relaunch: bool = False) -> int:
     print(_format_table(report["rows"]))
     for name, reason in report["skipped"].items():
         print(f"skipped {name}: {reason}")
+    for entry in report["goals"]["attention"] + report["goals"]["fused_linear_cross_entropy"]:
+        print(
+            "goal:",
+            ", ".join(
+                f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}" for key, value in entry.items()
+            ),
+        )
     if args.json_path:
         with open(args.json_path, "w") as file:
             json.dump(report, file, indent=2)

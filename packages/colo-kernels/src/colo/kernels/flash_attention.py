@@ -227,9 +227,10 @@ if triton is not None:
         VARLEN: tl.constexpr,
     ):
         """``(begin, end, diagonal)`` of one program: the positions it visits and the causal offset of its row."""
+        # one type on both branches (the compiler refuses int64 offsets beside the int32 defaults)
         if VARLEN:
             base = ranges_ptr + (batch * num_blocks + block) * 2
-            return tl.load(base), tl.load(base + 1), tl.load(offsets_ptr + batch)
+            return tl.load(base).to(tl.int32), tl.load(base + 1).to(tl.int32), tl.load(offsets_ptr + batch).to(tl.int32)
         return default_begin, default_end, default_diagonal
 
     @triton.jit

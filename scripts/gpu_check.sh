@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The GPU checks of colo in one staged run (issue 32), for a lent CUDA machine with torch and triton but no network.
+#
+#   bash scripts/gpu_check.sh [STAGES]       STAGES: comma-separated subset of env,tests,llama,kernels,gemini (all)
+#
+# Writes into $OUT (default ./gpu-out): log.txt (everything printed), tests_{kernels,comm,gemini}.xml (junit), llama_gpu.json,
+# kernels_bench.json (one merged report; each op ran in its own process with the copy_ baseline beside it),
+# gemini_offload_cuda.json. Each stage runs under its own time cap and the whole run under BUDGET_S seconds
+# (default 540): a stage that would start with less than its minimum left is skipped and says so, so the JSON of
+# the finished stages always comes back. Wheels for packages the machine lacks (pydantic, liger-kernel, deepspeed,
+# hjson) are read from .whl/ when present. TEST_GROUPS (kernels,comm,gemini), TEST_KERNELS_K (a pytest -k
+# expression for the kernel group) and KERNEL_OPS (space-separated) narrow a rerun; KERNEL_BENCH_ARGS and LLAMA_ARGS
+# add arguments to the kernel bench and the Llama benchmark (a CPU dry run:
+# KERNEL_BENCH_ARGS="--quick --device cpu" TRITON_INTERPRET=1 bash scripts/gpu_check.sh env,kernels).
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-540}
+STAGES=${1:-env,tests,llama,kernels,gemini}
+START=$(date +%s)
+LOG="$OUT/log.txt"
+exec > >(tee -a "$LOG") 2>&1
+
+left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+# cap NAME MAX MIN: the seconds stage NAME may take (at most MAX), or 0 (skip) when fewer than MIN are left
+cap() {
+    local remaining
+    remaining=$(left)
+    if ((remaining < $3)); then
+        echo "=== skip $1: ${remaining}s left, needs ${3}s" >&2
+        echo 0
+    elif ((remaining < $2)); then echo "$remaining"; else echo "$2"; fi
+}
+wants() { [[ ",$STAGES," == *",$1,"* ]]; }
+stage() { echo; echo "=== $1 ($(left)s of ${BUDGET_S}s left) $(date -u +%H:%M:%S)"; }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || echo "wheel install failed"
+    export PYTHONPATH=/tmp/site
+fi
+for src in packages/*/src; do PYTHONPATH="$PWD/$src:${PYTHONPATH:-}"; done
+export PYTHONPATH PYTHONUNBUFFERED=1
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && unset TRITON_INTERPRET
+
+if wants env; then
+    stage env
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 - <<'EOF'
+import importlib, torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name())
+for name in ("pydantic", "transformers", "liger_kernel", "deepspeed", "colo.apps", "colo.kernels"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "ok"))
+    except Exception as error:
+        print(name, "NOT importable:", type(error).__name__, error)
+EOF
+fi
+
+if wants tests; then
+    # three groups, each under its own cap and junit file, so a hang in one keeps the others' results;
+    # pytest-timeout ends a hung test with its stacks
+    run_tests() {  # NAME MAX_S PER_TEST_S PATHS...
+        local name=$1 max=$2 per_test=$3 seconds
+        shift 3
+        stage "tests:$name"
+        seconds=$(cap "tests:$name" "$max" 20)
+        ((seconds > 0)) || return
+        timeout -k 5 "$seconds" python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout "$per_test" \
+            --tb=short -rfE --junitxml="$OUT/tests_$name.xml" "$@"
+        echo "tests:$name exit $?"
+    }
+    groups=${TEST_GROUPS:-kernels,comm,gemini}
+    [[ ",$groups," == *",kernels,"* ]] && run_tests kernels 120 60 packages/colo-kernels/tests/test_cuda_kernels.py \
+        ${TEST_KERNELS_K:+-k "$TEST_KERNELS_K"}
+    [[ ",$groups," == *",comm,"* ]] && run_tests comm 40 30 packages/colo-comm/tests/test_cuda.py \
+        "packages/colo-tensor/tests/test_checkpoint_async.py::test_background_save_of_cuda_tensors_matches_the_foreground_save"
+    [[ ",$groups," == *",gemini,"* ]] && run_tests gemini 60 15 packages/colo-gemini/tests/test_tiers.py packages/colo-gemini/tests/test_budgets.py
+fi
+
+if wants llama; then
+    stage llama
+    seconds=$(cap llama "${LLAMA_CAP:-170}" 60)
+    if ((seconds > 0)); then
+        timeout -k 5 "$seconds" python3 benchmarks/llama_gpu.py --json "$OUT/llama_gpu.json" --warmup 2 --steps 6 ${LLAMA_ARGS:-}
+        echo "llama exit $?"
+    fi
+fi
+
+if wants kernels; then
+    stage kernels
+    mkdir -p "$OUT/kernels"
+    for op in ${KERNEL_OPS:-rms_norm swiglu flash_attention cross_entropy rotary layer_norm softmax adamw fused_linear_cross_entropy}; do
+        per_op=45
+        [[ $op == flash_attention ]] && per_op=100
+        [[ $op == fused_linear_cross_entropy ]] && per_op=70
+        seconds=$(cap "kernels:$op" $per_op 20)
+        ((seconds > 0)) || continue
+        timeout -k 5 "$seconds" python3 -m colo.kernels.bench --ops "copy,$op" --warmup 3 --repeats 10 ${KERNEL_BENCH_ARGS:-} \
+            --json "$OUT/kernels/$op.json"
+        echo "kernels:$op exit $?"
+    done
+    python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+from colo.kernels.bench import goals
+out = pathlib.Path(sys.argv[1])
+reports = [json.loads(p.read_text()) for p in sorted((out / "kernels").glob("*.json"))]
+if reports:
+    merged = {k: v for k, v in reports[0].items() if k not in ("rows", "skipped", "goals")}
+    merged["rows"], merged["skipped"] = [], {}
+    for report in reports:
+        op = next(row["op"] for row in report["rows"] if row["op"] != "copy") if len(report["rows"]) > 1 else None
+        for row in report["rows"]:
+            row["run"] = op  # the copy_ row of each op's process is kept, named by the op it ran beside
+            merged["rows"].append(row)
+        merged["skipped"].update(report["skipped"])
+    merged["goals"] = {}
+    for report in reports:
+        for key, entries in goals(report["rows"]).items():
+            merged["goals"].setdefault(key, []).extend(entries)
+    (out / "kernels_bench.json").write_text(json.dumps(merged, indent=1))
+    print("merged", len(reports), "kernel reports")
+EOF
+    rm -rf "$OUT/kernels"
+fi
+
+if wants gemini; then
+    stage gemini
+    seconds=$(cap gemini 200 60)
+    if ((seconds > 0)); then
+        timeout -k 5 "$seconds" python3 benchmarks/gemini_offload.py --device cuda --hidden 2048 --blocks 8 --rows 4096 \
+            --rounds 3 --steps 2 --budget-fraction 0.5 --out "$OUT/gemini_offload_cuda.json"
+        echo "gemini exit $?"
+    fi
+fi
+stage done
