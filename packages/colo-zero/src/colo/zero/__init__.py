@@ -18,6 +18,7 @@ from .chunk import BUFFER_NAMES, TIERS, Chunk, ChunkBuffer, ChunkPlan, ParamSlot
 from .clip import clip_coefficient, global_grad_norm
 from .config import ChunkConfig, ZeroConfig
 from .core import ChunkOptimizer
+from .expert_parallel import ExpertParallelZero
 from .grad_sync import BucketGradSync, GradSync, PersistentGradSync
 from .memory import MemoryEstimate, MemoryReport, estimate_memory, memory_report
 from .stage3 import ChunkGatherer
@@ -37,6 +38,7 @@ __all__ = [
     "ChunkOptimizer",
     "ChunkPlan",
     "DynamicLossScaler",
+    "ExpertParallelZero",
     "GradSync",
     "MemoryEstimate",
     "MemoryReport",

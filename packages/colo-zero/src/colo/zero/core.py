@@ -69,6 +69,7 @@ class ChunkOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         param_order: list[str] | None = None,
         checkpoint_names: CheckpointNames | None = None,
+        param_filter: Callable[[str], bool] | None = None,
         **config_fields,
     ) -> None:
         if config is not None and config_fields:
@@ -87,6 +88,8 @@ class ChunkOptimizer:
                 "pick from those"
             )
         params = dict(model.named_parameters())
+        if param_filter is not None:  # a part of the model (its experts, say): another optimizer has the rest
+            params = {name: p for name, p in params.items() if param_filter(name)}
         if not params:
             raise ValueError(f"the model has no parameters for {owner} to shard")
         devices = {p.device for p in params.values()}

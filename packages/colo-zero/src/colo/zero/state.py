@@ -209,13 +209,19 @@ def save_state(
 
 
 @torch.no_grad()
-def load_state(zero: ChunkOptimizer, path: str | os.PathLike) -> dict:
+def load_state(zero: ChunkOptimizer, path: str | os.PathLike, *, check_names: bool = True) -> dict:
     """Load parameters and optimizer state saved by `save_state` (at any data-parallel size) into ``zero``.
 
     Every rank reads only the flat ranges its chunk shards hold; the compute copies are then rebuilt from the
     loaded masters (`ChunkOptimizer.finish_load`: an all-gather per chunk at ZeRO stages 1/2, which has landed
     when it returns): the model's parameters hold the loaded values. Call it on every rank, before or between
     steps. A checkpoint written before the first optimizer step, without optimizer states, loads.
+
+    Args:
+        zero: the optimizer to load into.
+        path: the checkpoint directory.
+        check_names: require the checkpoint to hold exactly ``zero``'s parameters; ``False`` for an optimizer over
+            a part of a model (`ExpertParallelZero`'s parts: it checks the whole model's names itself).
 
     Returns:
         The checkpoint's metadata (including what was passed to `save_state`).
@@ -236,7 +242,8 @@ def load_state(zero: ChunkOptimizer, path: str | os.PathLike) -> dict:
         zero.check_state_dict(state, where=directory)
     except ValueError as error:
         raise CheckpointError(str(error)) from error
-    _check_same_parameters(zero, index.tensors, directory)
+    if check_names:
+        _check_same_parameters(zero, index.tensors, directory)
     targets: dict[str, FlatShard] = {}
     loaded: dict[int, dict[str, torch.Tensor]] = {}
     scalars: dict[int, dict[str, list]] = {}
@@ -246,7 +253,7 @@ def load_state(zero: ChunkOptimizer, path: str | os.PathLike) -> dict:
             {
                 name.rsplit("/", 1)[1]
                 for name in index.tensors
-                if name != _parameter_of(name) and _parameter_of(name) in names
+                if name != parameter_of(name) and parameter_of(name) in names
             }
         )
         loaded[chunk.index] = zero.load_targets(chunk, state_names if chunk.trainable else [])
@@ -263,7 +270,7 @@ def load_state(zero: ChunkOptimizer, path: str | os.PathLike) -> dict:
 def _check_same_parameters(zero: ChunkOptimizer, names, where: str) -> None:
     """The checkpoint must hold exactly the model's parameters (optimizer states may be absent: before step 1)."""
     model_names = {name for chunk in zero.chunks for slot in chunk.slots for name in checkpoint_names_of(zero, slot)}
-    saved = {_parameter_of(name) for name in names}
+    saved = {parameter_of(name) for name in names}
     unexpected, missing = sorted(saved - model_names), sorted(model_names - saved)
     if unexpected or missing:
         raise CheckpointError(
@@ -272,6 +279,6 @@ def _check_same_parameters(zero: ChunkOptimizer, names, where: str) -> None:
         )
 
 
-def _parameter_of(name: str) -> str:
+def parameter_of(name: str) -> str:
     """The parameter a checkpoint tensor belongs to (``optim/<name>/<state>`` -> ``<name>``)."""
     return name.removeprefix(OPTIM_PREFIX).rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name

@@ -61,6 +61,8 @@ class ZeroOptimizer(ChunkOptimizer):
         param_order: parameter names in packing order (`execution_order`); default registration order.
         checkpoint_names: ``fn(name, parameter) -> [(checkpoint name, first row, rows), ...]`` or ``None``: the
             names a parameter is saved under (a fused q/k/v weight as q, k and v rows); default its own name.
+        param_filter: ``fn(name) -> bool``: manage only the parameters it accepts (another optimizer has the rest,
+            as in `ExpertParallelZero`); default all of the model's.
 
     Example::
 

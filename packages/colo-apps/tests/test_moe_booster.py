@@ -1,0 +1,182 @@
+"""The tiny MoE Llama in the Booster with the `ExpertParallel` plugin (ep2, ZeRO-2, 2 microbatches, clipping): its
+losses match the single process; a checkpoint saved at ep2 resumes at ep2 bit for bit, loads at ep1 (dp2) with
+every tensor (weights and optimizer states) equal, and loads in one process; `HybridParallel` refuses tp / pp with
+an MoE model, and `ExpertParallel` refuses bad sizes, before any collective.
+
+Reference: data rank ``r`` gets sequences ``2r, 2r + 1`` of a step's 4, one per microbatch; the Booster's loss is
+the mean over ranks and microbatches of the model's loss (next-token loss plus the per-microbatch aux loss), so the
+single process takes the mean over the 4 sequences of the loss of each alone. Losses rtol 1e-5: the all-to-all,
+the chunked reductions and the flat fp32 masters sum in another order than the single process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from colo.apps.booster import Booster, ExpertParallel, HybridParallel
+from colo.apps.models.moe_llama import MoELlama, get_moe_preset, moe_llama_state_dict_from_hf
+from colo.comm.testing import run_distributed
+from colo.tensor.checkpoint import load_checkpoint, read_index
+from colo.tensor.moe import moe_blocks
+
+STEPS, SAVE_AFTER, LR, MAX_NORM = 4, 3, 1e-2, 1.0
+CONFIG = {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "router_z_loss_coef": 1e-3}
+
+
+def _model() -> MoELlama:
+    model = MoELlama(get_moe_preset("tiny-moe", **CONFIG))
+    model.init_weights(seed=7)
+    return model
+
+
+def _sequences(step: int) -> torch.Tensor:
+    """The step's 4 sequences: the same every step, so the loss visibly falls."""
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(500))
+
+
+def _boost(ep: int) -> tuple[Booster, torch.nn.Module]:
+    model = _model()
+    booster = Booster(ExpertParallel(ep=ep, stage=2, num_microbatches=2, max_grad_norm=MAX_NORM))
+    model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    return booster, model
+
+
+def _step(booster: Booster, step: int) -> float:
+    rank = booster.mesh.rank("dp") * booster.mesh.size("ep") + booster.mesh.rank("ep")
+    x = _sequences(step)[2 * rank : 2 * rank + 2]
+    return booster.train_step({"input_ids": x, "labels": x}).loss
+
+
+def _train_and_save(path: str) -> list[float]:
+    booster, _ = _boost(ep=2)
+    losses = []
+    for step in range(STEPS):
+        losses.append(_step(booster, step))
+        if step == SAVE_AFTER - 1:
+            booster.save(path)
+    return losses
+
+
+def _resume(path: str, ep: int, resaved: str) -> float:
+    booster, _ = _boost(ep=ep)
+    booster.load(path)
+    assert booster.step_count == SAVE_AFTER
+    booster.save(resaved)
+    return _step(booster, SAVE_AFTER)
+
+
+def _reference_losses() -> list[float]:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = sum(model(x[None], labels=x[None]).loss for x in _sequences(step)) / 4
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _read_all(path: str) -> dict[str, torch.Tensor]:
+    index = read_index(path)
+    tensors = {name: torch.empty(entry.shape, dtype=entry.dtype) for name, entry in index.tensors.items()}
+    load_checkpoint(path, tensors, strict=True)
+    return tensors
+
+
+def test_expert_parallel_booster_matches_the_single_process_and_its_checkpoint_loads_at_any_ep(tmp_path):
+    saved = os.fspath(tmp_path / "ep2")
+    losses = run_distributed(_train_and_save, saved, world_size=2)
+    reference = _reference_losses()
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(reference), rtol=1e-5, atol=0)
+    assert reference[-1] < reference[0]
+
+    # the same layout resumes bit for bit; ep1 (dp2) reads every tensor equal, then continues within rounding
+    resumed_ep2 = run_distributed(_resume, saved, 2, os.fspath(tmp_path / "again-ep2"), world_size=2)
+    resumed_ep1 = run_distributed(_resume, saved, 1, os.fspath(tmp_path / "again-ep1"), world_size=2)
+    assert resumed_ep2 == [losses[0][SAVE_AFTER]] * 2
+    torch.testing.assert_close(torch.tensor(resumed_ep1), torch.tensor([reference[SAVE_AFTER]] * 2), rtol=1e-5, atol=0)
+    original = _read_all(saved)
+    assert any(name.startswith("optim/") and "experts" in name for name in original)
+    for layout in ("again-ep2", "again-ep1"):
+        again = _read_all(os.fspath(tmp_path / layout))
+        assert set(again) == set(original)
+        for name, tensor in original.items():
+            assert torch.equal(again[name], tensor), (layout, name)
+
+    # one process: the weights load into an unsharded MoELlama, which computes the step's loss
+    model = _model()
+    state = moe_llama_state_dict_from_hf(
+        {k: v for k, v in original.items() if not k.startswith("optim/")}, model.config
+    )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(name.endswith("expert_bias") for name in missing)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), state[name]), name
+    with torch.no_grad():
+        loss = sum(model(x[None], labels=x[None]).loss for x in _sequences(SAVE_AFTER)) / 4
+    torch.testing.assert_close(float(loss), losses[0][SAVE_AFTER], rtol=1e-5, atol=0)
+
+
+def _boost_hybrid(settings: dict) -> str:
+    model = _model()
+    try:
+        Booster(HybridParallel(**settings)).boost(model, torch.optim.AdamW(model.parameters()))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"tp": 2}, "tp=2"),
+        ({"pp": 2, "num_microbatches": 2}, "pp=2"),
+        ({"sp": 2, "sp_mode": "ulysses"}, "sp=2"),
+    ],
+)
+def test_hybrid_parallel_refuses_tensor_sequence_and_pipeline_parallelism_with_experts(settings, field):
+    # raised by MoELlama's plan check, before the mesh is built (so no rank waits in a collective)
+    for message in run_distributed(_boost_hybrid, settings, world_size=2):
+        assert f"HybridParallel.{field}: MoELlama has mixture-of-experts blocks" in message, message
+        assert "ExpertParallel" in message
+
+
+def test_expert_parallel_plugin_refuses_bad_settings():
+    with pytest.raises(ValueError, match="ExpertParallel.stage=3"):
+        ExpertParallel(ep=2, stage=3)
+    with pytest.raises(ValueError, match="ExpertParallel.ep=0"):
+        ExpertParallel(ep=0)
+    with pytest.raises(ValueError, match="ExpertParallel.ep=3 does not divide the world size 2"):
+        ExpertParallel(ep=3).mesh_shape(2)
+
+
+def _train_bf16_with_expert_bias() -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+    model = MoELlama(get_moe_preset("tiny-moe", expert_bias=True))
+    model.init_weights(seed=7)
+    booster = Booster(ExpertParallel(ep=2, stage=1, precision="bf16", num_microbatches=2, max_grad_norm=MAX_NORM))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    rank = booster.mesh.rank("ep")
+    x = _sequences(0)[2 * rank : 2 * rank + 2]  # each rank its own sequences
+    losses = [booster.train_step({"input_ids": x, "labels": x}).loss for _ in range(4)]
+    biases = [block.gate.expert_bias.clone() for _, block in moe_blocks(booster.unwrap())]
+    routed = [block.stats["tokens_per_expert"].clone() for _, block in moe_blocks(booster.unwrap())]
+    return losses, biases, routed
+
+
+def test_expert_parallel_bf16_with_the_expert_bias_learns_and_keeps_one_bias_on_every_rank():
+    """bf16 compute with fp32 masters, ZeRO-1, the aux-loss-free bias: the ranks see different tokens, but the bias
+    is updated from counts summed over both, so it stays the same everywhere and moves."""
+    (losses, biases, routed), (other_losses, other_biases, other_routed) = run_distributed(
+        _train_bf16_with_expert_bias, world_size=2
+    )
+    assert any(not torch.equal(a, b) for a, b in zip(routed, other_routed))  # the ranks routed differently
+    assert losses == other_losses and losses[-1] < losses[0]
+    for bias, other in zip(biases, other_biases):
+        assert torch.equal(bias, other) and bias.abs().sum() > 0

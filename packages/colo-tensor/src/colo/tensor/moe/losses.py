@@ -1,0 +1,63 @@
+"""The auxiliary losses of a router: load balancing (Switch / GShard) and z-loss (ST-MoE).
+
+**Load balancing**, for ``E`` experts, ``k`` choices per token and a set of ``T`` tokens:
+``L = E * sum_e f_e * P_e`` with ``f_e = (assignments to e) / T`` (not differentiable; sums to ``k``) and
+``P_e = mean over the T tokens of p_e``, ``p`` the softmax scores (sigmoid scores normalized to sum to one per
+token). Perfect balance gives ``k``. This is Hugging Face's ``load_balancing_loss_func`` for one layer.
+
+- ``"batch"``: the set is every token of one forward on one rank (a microbatch). With data parallelism and
+  gradient accumulation the training loss is the mean over ranks and microbatches of these per-microbatch losses,
+  so its gradient is the mean of the per-microbatch gradients (what the tests check); the value depends on how
+  the batch is split, as in Megatron's and Hugging Face's default.
+- ``"sequence"``: ``L`` per sequence (the set is one sequence's ``S`` tokens), then the mean over sequences.
+  Because each term sees one sequence only, the mean over ranks and microbatches of equal-sized shards is the mean
+  over all sequences of the global batch: the loss and its gradient do not depend on the data-parallel size or the
+  number of microbatches (DeepSeek-V3's sequence-wise balance loss has this form).
+
+**z-loss**: ``mean over tokens of logsumexp(logits)^2`` (Zoph et al., 2022), keeps the logits small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _balance_probs(scores: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "sigmoid":
+        return scores / scores.sum(dim=-1, keepdim=True)
+    return scores
+
+
+def load_balancing_loss(
+    scores: torch.Tensor,
+    top_k_index: torch.Tensor,
+    *,
+    num_experts: int,
+    batch_size: int | None = None,
+    score_func: str = "softmax",
+) -> torch.Tensor:
+    """The Switch / GShard load-balancing loss (see the module docstring), an fp32 scalar.
+
+    Args:
+        scores (torch.Tensor): ``(T, E)`` router scores.
+        top_k_index (torch.Tensor): ``(T, k)`` chosen experts (kept and dropped alike: the router's choice).
+        num_experts (int): ``E``.
+        batch_size (int | None): ``None``: one set of all ``T`` tokens (the ``"batch"`` form); else the tokens are
+            ``batch_size`` sequences of ``T / batch_size`` (the ``"sequence"`` form).
+        score_func (str): ``"softmax"`` or ``"sigmoid"``.
+    """
+    probs = _balance_probs(scores.to(torch.promote_types(scores.dtype, torch.float32)), score_func)
+    groups = 1 if batch_size is None else batch_size
+    tokens = probs.shape[0] // groups
+    probs = probs.view(groups, tokens, num_experts)
+    assigned = torch.zeros(groups, num_experts, dtype=probs.dtype, device=probs.device)
+    ones = torch.ones(top_k_index.numel(), dtype=probs.dtype, device=probs.device)
+    assigned.scatter_add_(1, top_k_index.reshape(groups, -1), ones.view(groups, -1))
+    fraction = assigned / tokens
+    mean_prob = probs.mean(dim=1)
+    return num_experts * (fraction * mean_prob).sum(dim=-1).mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The router z-loss ``mean_t logsumexp(logits_t)^2`` (an fp32 scalar) of ``(T, E)`` logits."""
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).square().mean()

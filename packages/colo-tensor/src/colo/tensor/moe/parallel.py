@@ -1,0 +1,123 @@
+"""Expert parallelism over an ``ep`` mesh axis: checks, `shard_experts`, and the gradient groups.
+
+The ``ep`` axis is a sub-axis of data parallelism (DeepSpeed-MoE, Megatron-Core): the data ranks are
+``dp x ep``, each with its own tokens; the dense parameters are replicated over all of them, the experts are
+split over ``ep`` and replicated over ``dp``. So:
+
+- dense gradients are averaged over every data rank: ``mesh.group("dp", "ep")`` (`dense_data_axes`);
+- expert gradients over the ``dp`` ranks holding the same experts: ``mesh.group("dp")`` (`expert_data_axes`);
+  because each expert saw the tokens of its whole ``ep`` group, its weight gradients are scaled by ``1 / ep`` in
+  backward (``GroupedExperts.grad_scale``), so that average is the gradient of the mean loss over all data ranks;
+- the expert bias counts (aux-loss-free balancing) are summed over ``dp x ep``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colo.comm import Mesh
+
+from ..layout import Layout, set_layout
+from ..placement import Shard
+from .layer import MoEBlock, moe_blocks
+
+EXPERT_PARAM_NAMES = ("w1", "w2", "w3")
+
+
+def check_expert_parallel(
+    *, num_experts: int, ep: int, data_parallel_size: int, tp: int = 1, pp: int = 1, sp: int = 1
+) -> None:
+    """Raise a `ValueError` naming the field and the fix for an expert-parallel layout colo cannot run; call it
+    before any collective.
+
+    Args:
+        num_experts (int): experts per MoE block.
+        ep (int): the expert-parallel size.
+        data_parallel_size (int): all data ranks (``dp * ep``).
+        tp, pp, sp (int): tensor, pipeline and sequence-parallel sizes (expert parallelism composes with none yet).
+    """
+    if ep < 1:
+        raise ValueError(f"ep={ep} must be a positive integer (1: experts replicated)")
+    if num_experts % ep:
+        choices = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"ep={ep} does not divide num_experts={num_experts}: each ep rank holds num_experts / ep experts; "
+            f"choose ep in {choices}"
+        )
+    if data_parallel_size % ep:
+        raise ValueError(
+            f"ep={ep} does not divide the {data_parallel_size} data-parallel ranks: experts are split over a "
+            f"sub-axis of data parallelism; choose ep dividing {data_parallel_size}"
+        )
+    for name, size in (("tp", tp), ("pp", pp), ("sp", sp)):
+        if ep > 1 and size > 1:
+            raise ValueError(
+                f"expert parallelism (ep={ep}) with {name}={size} is not supported yet; use ep with data "
+                f"parallelism / ZeRO only, or set ep=1"
+            )
+
+
+def dense_data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The data axes dense gradients are averaged over: ``("dp", "ep")``, those of the two the mesh has."""
+    return tuple(axis for axis in ("dp", "ep") if axis in mesh.axis_names)
+
+
+def expert_data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The data axes expert gradients are averaged over: ``("dp",)`` (the ranks holding the same experts)."""
+    return tuple(axis for axis in ("dp",) if axis in mesh.axis_names)
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether parameter ``name`` is an expert weight of an `MoEBlock` (``...experts.w1`` / ``w2`` / ``w3``)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_PARAM_NAMES
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, *, mesh: Mesh, axis: str = "ep") -> nn.Module:
+    """Split the experts of every `MoEBlock` of ``model`` over the mesh axis ``axis``, in place.
+
+    Rank ``r`` of the axis keeps experts ``r * E / ep .. (r + 1) * E / ep - 1`` (a `Shard(0)` layout on its expert
+    tensors, so checkpoints hold the global ``(E, ...)`` tensors), tokens reach them by all-to-all
+    (`colo.tensor.moe.dispatch`), and their weight gradients are scaled by ``1 / ep`` (module docstring). Build
+    the model identically on every rank first (same seed).
+
+    Returns:
+        ``model``.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"shard_experts: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    ep, rank = mesh.size(axis), mesh.rank(axis)
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError("shard_experts: the model has no MoEBlock to shard")
+    others = {a: mesh.size(a) for a in mesh.axis_names if a not in ("dp", axis)}
+    check_expert_parallel(
+        num_experts=blocks[0][1].config.num_experts,
+        ep=ep,
+        data_parallel_size=ep * mesh.size("dp") if "dp" in mesh.axis_names else ep,
+        tp=others.get("tp", 1),
+        pp=others.get("pp", 1),
+        sp=others.get("sp", 1),
+    )
+    group = mesh.group(axis)
+    for _, block in blocks:
+        _shard_block(block, mesh=mesh, axis=axis, ep=ep, rank=rank)
+        block.ep_group = group
+    return model
+
+
+def _shard_block(block: MoEBlock, *, mesh: Mesh, axis: str, ep: int, rank: int) -> None:
+    experts = block.experts
+    if block.ep_group is not None:
+        raise ValueError("shard_experts: the experts are already sharded")
+    total = experts.num_experts
+    local = total // ep
+    for name in EXPERT_PARAM_NAMES:
+        full = getattr(experts, name)
+        piece = nn.Parameter(full[rank * local : (rank + 1) * local].clone(), requires_grad=full.requires_grad)
+        set_layout(piece, Layout(mesh, {axis: Shard(0)}, full.shape))
+        setattr(experts, name, piece)
+    experts.num_experts = local
+    experts.grad_scale = 1.0 / ep

@@ -1,0 +1,238 @@
+"""`ExpertParallelZero`: ZeRO stages 0-2 for a mixture-of-experts model whose experts are split over an ``ep`` axis.
+
+The data ranks are ``dp x ep`` (`colo.tensor.moe.parallel`). Dense parameters are replicated on all of them and
+expert parameters only on the ``dp`` ranks holding the same experts, so the two live in separate chunks with
+separate groups: two `ZeroOptimizer` s over one model, one for the dense parameters sharded and averaged over
+``("dp", "ep")``, one for the experts over ``("dp",)`` (their gradients were scaled by ``1 / ep`` in backward, so
+that average is the gradient of the mean loss over every data rank). One torch optimizer steps both sets of fp32
+masters (so LR schedulers built on it keep working), and the gradient norm counts every expert once: the expert
+part of the squared norm is summed over ``ep`` too.
+
+Stage 3 and fp16 loss scaling are not composed with expert parallelism yet (refused with a message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+from colo.comm import Mesh, all_reduce
+from colo.tensor.checkpoint import CheckpointError
+from colo.tensor.moe import dense_data_axes, expert_data_axes, is_expert_param
+
+from .clip import clip_coefficient
+from .config import ZeroConfig
+from .state import OPTIMIZER_KEY, checkpoint_names_of, load_state, parameter_of
+from .zero_optimizer import ZeroOptimizer
+
+
+class _Continue:
+    """A loss look-alike whose ``backward()`` runs the next optimizer's backward context (nests their hooks)."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def backward(self) -> None:
+        self.run()
+
+
+def _subset_optimizer(template: torch.optim.Optimizer, keep: set[int]):
+    """A callable building an optimizer of ``template``'s type and hyperparameters over the kept parameters, with
+    the same param groups (possibly empty), so group indices agree with ``template``'s. It only carries the groups
+    (``template`` steps every master), so the base ``Optimizer`` constructor builds it: the subclass's own would
+    re-validate ``defaults`` it derived itself."""
+
+    def build(_params):
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [p for p in group["params"] if id(p) in keep],
+            }
+            for group in template.param_groups
+        ]
+        holder = type(template).__new__(type(template))
+        torch.optim.Optimizer.__init__(holder, groups, dict(template.defaults))
+        return holder
+
+    return build
+
+
+class ExpertParallelZero:
+    """ZeRO over a model with expert-parallel MoE blocks (see the module docstring).
+
+    Args:
+        model: the model, its experts already split by `colo.tensor.moe.shard_experts`.
+        optimizer: a fresh torch optimizer over all the model's parameters (or ``None``: fused AdamW).
+        mesh: a mesh with ``dp`` and ``ep`` axes.
+        stage: ZeRO stage 0, 1 or 2.
+        checkpoint_names: the names parameters are saved under (`ZeroOptimizer`'s argument), for both parts.
+        **config_fields: other `ZeroConfig` fields (``chunk_numel``, ``mixed_precision`` without fp16, ...).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        mesh: Mesh,
+        stage: int = 2,
+        checkpoint_names=None,
+        **config_fields,
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(
+                f"ExpertParallelZero: stage={stage}; expert parallelism composes with ZeRO 0, 1, 2 for now"
+            )
+        if "dp" not in mesh.axis_names or "ep" not in mesh.axis_names:
+            raise ValueError(
+                f"ExpertParallelZero needs a mesh with 'dp' and 'ep' axes (dp may be 1), got {mesh.axis_names}"
+            )
+        mixed = config_fields.get("mixed_precision")
+        if mixed is not None and mixed.param_dtype == torch.float16:
+            raise ValueError(
+                "ExpertParallelZero: fp16 loss scaling is not composed with expert parallelism yet; use bf16"
+            )
+        if optimizer is None:
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+        self.mesh = mesh
+        self.model = model
+        self.optimizer = optimizer
+        self.ep_group = mesh.group("ep")
+        expert_ids = {id(p) for name, p in model.named_parameters() if is_expert_param(name)}
+        dense_ids = {id(p) for p in model.parameters()} - expert_ids
+        if not expert_ids:
+            raise ValueError("ExpertParallelZero: the model has no expert parameters (...experts.w1/w2/w3)")
+        self.dense = ZeroOptimizer(
+            model,
+            _subset_optimizer(optimizer, dense_ids),
+            mesh=mesh,
+            config=ZeroConfig(stage=stage, data_axes=dense_data_axes(mesh), **config_fields),
+            checkpoint_names=checkpoint_names,
+            param_filter=lambda name: not is_expert_param(name),
+        )
+        self.experts = ZeroOptimizer(
+            model,
+            _subset_optimizer(optimizer, expert_ids),
+            mesh=mesh,
+            config=ZeroConfig(stage=stage, data_axes=expert_data_axes(mesh), **config_fields),
+            checkpoint_names=checkpoint_names,
+            param_filter=is_expert_param,
+        )
+        self.parts = (self.dense, self.experts)
+        # one torch optimizer steps both parts' masters: group i holds the masters of both parts' group i
+        for index, group in enumerate(optimizer.param_groups):
+            group["params"] = [p for part in self.parts for p in part.optimizer.param_groups[index]["params"]]
+        for part in self.parts:
+            part.optimizer = optimizer
+        self.config = self.dense.config
+        self.last_grad_norm: float | None = None
+
+    # --- the training-loop API (as `ZeroOptimizer`) -----------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` inside both parts' backward contexts (their gradient hooks)."""
+        dense, experts = self.parts
+        dense.grad_sync.run_backward(_Continue(lambda: experts.grad_sync.run_backward(loss)))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally in both parts."""
+        with self.dense.no_sync(), self.experts.no_sync():
+            yield
+
+    def reduce_gradients(self) -> bool:
+        """Reduce both parts' gradients now."""
+        return any([part.reduce_gradients() for part in self.parts])
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The global 2-norm over dense and expert gradients, every parameter element counted once."""
+        if norm_type != 2.0:
+            raise ValueError(f"ExpertParallelZero.grad_norm: norm_type={norm_type}; only the 2-norm is supported")
+        dense = self.dense.grad_norm()
+        expert_sq = torch.tensor([self.experts.grad_norm() ** 2], dtype=torch.float64)
+        if self.ep_group.size > 1:
+            expert_sq = all_reduce(expert_sq.to(self.dense.device), group=self.ep_group).cpu()
+        self.last_grad_norm = math.sqrt(dense**2 + float(expert_sq))
+        return self.last_grad_norm
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip both parts by the global norm; returns the norm before clipping."""
+        total = self.grad_norm(norm_type)
+        coefficient = clip_coefficient(total, max_norm)
+        if coefficient < 1.0:
+            for part in self.parts:
+                for grad in part._grad_shards:
+                    grad.mul_(coefficient)
+        return total
+
+    def step(self) -> bool:
+        """Reduce gradients, step every master with the one torch optimizer, refresh the compute copies."""
+        for part in self.parts:
+            part._prepare_grads()
+        self.optimizer.step()
+        for part in self.parts:
+            part.register_optimizer_state()
+            part.param_sync.refresh(part.trainable_chunks)
+            for chunk in part.trainable_chunks:
+                chunk.buffer("master").grad = None
+            part._grads_prepared = False
+            part._grad_shards = []
+        return False
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def wait_params(self) -> None:
+        for part in self.parts:
+            part.wait_params()
+
+    # --- inspection and checkpoints -----------------------------------------------------------------------------
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """fp32 masters of every parameter, gathered over the data axes (expert tensors: this rank's experts)."""
+        return {**self.dense.full_params(), **self.experts.full_params()}
+
+    def checkpoint_state(self):
+        """``(tensors, metadata)`` for `colo.tensor.checkpoint.save_checkpoint`, in the format of a single
+        `ZeroOptimizer`'s (`colo.zero.state`): both parts' tensors (the expert tensors keep their `Shard` layout over
+        ``ep``, so the checkpoint holds the global ``(E, ...)`` tensors) and one ``"optimizer"`` entry (the shared
+        param groups, both parts' scalars). So a checkpoint saved at any ``ep`` loads at any other, or into a plain
+        `ZeroOptimizer` in one process."""
+        dense_tensors, dense_meta = self.dense.checkpoint_state()
+        expert_tensors, expert_meta = self.experts.checkpoint_state()
+        metadata = dict(dense_meta)
+        optimizer = dict(dense_meta[OPTIMIZER_KEY])
+        optimizer["scalars"] = {**dense_meta[OPTIMIZER_KEY]["scalars"], **expert_meta[OPTIMIZER_KEY]["scalars"]}
+        metadata[OPTIMIZER_KEY] = optimizer
+        return {**dense_tensors, **expert_tensors}, metadata
+
+    def save(self, path: str | os.PathLike, *, metadata: dict | None = None, group=None, expected_names=None) -> None:
+        """Save parameters and optimizer state of both parts to the new checkpoint directory ``path`` (every rank
+        calls it; arguments as `ZeroOptimizer.save`)."""
+        from colo.tensor.checkpoint import save_checkpoint
+
+        tensors, own = self.checkpoint_state()
+        save_checkpoint(path, tensors, metadata={**(metadata or {}), **own}, group=group, expected_names=expected_names)
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Load a checkpoint of this model saved at any ``ep`` and data-parallel size (or by a plain `ZeroOptimizer`)
+        into both parts; returns its metadata (every rank calls it)."""
+        from colo.tensor.checkpoint import read_index
+
+        directory = os.fspath(path)
+        names = {n for part in self.parts for c in part.chunks for s in c.slots for n in checkpoint_names_of(part, s)}
+        saved = {parameter_of(name) for name in read_index(directory).tensors}
+        unexpected, missing = sorted(saved - names), sorted(names - saved)
+        if unexpected or missing:
+            raise CheckpointError(
+                f"{directory}: the checkpoint does not match the model: unexpected {unexpected[:3]} "
+                f"({len(unexpected)}), missing {missing[:3]} ({len(missing)}); load it into the model it was saved from"
+            )
+        metadata = {}
+        for part in self.parts:
+            metadata = load_state(part, directory, check_names=False)
+        return metadata
