@@ -15,7 +15,7 @@ from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_posi
 from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
 from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
-from .plans import ModelPlan, PipelinePart, materialize_device, register_plan, reject_packed_rows
+from .plans import ModelPlan, PipelinePart, materialize_device, reject_packed_rows
 
 
 def _materialize_device(model: nn.Module) -> torch.device | None:
@@ -188,5 +188,3 @@ class LlamaPlan(ModelPlan):
         reject_packed_rows(batch, "HybridParallel(pp > 1) with a Llama")
         return batch["input_ids"], batch["labels"]
 
-
-register_plan(Llama, LlamaPlan())

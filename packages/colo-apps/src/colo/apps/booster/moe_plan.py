@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..models.moe_llama import MoELlama
 from .llama_plan import LlamaPlan
-from .plans import register_plan
 
 
 class MoELlamaPlan(LlamaPlan):
@@ -25,5 +23,3 @@ class MoELlamaPlan(LlamaPlan):
                 )
         super().check(model, plugin)
 
-
-register_plan(MoELlama, MoELlamaPlan())

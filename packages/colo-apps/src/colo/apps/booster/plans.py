@@ -1,12 +1,15 @@
 """How `HybridParallel` parallelizes a model family: a `ModelPlan` per model type, looked up by `plan_for`.
 
 A plan checks the plugin's sizes against the model's shape (before any collective), applies tensor and sequence
-parallelism in place, and cuts the model into pipeline stages. colo's native Llama has one; the Hugging Face
-plans (their own issue) register theirs with `register_plan`.
+parallelism in place, and cuts the model into pipeline stages. colo's own plans (the native Llama, MoELlama, and
+transformers' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``) are listed in `BUILTIN_PLANS` by the model class's
+module and name and imported on first use, so importing the Booster imports no plan and no model; users add
+theirs with `register_plan`, which take precedence.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -77,20 +80,42 @@ def reject_packed_rows(batch: Mapping[str, torch.Tensor], where: str) -> None:
         )
 
 
+BUILTIN_PLANS: tuple[tuple[str, str, str], ...] = (
+    ("colo.apps.models.moe_llama.", "MoELlama", "colo.apps.booster.moe_plan:MoELlamaPlan"),
+    ("colo.apps.models.llama.", "Llama", "colo.apps.booster.llama_plan:LlamaPlan"),
+    ("transformers.models.llama.", "LlamaForCausalLM", "colo.apps.hf.plans:HFLlamaPlan"),
+    ("transformers.models.gpt2.", "GPT2LMHeadModel", "colo.apps.hf.plans:HFGPT2Plan"),
+)
+"""colo's plans: ``(module prefix of the model class, class name, "module:PlanClass")``. A model whose class, or a
+class it derives from, matches gets the plan (the most derived match wins); the plan's module is imported then."""
+
 _PLANS: list[tuple[type, ModelPlan]] = []
+_BUILTIN_INSTANCES: dict[str, ModelPlan] = {}
 
 
 def register_plan(model_type: type, plan: ModelPlan) -> None:
-    """Use ``plan`` for models of ``model_type`` (and its subclasses); later registrations win."""
+    """Use ``plan`` for models of ``model_type`` (and its subclasses); later registrations win, and every
+    registration wins over colo's own plans (`BUILTIN_PLANS`)."""
     _PLANS.insert(0, (model_type, plan))
 
 
+def _builtin_plan(model_class: type) -> ModelPlan | None:
+    for cls in model_class.__mro__:
+        for module_prefix, name, target in BUILTIN_PLANS:
+            if cls.__name__ == name and f"{cls.__module__}.".startswith(module_prefix):
+                if target not in _BUILTIN_INSTANCES:
+                    module, plan_class = target.split(":")
+                    _BUILTIN_INSTANCES[target] = getattr(importlib.import_module(module), plan_class)()
+                return _BUILTIN_INSTANCES[target]
+    return None
+
+
 def find_plan(model: nn.Module) -> ModelPlan | None:
-    """The registered plan of ``model``'s type, or ``None``."""
+    """The plan of ``model``'s type: a registered one, else colo's own (`BUILTIN_PLANS`), else ``None``."""
     for model_type, plan in _PLANS:
         if isinstance(model, model_type):
             return plan
-    return None
+    return _builtin_plan(type(model))
 
 
 def checkpoint_manifest(model: nn.Module) -> list[str]:
@@ -111,7 +136,7 @@ def plan_for(model: nn.Module) -> ModelPlan:
     plan = find_plan(model)
     if plan is not None:
         return plan
-    known = sorted({t.__name__ for t, _ in _PLANS})
+    known = sorted({t.__name__ for t, _ in _PLANS} | {name for _, name, _ in BUILTIN_PLANS})
     raise ValueError(
         f"HybridParallel has no parallelization plan for {type(model).__name__}; plans exist for {known} (register "
         "one with colo.apps.booster.register_plan), or use the DDP / Zero plugins, which need none"

@@ -5,7 +5,7 @@ by class name when `colo.apps.booster` is imported."""
 
 from .llama_io import llama_config_to_hf, load_llama_from_hf, read_hf_config, read_hf_state_dict, save_llama_as_hf
 from .pipeline import HFLlamaStage, hf_llama_pipeline_stages
-from .plans import HFGPT2Plan, HFLlamaPlan, conv1d_to_linear, register_hf_plans, transformers_class
+from .plans import HFGPT2Plan, HFLlamaPlan, conv1d_to_linear, transformers_class
 
 __all__ = [
     "HFGPT2Plan",
@@ -17,7 +17,6 @@ __all__ = [
     "load_llama_from_hf",
     "read_hf_config",
     "read_hf_state_dict",
-    "register_hf_plans",
     "save_llama_as_hf",
     "transformers_class",
 ]

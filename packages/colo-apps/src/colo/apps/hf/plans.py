@@ -24,8 +24,9 @@ offered for these models (``sp`` / ``sp_mode`` are rejected by `check`). Before 
 model: every module holding parameters must be one the plan knows, of the type it expects, or a `ValueError` names
 its path and type.
 
-The plans are registered for the model classes by name (`transformers_class`), so importing ``colo.apps`` does not
-import transformers (about 4 s); a model object that exists has imported it already.
+`colo.apps.booster.plans.BUILTIN_PLANS` names these plans for the transformers classes by module and class name,
+so importing ``colo.apps`` imports neither this module nor transformers (about 4 s); a model object that exists has
+imported transformers already. `transformers_class` gives the same by-name match to users' `register_plan`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import nn
 from colo.comm import Mesh
 from colo.tensor import Colwise, FusedQKV, ParallelStyle, Rowwise, VocabParallel, layout_of, parallelize
 
-from ..booster.plans import ModelPlan, PipelinePart, register_plan, reject_packed_rows
+from ..booster.plans import ModelPlan, PipelinePart, reject_packed_rows
 from ..models.llama.loss import causal_lm_loss
 from .pipeline import hf_llama_pipeline_stages
 
@@ -327,10 +328,3 @@ class HFGPT2Plan(_HFPlan):
 
     def pipeline(self, model: nn.Module, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
         raise ValueError("HFGPT2Plan has no pipeline stages yet; use pp=1")
-
-
-def register_hf_plans() -> None:
-    """Register `HFLlamaPlan` and `HFGPT2Plan` for ``transformers``' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``
-    (and their subclasses), matched by class name: nothing is imported from transformers."""
-    register_plan(transformers_class("LlamaForCausalLM", "transformers.models.llama"), HFLlamaPlan())
-    register_plan(transformers_class("GPT2LMHeadModel", "transformers.models.gpt2"), HFGPT2Plan())
