@@ -167,6 +167,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy; else the sampling temperature.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with temperature > 0).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the K most likely tokens (0: all).")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of sampling.")] = 0,
     tokenizer: Annotated[
         str | None, typer.Option(help="Tokenizer path (default: the one the run trained with).")
@@ -183,7 +184,7 @@ def generate(
         ),
     ] = None,
 ) -> None:
-    """Generate text from a checkpoint in one process (greedy or top-p, with a KV cache)."""
+    """Generate text from a checkpoint in one process (greedy, top-p or top-k, with a KV cache)."""
     import torch
 
     from ..data import load_tokenizer
@@ -204,6 +205,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         generator=torch.Generator().manual_seed(seed),
         use_cache=cache,
     )

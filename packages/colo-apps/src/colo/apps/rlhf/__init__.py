@@ -8,10 +8,17 @@
   `save_reward_model_as_hf`, `sequence_logps`.
 - `objectives`: `RewardCriterion`, `PreferenceCriterion` (criteria for `Booster.boost`, with metrics).
 - `reference`: `precompute_reference_logps`, `WithReferenceLogps`.
-- `synthetic`: the Python-line preference set of the ``tiny-rm`` / ``tiny-dpo`` presets, and an arithmetic set.
+- `synthetic`: the Python-line preference set of the ``tiny-rm`` / ``tiny-dpo`` presets, arithmetic sets (the
+  ``tiny-grpo`` preset's prompts).
+- GRPO / RLOO (``data.task: grpo``): `advantages` (`group_advantages`: GRPO, Dr. GRPO, RLOO), `policy_loss` (KL
+  estimators, the clipped loss, loss aggregation with global counts), `grpo` (`attach_rollout_forward`,
+  `GRPOCriterion`), `rewards` (reward functions by import path), `prompts` (`PromptDataset`), `grpo_task` (the
+  trainer's `GRPOTask`).
 """
 
+from .advantages import ADVANTAGE_ESTIMATORS, group_advantages
 from .data import PreferenceDataset, read_preference_records
+from .grpo import GRPOCriterion, attach_rollout_forward
 from .losses import PREFERENCE_LOSSES, bradley_terry_loss, dpo_loss, ipo_loss, preference_loss, simpo_loss
 from .modeling import (
     attach_pair_forward,
@@ -21,10 +28,38 @@ from .modeling import (
     sequence_logps,
 )
 from .objectives import PreferenceCriterion, RewardCriterion
+from .policy_loss import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    AggregationCounts,
+    aggregate_loss,
+    clipped_policy_loss,
+    global_counts,
+    kl_penalty,
+)
+from .prompts import PromptDataset
 from .reference import WithReferenceLogps, precompute_reference_logps
-from .synthetic import arithmetic_records, python_line_records
+from .rewards import RewardFunctionError, compute_rewards, exact_answer, load_reward_function
+from .synthetic import arithmetic_prompts, arithmetic_records, python_line_records
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "AggregationCounts",
+    "GRPOCriterion",
+    "PromptDataset",
+    "RewardFunctionError",
+    "aggregate_loss",
+    "arithmetic_prompts",
+    "attach_rollout_forward",
+    "clipped_policy_loss",
+    "compute_rewards",
+    "exact_answer",
+    "global_counts",
+    "group_advantages",
+    "kl_penalty",
+    "load_reward_function",
     "PREFERENCE_LOSSES",
     "PreferenceCriterion",
     "PreferenceDataset",

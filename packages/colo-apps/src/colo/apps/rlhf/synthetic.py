@@ -4,6 +4,8 @@
   source (chosen) against the same words in a shuffled order (rejected), after the line before it as the prompt.
   Telling them apart takes the syntax a language model learns (a 0.2M-parameter reward model gets ~94% on
   held-out pairs after 200 steps on one CPU process).
+- `arithmetic_prompts` (the ``tiny-grpo`` preset): distinct ``a+b=`` prompts with their ``answer``, the
+  verifiable task of online RL (reward: the exact answer).
 - `arithmetic_records`: sums answered correctly or with the last digit corrupted. Harder than it looks: a reward
   model must learn addition modulo 10 first, and the tiny presets do not get past chance in minutes (measured),
   so it serves the tests only.
@@ -29,6 +31,23 @@ def arithmetic_records(num_records: int, *, seed: int = 0) -> list[dict[str, str
         wrong = answer[:position] + digit + answer[position + 1 :]
         records.append({"prompt": f"{a}+{b}=", "chosen": answer, "rejected": wrong})
     return records
+
+
+def arithmetic_prompts(num_prompts: int, *, seed: int = 0, max_operand: int = 20) -> list[dict[str, str]]:
+    """``{"prompt": "12+7=", "answer": "19"}`` records of distinct problems ``a + b`` with ``a, b`` in
+    ``[0, max_operand)``, in a seeded order (so the tail a run holds out never appears in its training prompts).
+
+    Raises:
+        ValueError: more prompts asked for than the ``max_operand ** 2`` distinct problems.
+    """
+    if num_prompts > max_operand**2:
+        raise ValueError(
+            f"arithmetic_prompts: {num_prompts} prompts asked for, but operands in [0, {max_operand}) give only "
+            f"{max_operand**2} distinct problems; raise max_operand or ask for fewer"
+        )
+    problems = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+    random.Random(seed).shuffle(problems)
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in problems[:num_prompts]]
 
 
 def python_line_records(num_records: int, *, seed: int = 0, max_chars: int = 40) -> list[dict[str, str]]:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from ..data.sft import ChatTemplate
 from ..diffusion.config import DiffusionSection
 from ..models.llama import PRESETS, LlamaConfig, get_preset
+from ..rlhf.grpo_config import GRPOSection
 from ._fields import dataclass_fields
 from .plugin_config import DDPSection, PluginConfig
 
@@ -165,13 +166,14 @@ class DataSection(_Section):
     """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens, or chat records for
     supervised fine-tuning with the loss on the assistant's replies only."""
 
-    task: Literal["pretrain", "sft", "rm", "dpo", "diffusion"] = Field(
+    task: Literal["pretrain", "sft", "rm", "dpo", "grpo", "diffusion"] = Field(
         default="pretrain",
         description="'pretrain': next-token loss on every token of text documents; 'sft': chat records "
         "(JSONL / Hugging Face rows with a messages field or prompt/response fields) rendered by chat_template, "
         "one conversation per row (cut at or right-padded to seq_len), the loss only on the assistant's replies; "
         "'rm': a reward model (the Llama with a scalar head) on {prompt, chosen, rejected} records, Bradley-Terry "
-        "loss; 'dpo': the DPO family (preference.loss_type) on the same records (colo.apps.rlhf); 'diffusion': a "
+        "loss; 'dpo': the DPO family (preference.loss_type) on the same records (colo.apps.rlhf); 'grpo': online RL "
+        "on {prompt, ...} records with reward functions (GRPO / Dr. GRPO / RLOO, the grpo section); 'diffusion': a "
         "text-to-image UNet on captioned images (the diffusion section, colo.apps.diffusion).",
     )
     packing: Literal["fixed", "documents"] = Field(
@@ -252,6 +254,16 @@ class DataSection(_Section):
                 raise ValueError(f"data.task={self.task!r} runs one pair per item; drop data.packing='documents'")
             if self.max_tokens is not None:
                 raise ValueError(f"data.max_tokens caps pre-training text; data.task={self.task!r} reads every record")
+        elif self.task == "grpo":
+            if self.format == "text":
+                raise ValueError(
+                    "data.task='grpo' reads {prompt, ...} records, which data.format='text' cannot hold; set "
+                    "data.format to 'jsonl', 'hf' or 'auto'"
+                )
+            if self.packing != "fixed":
+                raise ValueError("data.task='grpo' generates from one prompt per row; drop data.packing='documents'")
+            if self.max_tokens is not None:
+                raise ValueError("data.max_tokens caps pre-training text; data.task='grpo' reads every prompt")
         elif self.chat_template != ChatTemplateSection():
             raise ValueError(
                 "data.chat_template is read only with data.task='sft' (and 'rm' / 'dpo' chat records); set "
@@ -410,6 +422,7 @@ class RunConfig(_Section):
     lora: LoraSection = Field(default_factory=LoraSection, description=LoraSection.__doc__)
     preference: PreferenceSection = Field(default_factory=PreferenceSection, description=PreferenceSection.__doc__)
     diffusion: DiffusionSection = Field(default_factory=DiffusionSection, description=DiffusionSection.__doc__)
+    grpo: GRPOSection = Field(default_factory=GRPOSection, description=GRPOSection.__doc__)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
     eval: EvalSection = Field(default_factory=EvalSection, description=EvalSection.__doc__)
@@ -430,6 +443,7 @@ class RunConfig(_Section):
             )
         check_positions_reach_the_model(self)
         self._check_preference_task()
+        self._check_grpo_task()
         pipelined = self.plugin.name == "hybrid" and self.plugin.pp > 1
         microbatches = self.schedule.num_microbatches
         if pipelined and self.eval.every_steps and self.eval.batch_size % microbatches:
@@ -486,6 +500,54 @@ class RunConfig(_Section):
             raise ValueError(f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'")
         if self.lora.enabled and task == "rm":
             raise ValueError("data.task='rm' with LoRA is not supported: the scalar head must train")
+
+    def _check_grpo_task(self) -> None:
+        """``data.task: grpo`` needs prompts, a layout whose trainer holds full-vocabulary logits and replicated
+        weights for the frozen reference, and batches that split into the updates; other tasks take no ``grpo``."""
+        grpo = self.grpo
+        if self.data.task != "grpo":
+            if grpo != GRPOSection():
+                raise ValueError(f"grpo.* is read only with data.task='grpo' (data.task={self.data.task!r})")
+            return
+        if not self.data.paths and not grpo.synthetic_prompts:
+            raise ValueError(
+                "data.task='grpo' needs data.paths of {prompt, ...} records, or grpo.synthetic_prompts > 0 for the "
+                "embedded arithmetic prompts"
+            )
+        plugin = self.plugin
+        if plugin.name not in ("ddp", "zero") or (plugin.name == "zero" and plugin.stage == 3):
+            raise ValueError(
+                "data.task='grpo' runs under plugin.name='ddp' or 'zero' (stage 0-2) in the trainer (its frozen "
+                f"reference is a replicated copy of the policy); plugin.name={plugin.name!r}"
+                + (f" with stage={plugin.stage}" if plugin.name == "zero" else "")
+                + " is not supported yet"
+            )
+        if plugin.loss_weighting != "microbatch":
+            raise ValueError(
+                "data.task='grpo' aggregates its loss itself (grpo.loss_aggregation): set "
+                "plugin.loss_weighting='microbatch'"
+            )
+        if grpo.sft_steps >= self.schedule.total_steps:
+            raise ValueError(
+                f"grpo.sft_steps={grpo.sft_steps} leaves no GRPO step of schedule.total_steps="
+                f"{self.schedule.total_steps}; lower it"
+            )
+        completions = self.data.global_batch_size * grpo.group_size
+        split = grpo.minibatches * self.schedule.num_microbatches
+        if completions % split:
+            raise ValueError(
+                f"data.global_batch_size={self.data.global_batch_size} prompts x grpo.group_size={grpo.group_size} "
+                f"give {completions} completions per step, which do not split into grpo.minibatches="
+                f"{grpo.minibatches} x schedule.num_microbatches={self.schedule.num_microbatches} on every "
+                "data-parallel rank; change one of them"
+            )
+        budget = grpo.max_prompt_len + grpo.max_new_tokens
+        window = self.model.max_position_embeddings or PRESETS[self.model.preset].max_position_embeddings
+        if self.model.init_from is None and budget > window:
+            raise ValueError(
+                f"grpo.max_prompt_len={grpo.max_prompt_len} + grpo.max_new_tokens={grpo.max_new_tokens} exceed the "
+                f"model's max_position_embeddings={window}; lower them"
+            )
 
     def _rows_vary_in_labelled_tokens(self) -> bool:
         """SFT rows and rows of packed documents hold different numbers of labelled tokens: they default to

@@ -99,7 +99,7 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
         )
-    dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference)
+    dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference, config.grpo)
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
     num_train = len(dataset) - held_out
     if num_train < data.global_batch_size:
@@ -130,7 +130,7 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
     )
 
 
-def build_dataset(data: DataSection, tokenizer, preference=None) -> tuple[Dataset, np.ndarray | None, str]:
+def build_dataset(data: DataSection, tokenizer, preference=None, grpo=None) -> tuple[Dataset, np.ndarray | None, str]:
     """The dataset ``data.task`` and ``data.packing`` select (see the module docstring).
 
     Returns:
@@ -138,6 +138,8 @@ def build_dataset(data: DataSection, tokenizer, preference=None) -> tuple[Datase
     """
     if data.task in ("rm", "dpo"):
         return build_preference_dataset(data, preference, tokenizer)
+    if data.task == "grpo":
+        return build_prompt_dataset(data, grpo, tokenizer)
     documents = read_documents(
         data.paths or default_corpus(),
         format=data.format,
@@ -204,3 +206,28 @@ def build_preference_dataset(data: DataSection, preference, tokenizer) -> tuple[
         "with responses cut at data.seq_len"
     )
     return pairs, pairs.row_lengths, description
+
+
+def build_prompt_dataset(data: DataSection, grpo, tokenizer) -> tuple[Dataset, np.ndarray, str]:
+    """``task='grpo'``: `colo.apps.rlhf.prompts.PromptDataset` items (a prompt's ids, text and other columns), from
+    ``data.paths`` or the embedded arithmetic prompts (``grpo.synthetic_prompts``); every prompt within
+    ``grpo.max_prompt_len`` tokens (else a `ValueError` naming the record)."""
+    from ..rlhf.data import read_preference_records
+    from ..rlhf.prompts import PromptDataset
+    from ..rlhf.synthetic import arithmetic_prompts
+
+    if data.paths:
+        records = read_preference_records(data.paths, format=data.format)
+        source = ", ".join(data.paths)
+    else:
+        records = arithmetic_prompts(grpo.synthetic_prompts, seed=0, max_operand=grpo.max_operand)
+        source = f"{grpo.synthetic_prompts} synthetic addition prompts (operands below {grpo.max_operand})"
+    try:
+        prompts = PromptDataset(records, tokenizer, max_prompt_len=grpo.max_prompt_len, prompt_field=data.prompt_field)
+    except ValueError as error:
+        raise ValueError(f"data.task='grpo': {error}") from None
+    description = (
+        f"grpo: {len(prompts)} prompts from {source}, {grpo.group_size} completions each per step, up to "
+        f"{grpo.max_new_tokens} new tokens"
+    )
+    return prompts, prompts.prompt_lengths, description

@@ -1,9 +1,12 @@
 """Text generation from a trained Llama: load any colo checkpoint into one process, then greedy or nucleus
-(top-p, Holtzman et al., 2020) sampling.
+(top-p, Holtzman et al., 2020) / top-k sampling.
 
-With a KV cache (`colo.apps.models.llama.KVCache`, the default): the prompt is prefilled in one forward, then every
-new token is one forward of that token alone over the cached keys and values. ``use_cache=False`` keeps the
-reference path that re-runs the model over the whole (windowed) sequence for every token.
+With a KV cache (the default) a prompt that fits the model's window with its new tokens is decoded by the
+generation engine (`colo.apps.generation.generate`: one prefill into a static `KVCache`, then one single-token
+forward per new token). Past the window the context slides: the last ``max_position_embeddings`` tokens are
+re-prefilled for every token. ``use_cache=False`` keeps the reference path that re-runs the model over the whole
+(windowed) sequence for every token; both paths pick tokens with the engine's sampler
+(`colo.apps.generation.sampling.next_tokens`), so a seeded generator gives the same tokens on either.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import torch
 
 from colo.tensor.checkpoint import load_checkpoint, read_index
 
+from ..generation import SamplingParams
+from ..generation import generate as generate_batch
+from ..generation.sampling import next_tokens
 from ..lora import has_lora_tensors, lora_scaling, merge_lora_tensors
 from ..models.llama import KVCache, Llama, LlamaConfig, llama_state_dict_from_hf
 
@@ -82,6 +88,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     vocab_limit: int | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
@@ -102,6 +109,7 @@ def generate(
         max_new_tokens: how many tokens to add.
         temperature: 0 for greedy decoding, else the softmax temperature.
         top_p: sample from the smallest set of tokens whose probability reaches ``top_p`` (1.0: all).
+        top_k: sample from the ``top_k`` most likely tokens (0: all).
         vocab_limit: never produce ids at or above this (the tokenizer's size when the model's vocabulary is padded).
         eos_id: stop after producing this id.
         generator: the random generator of sampling (seed it for reproducible samples).
@@ -113,12 +121,20 @@ def generate(
     """
     if not prompt_ids:
         raise ValueError("generate: the prompt encodes to no tokens; give a non-empty prompt")
+    if max_new_tokens < 1:
+        return []
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_id,
+        vocab_limit=vocab_limit,
+    )  # fmt: skip
     device = next(model.parameters()).device
     window = model.config.max_position_embeddings
     ids = list(prompt_ids)
+    if use_cache and len(ids) + max_new_tokens <= window:  # the engine: one static cache, no sliding
+        return generate_batch(model, [ids], params, generator=generator).responses()[0]
     new: list[int] = []
     cache = None
-    if use_cache and max_new_tokens > 0:
+    if use_cache:
         # the last new token is never fed back, so prompt + max_new_tokens - 1 rows would do; one spare is harmless
         cache = KVCache.for_model(model, batch_size=1, max_len=min(window, len(ids) + max_new_tokens))
     pending = ids[-window:]  # the tokens of the context not in the cache yet
@@ -131,9 +147,7 @@ def generate(
                 cache.reset()
                 pending = ids[-window:]
             logits = _next_token_logits(model, torch.tensor([pending], device=device), cache)
-        if vocab_limit is not None:
-            logits[vocab_limit:] = float("-inf")
-        token = _pick(logits, temperature, top_p, generator)
+        token = int(next_tokens(logits[None], params, generator)[0][0])
         ids.append(token)
         new.append(token)
         pending = [token]
@@ -147,17 +161,6 @@ def _next_token_logits(model: Llama, input_ids: torch.Tensor, cache: KVCache) ->
     hidden = model.hidden_states(input_ids, kv_cache=cache)
     _, logits = model.objective(hidden[:, -1:], model.lm_head)
     return logits[0, -1].float()
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < top_p  # the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def chat_template_of(run: dict):
@@ -183,8 +186,8 @@ def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, **opti
         tokenizer: the run's tokenizer (``encode`` / ``decode``, ``eos_id``, ``vocab_size``).
         prompt: the text to continue, or the user's message.
         chat_template: a `ChatTemplate`, or ``None`` for plain continuation.
-        **options: `generate`'s settings (``max_new_tokens``, ``temperature``, ``top_p``, ``generator``,
-            ``use_cache``).
+        **options: `generate`'s settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+            ``generator``, ``use_cache``).
     """
     if chat_template is None:
         ids, shown = tokenizer.encode(prompt), prompt

@@ -96,7 +96,7 @@ class Trainer:
         self.plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
         self.booster = Booster(self.plugin)
         model = self._build_model()
-        self.task = PreferenceTask(config, self.tokenizer) if config.data.task in ("rm", "dpo") else None
+        self.task = _build_task(config, self.tokenizer)
         if self.task is not None:  # the scalar head (rm) and the pair forward, before the optimizer sees the model
             self.task.prepare_model(model)
         optimizer = build_optimizer(model, config.optimizer, num_layers=self.llama_config.num_hidden_layers)
@@ -203,7 +203,7 @@ class Trainer:
             "layout": self.layout,
             "rng": [state["rng"] for state in per_rank],
             "sampler": per_rank[0]["sampler"],
-            **({PREFERENCE_KEY: self.task.state()} if self.task is not None else {}),
+            **({getattr(self.task, "state_key", PREFERENCE_KEY): self.task.state()} if self.task is not None else {}),
         }
         self.booster.save(path, metadata={"step": step, RUN_KEY: run})
         if self.rank == 0:
@@ -259,9 +259,12 @@ class Trainer:
         while step < end:
             if self.task is not None:  # SFT warm-up / the reference table, before this step's batch is read
                 self.task.before_step(self, step)
-            batch, num_tokens = next(data)
-            batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in batch.items()}
-            outcome = self.booster.train_step(batch)
+            if hasattr(self.task, "train_step"):  # grpo: rollout, rewards and updates in one step
+                outcome, num_tokens = self.task.train_step(self, step)
+            else:
+                batch, num_tokens = next(data)
+                batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in batch.items()}
+                outcome = self.booster.train_step(batch)
             step += 1
             window_steps += 1
             window_tokens += num_tokens
@@ -391,6 +394,17 @@ class Trainer:
             f"done: steps {steps[0]}-{steps[-1]} in {result.seconds:.1f} s | loss {first:.4f} -> {last:.4f} | "
             f"{what} {format_bytes(memory)} | last checkpoint {saved}"
         )
+
+
+def _build_task(config: RunConfig, tokenizer):
+    """What ``data.task`` adds to the loop: `PreferenceTask` (rm / dpo), `GRPOTask` (grpo), or ``None``."""
+    if config.data.task in ("rm", "dpo"):
+        return PreferenceTask(config, tokenizer)
+    if config.data.task == "grpo":
+        from ..rlhf.grpo_task import GRPOTask
+
+        return GRPOTask(config, tokenizer)
+    return None
 
 
 def _pick_device(choice: str) -> torch.device:

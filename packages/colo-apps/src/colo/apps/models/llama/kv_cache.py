@@ -84,7 +84,7 @@ class KVCache:
         if not layers:
             raise ValueError("KVCache.for_model: the model has no decoder layers to cache")
         attention = layers[0].self_attn
-        weight = attention.qkv_proj.weight
+        weight = next(attention.qkv_proj.parameters())  # a plain Linear's weight, or a tp QKVParallelLinear's q_weight
         return cls(
             num_layers=len(layers),
             batch_size=batch_size,

@@ -1,0 +1,186 @@
+"""The training side of GRPO / RLOO: the rollout forward and the criterion `Booster.boost` takes.
+
+`attach_rollout_forward` gives a causal LM a second way to be called, *on the instance* (parameter names, plans,
+optimizers and checkpoints are untouched): ``model(input_ids=(R, P + T), response_mask=(R, T), position_ids=...,
+document_ids=... | attention_mask=..., <criterion inputs>)`` returns ``{"logps": (R, T), "entropy": (R, T)}``, the
+log-probs of the response tokens under ``softmax(logits / temperature)`` (differentiable, fp32) and the policy's
+entropy at those positions; the model inputs are those of `colo.apps.generation.rollout_model_inputs`, so the forward
+sees exactly what generation saw. Called without ``response_mask`` the model behaves as before (generation, eval).
+
+`GRPOCriterion` turns that output and the batch's ``advantages`` (``(R,)``), ``old_logps`` and ``ref_logps``
+(``(R, T)``) into this microbatch's share of the update batch's loss (`colo.apps.rlhf.policy_loss`): with the global
+counts set by `GRPOCriterion.prepare` the Booster's mean over microbatches and data-parallel ranks gives exactly the
+aggregated loss, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..generation.rollout import token_logprobs
+from ..models.llama import Llama
+from .policy_loss import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    AggregationCounts,
+    aggregate_loss,
+    clipped_policy_loss,
+    token_entropy,
+)
+
+_MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
+
+
+def attach_rollout_forward(model: nn.Module, *, temperature: float) -> nn.Module:
+    """Make ``model(input_ids=..., response_mask=..., ...)`` return per-token log-probs and entropies of the
+    response (module docstring); every other call is the model's own forward.
+
+    The new forward is a method bound to ``model`` that calls the class's ``forward``, so a ``copy.deepcopy`` of the
+    model (a frozen reference) computes with the copy's weights.
+
+    Args:
+        model (nn.Module): colo's `Llama` (tp = 1: full-vocabulary logits) or a ``transformers`` causal LM.
+        temperature (float): the sampling temperature the log-probs are taken at (0, greedy, is taken as 1).
+
+    Returns:
+        nn.Module: ``model``, changed in place.
+    """
+    if getattr(model, "_colo_rollout_forward", False):
+        raise ValueError(f"attach_rollout_forward: {type(model).__name__} already has a rollout forward")
+    native = isinstance(model, Llama)
+    class_forward = type(model).forward
+
+    def rollout_forward(self, input_ids=None, *args, response_mask=None, **kwargs):
+        if response_mask is None:
+            return class_forward(self, input_ids, *args, **kwargs)
+        inputs = {name: kwargs[name] for name in _MODEL_INPUTS if kwargs.get(name) is not None}
+        length = response_mask.shape[1]
+        prompt = input_ids.shape[1] - length
+        if prompt < 1:
+            raise ValueError(
+                f"a rollout batch holds (R, P + T) input_ids with P >= 1 prompt columns before the {length} response "
+                f"columns of response_mask, got input_ids {tuple(input_ids.shape)}"
+            )
+        if native:
+            inputs.pop("attention_mask", None)
+            logits = class_forward(self, input_ids, return_logits=True, **inputs).logits[:, prompt - 1 : -1]
+        else:
+            inputs.pop("document_ids", None)
+            output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
+            logits = output.logits[:, :-1]
+        logps = token_logprobs(logits, input_ids[:, prompt:], temperature)
+        return {"logps": logps, "entropy": token_entropy(logits, temperature)}
+
+    model.forward = types.MethodType(rollout_forward, model)
+    model._colo_rollout_forward = True
+    return model
+
+
+class _TokenMetrics:
+    """Token-weighted sums of per-token statistics since the last `take_metrics` (this rank's)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+
+    def record(self, mask: torch.Tensor, **per_token: torch.Tensor) -> None:
+        mask = mask.detach().double().cpu()
+        self._sums["_tokens"] = self._sums.get("_tokens", 0.0) + float(mask.sum())
+        for name, values in per_token.items():
+            total = float((values.detach().double().cpu() * mask).sum())
+            self._sums[name] = self._sums.get(name, 0.0) + total
+
+    def take_metrics(self, group=None) -> dict[str, float]:
+        """Means over every response token recorded since the last call on the ranks of ``group`` (one
+        all-reduce), then forget them."""
+        if not self._sums:
+            return {}
+        names = sorted(self._sums)
+        sums = torch.tensor([self._sums[name] for name in names], dtype=torch.float64)
+        if group is not None and group.size > 1:
+            from colo.comm import all_reduce
+
+            all_reduce(sums, group=group)
+        self._sums = {}
+        tokens = max(float(sums[names.index("_tokens")]), 1.0)
+        return {name: float(sums[i]) / tokens for i, name in enumerate(names) if name != "_tokens"}
+
+
+class GRPOCriterion(_TokenMetrics):
+    """The clipped policy loss with a KL penalty, aggregated over the update batch (`colo.apps.rlhf.policy_loss`).
+
+    Called as ``criterion(output, microbatch)`` on the output of the rollout forward (`attach_rollout_forward`);
+    the microbatch holds ``response_mask`` (``(R, T)``), ``advantages`` (``(R,)``), ``old_logps`` (``(R, T)``) and,
+    with a reference, ``ref_logps``. Call `prepare` with the update batch's global counts before each
+    ``booster.train_step``. Metrics (means over response tokens): ``kl``, ``clip_fraction``, ``entropy``,
+    ``ratio``.
+
+    Args:
+        loss_aggregation (str): one of `LOSS_AGGREGATIONS`. Default: ``"token-mean"``.
+        beta (float): the KL coefficient (0: no KL term; the reference log-probs are still read for the metric).
+            Default: ``0.04``.
+        kl_estimator (str): ``"k1"``, ``"k2"`` or ``"k3"``. Default: ``"k3"``.
+        eps_low (float): lower clip range. Default: ``0.2``.
+        eps_high (float | None): upper clip range (``None``: ``eps_low``). Default: ``None``.
+        kl_ratio_correction (bool): weight the KL term by the importance ratio (DeepSeek-V3.2; TRL 1.16's
+            ``use_bias_correction_kl``). Default: ``False``.
+    """
+
+    def __init__(
+        self,
+        *,
+        loss_aggregation: str = "token-mean",
+        beta: float = 0.04,
+        kl_estimator: str = "k3",
+        eps_low: float = 0.2,
+        eps_high: float | None = None,
+        kl_ratio_correction: bool = False,
+    ) -> None:
+        super().__init__()
+        if loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(
+                f"GRPOCriterion: loss_aggregation={loss_aggregation!r} is unknown; use one of {LOSS_AGGREGATIONS}"
+            )
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"GRPOCriterion: kl_estimator={kl_estimator!r} is unknown; use one of {KL_ESTIMATORS}")
+        if beta < 0 or eps_low < 0 or (eps_high is not None and eps_high < 0):
+            raise ValueError(f"GRPOCriterion: beta={beta}, eps_low={eps_low}, eps_high={eps_high} must be >= 0")
+        self.loss_aggregation, self.beta, self.kl_estimator = loss_aggregation, beta, kl_estimator
+        self.eps_low, self.eps_high = eps_low, eps_high
+        self.kl_ratio_correction = kl_ratio_correction
+        self.counts: AggregationCounts | None = None
+        self.scale = 1.0
+        self.sft = False
+        """While set, the loss is the model's own next-token loss of the batch's ``labels`` (the SFT warm-up a GRPO
+        recipe starts with)."""
+
+    def prepare(self, counts: AggregationCounts, *, num_microbatches: int, num_data_ranks: int) -> None:
+        """Set the update batch's global counts, and undo the Booster's averaging: it takes the mean of the
+        microbatch losses over ``num_microbatches`` and of the gradients over ``num_data_ranks``, while the
+        aggregated loss is the *sum* of the microbatch shares."""
+        self.counts = counts
+        self.scale = float(num_microbatches * num_data_ranks)
+
+    def __call__(self, output: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.sft:
+            return output.loss
+        if self.counts is None:
+            raise RuntimeError("GRPOCriterion: call prepare(global_counts(...), ...) before the update")
+        logps, mask = output["logps"], batch["response_mask"]
+        terms = clipped_policy_loss(
+            logps,
+            batch["old_logps"],
+            batch["advantages"],
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            ref_logps=batch.get("ref_logps"),
+            beta=self.beta,
+            kl_estimator=self.kl_estimator,
+            kl_ratio_correction=self.kl_ratio_correction,
+        )
+        share = aggregate_loss(terms.loss, mask, self.loss_aggregation, self.counts)
+        self.record(mask, kl=terms.kl, clip_fraction=terms.clipped, entropy=output["entropy"], ratio=terms.ratio)
+        return share * self.scale

@@ -1,0 +1,87 @@
+"""The ``grpo`` section of the run config (``data.task: grpo``): sampling, advantages, the loss, the updates per
+rollout, the reward functions and the embedded arithmetic prompts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .advantages import check_group_size
+
+
+class GRPOSection(BaseModel):
+    """Online RL with critic-free advantages (colo.apps.rlhf): every step generates group_size completions of each
+    prompt from the current policy, scores them with the reward functions, and updates the policy with the clipped
+    loss and a KL penalty to the frozen reference (GRPO, Dr. GRPO, RLOO)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: int = Field(default=4, description="G: completions sampled per prompt (>= 2).")
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        default="grpo",
+        description="'grpo': (r - group mean) / (group std + 1e-4); 'dr_grpo': r - group mean (Dr. GRPO); 'rloo': r - "
+        "mean of the group's other rewards (REINFORCE leave-one-out).",
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        default="token-mean",
+        description="How per-token losses become the loss, over the whole update batch on every data-parallel rank: "
+        "'token-mean' (TRL's dapo), 'seq-mean-token-mean' (TRL's grpo), 'seq-mean-token-sum-norm' (TRL's dr_grpo: "
+        "token sums over rows x max_new_tokens).",
+    )
+    beta: float = Field(default=0.04, ge=0, description="The KL coefficient (0: no KL term in the loss).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3", description="The per-token estimator of KL(policy || reference) (Schulman, 2020)."
+    )
+    kl_ratio_correction: bool = Field(
+        default=False,
+        description="Weight the KL term by the importance ratio (DeepSeek-V3.2; TRL 1.16's use_bias_correction_kl).",
+    )
+    eps_low: float = Field(default=0.2, ge=0, description="Lower clip range of the ratio: 1 - eps_low.")
+    eps_high: float | None = Field(
+        default=None, ge=0, description="Upper clip range: 1 + eps_high (DAPO's clip-higher); None: eps_low."
+    )
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass of the rollouts.")
+    max_new_tokens: int = Field(default=16, ge=1, description="The generation budget per completion.")
+    max_prompt_len: int = Field(
+        default=32, ge=1, description="The prompt budget in tokens (bos included); a longer prompt is an error."
+    )
+    epochs: int = Field(default=1, ge=1, description="Passes over each rollout batch.")
+    minibatches: int = Field(
+        default=1,
+        ge=1,
+        description="Optimizer updates per pass: the rollout batch is split into this many minibatches. With "
+        "epochs * minibatches = k > 1 each step makes k updates; the LR schedule then runs over the run's updates.",
+    )
+    sft_steps: int = Field(
+        default=0,
+        ge=0,
+        description="First train this many steps of next-token loss on the prompts' answers (the 'answer' column; "
+        "the SFT the policy starts from); the reference is the policy after them.",
+    )
+    reward_functions: list[str] = Field(
+        default_factory=lambda: ["colo.apps.rlhf.rewards:exact_answer"],
+        description="Reward functions as 'module:function', called fn(prompts=, completions=, **columns) -> one "
+        "float per completion; their values add up.",
+    )
+    synthetic_prompts: int = Field(
+        default=0,
+        ge=0,
+        description="With empty data.paths: generate this many integer-addition prompts at run time "
+        "(colo.apps.rlhf.synthetic.arithmetic_prompts: 'a+b=' with the answer column).",
+    )
+    max_operand: int = Field(default=20, ge=1, description="Synthetic prompts add integers in [0, max_operand).")
+    eval_samples: int = Field(
+        default=0,
+        ge=0,
+        description="At each eval, also sample this many completions per held-out prompt at the rollout temperature "
+        "(0: greedy exact-match reward only).",
+    )
+
+    @model_validator(mode="after")
+    def _valid(self):
+        check_group_size(self.group_size, self.advantage, field="grpo.group_size")
+        if not self.reward_functions:
+            raise ValueError("grpo.reward_functions is empty; name at least one 'module:function'")
+        return self

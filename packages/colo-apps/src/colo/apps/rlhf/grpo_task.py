@@ -1,0 +1,402 @@
+"""``data.task: grpo`` inside the one trainer (`colo.apps.train.Trainer`): what online RL adds to it.
+
+Each step on each data-parallel rank (`GRPOTask.train_step`):
+
+1. **rollout**: this rank's prompts (the resumable sampler's batch) are continued ``grpo.group_size`` times each by
+   `colo.apps.generation.RolloutEngine` from the weights the Booster trains (in place under DDP / ZeRO 1-2), with a
+   sampling generator seeded by ``(seed, step, rank)`` (a resumed run draws the same completions);
+2. **rewards** from the reward functions (`colo.apps.rlhf.rewards`), **advantages** per prompt group
+   (`colo.apps.rlhf.advantages`; a group never spans ranks, so this needs no communication);
+3. **log-probs**: the old log-probs recomputed by the training forward over the rollout (as verl does: the loss's
+   ratio then compares like with like; their distance to the rollout's own log-probs is logged as
+   ``grpo/logprob_mismatch``), and the frozen reference's;
+4. **update**: ``grpo.epochs`` passes of ``grpo.minibatches`` `Booster.train_step` calls, the loss aggregated with
+   the global token / sequence counts of each minibatch (`colo.apps.rlhf.policy_loss.global_counts`).
+
+The reference is a frozen copy of the policy taken when the GRPO steps begin (after ``grpo.sft_steps`` of SFT on
+the prompts' answers), replicated on every rank (the plugins GRPO supports keep full weights on every rank too) and
+written once to ``checkpoint_dir/grpo-reference.safetensors``, so a resumed run scores against the same reference.
+A checkpointed, same-layout resume reproduces the uninterrupted run bit for bit (fp32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from ..booster.microbatch import split_batch
+from ..data import IGNORE_INDEX
+from ..generation import SamplingParams, rollout_model_inputs
+from .advantages import group_advantages
+from .grpo import GRPOCriterion, attach_rollout_forward
+from .policy_loss import global_counts
+from .rewards import compute_rewards, load_reward_function
+
+STATE_KEY = "grpo"
+REFERENCE_FILE = "grpo-reference.safetensors"
+_PER_ROW = ("prompt_ids", "prompt")
+
+
+class GRPOTask:
+    """The grpo parts of a training run (see the module docstring).
+
+    Args:
+        config: the run config (``data.task`` is ``"grpo"``).
+        tokenizer: the run's tokenizer (``eos_id``, ``pad_id``, ``vocab_size``, ``decode``).
+
+    Raises:
+        RewardFunctionError / ValueError: a reward function that does not load, or prompts over the budget (before
+            any collective: the task is built before the Booster).
+    """
+
+    state_key = STATE_KEY
+
+    def __init__(self, config, tokenizer) -> None:
+        from ..train.data_setup import build_prompt_dataset
+
+        self.config, self.tokenizer = config, tokenizer
+        grpo = self.settings = config.grpo
+        self.reward_functions = {path: load_reward_function(path) for path in grpo.reward_functions}
+        build_prompt_dataset(config.data, grpo, tokenizer)  # every prompt within the budget, checked up front
+        self.criterion = GRPOCriterion(
+            loss_aggregation=grpo.loss_aggregation,
+            beta=grpo.beta,
+            kl_estimator=grpo.kl_estimator,
+            eps_low=grpo.eps_low,
+            eps_high=grpo.eps_high,
+            kl_ratio_correction=grpo.kl_ratio_correction,
+        )
+        self.params = SamplingParams(
+            max_new_tokens=grpo.max_new_tokens,
+            temperature=grpo.temperature,
+            top_p=grpo.top_p,
+            n=grpo.group_size,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+            vocab_limit=tokenizer.vocab_size,
+        )
+        self.sft_steps = grpo.sft_steps
+        self.updates_per_step = grpo.epochs * grpo.minibatches
+        self.reference: torch.nn.Module | None = None
+        self.reference_step: int | None = None
+        self.engine = None
+        self._batches = None
+        self._window: dict[str, float] = {}
+        self._window_max: dict[str, float] = {}
+
+    # --- hooks of the trainer -------------------------------------------------------------------------------------
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses)."""
+        attach_rollout_forward(model, temperature=self.settings.temperature)
+
+    def before_step(self, trainer, step: int) -> None:
+        """Nothing: `train_step` runs the whole step."""
+
+    def train_step(self, trainer, step: int):
+        """The step after ``step``: an SFT step during the warm-up, else rollout, rewards, log-probs and updates.
+
+        Returns:
+            ``(StepResult of the last update with the mean loss of the step's updates, real tokens of this rank)``.
+        """
+        self._attach(trainer)
+        if step < self.sft_steps:
+            return self._sft_step(trainer)
+        if self.reference is None:
+            self._take_reference(trainer, step)
+        return self._grpo_step(trainer, step)
+
+    def take_metrics(self, trainer) -> dict[str, float]:
+        """The step metrics since the last call, over every data-parallel rank (every rank calls it)."""
+        group = trainer.sample_group
+        metrics = {f"grpo/{k}": v for k, v in self.criterion.take_metrics(group).items()}
+        window, maxima = self._window, self._window_max
+        self._window, self._window_max = {}, {}
+        names = sorted(window)
+        flags = torch.tensor([float(bool(names))], dtype=torch.float64)
+        _all_reduce(flags, group, "max")
+        if not flags.item():
+            return metrics
+        sums = torch.tensor([window[n] for n in names], dtype=torch.float64)
+        _all_reduce(sums, group, "sum")
+        peaks = torch.tensor([maxima.get(n, 0.0) for n in sorted(maxima)], dtype=torch.float64)
+        _all_reduce(peaks, group, "max")
+        total = dict(zip(names, sums.tolist()))
+        peak = dict(zip(sorted(maxima), peaks.tolist()))
+        if "sft_loss" in total:
+            metrics["grpo/sft_loss"] = total["sft_loss"] / max(total["sft_steps"], 1.0)
+        if total.get("rows"):
+            rows, steps = total["rows"], max(total["steps"], 1.0)
+            mean = total["reward_sum"] / rows
+            metrics.update(
+                {
+                    "grpo/reward_mean": mean,
+                    "grpo/reward_std": math.sqrt(max(total["reward_sq"] / rows - mean * mean, 0.0)),
+                    "grpo/response_length": total["response_tokens"] / rows,
+                    "grpo/logprob_mismatch": total["mismatch_sum"] / max(total["response_tokens"], 1.0),
+                    "grpo/logprob_mismatch_max": peak["mismatch_max"],
+                    # tokens of every rank over the slowest rank's rollout time
+                    "grpo/generation_tokens_per_second": total["response_tokens"] / max(peak["rollout_seconds"], 1e-9),
+                    "grpo/time_rollout": total["rollout_seconds"] / steps,
+                    "grpo/time_logprobs": total["logprob_seconds"] / steps,
+                    "grpo/time_update": total["update_seconds"] / steps,
+                }
+            )
+        return metrics
+
+    # --- checkpoints ----------------------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: whether (and after which step) the reference was taken; its weights are in
+        ``checkpoint_dir/grpo-reference.safetensors``, written once."""
+        return {"reference_step": self.reference_step}
+
+    def load_state(self, trainer, run: dict) -> None:
+        step = (run.get(STATE_KEY) or {}).get("reference_step")
+        if step is not None:
+            from safetensors.torch import load_file
+
+            path = os.path.join(self.config.checkpoint_dir, REFERENCE_FILE)
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"the checkpoint's GRPO reference (taken after step {step}) is missing: {path}; resume from a "
+                    "checkpoint directory that holds it, or start fresh (checkpoint.resume=none)"
+                )
+            self.reference = self._build_reference(trainer, load_file(path, device=str(trainer.device)))
+            self.reference_step = step
+
+    # --- eval -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, trainer, step: int) -> float:
+        """The held-out exact-match reward: greedy completions of this rank's share of the held-out prompts,
+        scored by the reward functions, averaged over every held-out prompt (and, with ``grpo.eval_samples``, the
+        mean reward of that many sampled completions each). Returns the greedy reward (higher is better)."""
+        self._attach(trainer)
+        group, evaluation = trainer.sample_group, trainer.data.eval
+        records = [evaluation[i] for i in range(group.rank, len(evaluation), group.size)]
+        greedy = SamplingParams(
+            max_new_tokens=self.params.max_new_tokens,
+            temperature=0.0,
+            eos_token_id=self.params.eos_token_id,
+            pad_token_id=self.params.pad_token_id,
+            vocab_limit=self.params.vocab_limit,
+        )
+        sums = torch.zeros(4, dtype=torch.float64)
+        if records:
+            rewards, _ = self._score(records, self._generate(trainer, records, greedy, None))
+            sums[0], sums[1] = rewards.double().sum(), rewards.numel()
+            if self.settings.eval_samples:
+                sampled = SamplingParams(
+                    **{**_fields(self.params), "n": self.settings.eval_samples, "seed": None},
+                )
+                generator = torch.Generator(device=trainer.device).manual_seed(
+                    _seed(self.config.seed, -step, group.rank)
+                )
+                rewards, _ = self._score(records, self._generate(trainer, records, sampled, generator))
+                sums[2], sums[3] = rewards.double().sum(), rewards.numel()
+        _all_reduce(sums, group, "sum")
+        reward = float(sums[0] / max(sums[1], 1.0))
+        record = {"step": step, "eval_grpo/greedy_reward": reward}
+        line = f"eval at step {step}: held-out greedy reward (exact match) {reward:.3f} over {int(sums[1])} prompts"
+        if self.settings.eval_samples:
+            sampled_reward = float(sums[2] / max(sums[3], 1.0))
+            record["eval_grpo/sampled_reward"] = sampled_reward
+            line += f" | sampled reward {sampled_reward:.3f} ({self.settings.eval_samples} per prompt)"
+        trainer.log.log(record)
+        trainer.log.print(line)
+        self.last_eval = record
+        return reward
+
+    # --- the step -------------------------------------------------------------------------------------------------
+
+    def _attach(self, trainer) -> None:
+        """Once: the rollout engine, and the LR schedule stretched over the run's optimizer updates."""
+        if self.engine is not None:
+            return
+        from ..generation.hybrid import RolloutEngine
+
+        self.engine = RolloutEngine(trainer.booster, trainer.model)
+        scheduler = trainer.booster.lr_scheduler
+        if self.updates_per_step > 1 and scheduler is not None:
+            total = self.config.schedule.total_steps
+            for multiplier in scheduler.lr_lambdas:
+                if hasattr(multiplier, "total_steps"):
+                    multiplier.total_steps = self.sft_steps + (total - self.sft_steps) * self.updates_per_step
+
+    def _next_records(self, trainer) -> list[dict]:
+        if self._batches is None:
+            self._batches = _forever(trainer.data.sampler)
+        dataset = trainer.data.train
+        return [dataset[i] for i in next(self._batches)]
+
+    def _sft_step(self, trainer):
+        """Next-token loss on ``prompt + answer + eos`` (labels on the answer and eos), rows padded to the budget."""
+        records = self._next_records(trainer)
+        if "answer" not in records[0]:
+            raise ValueError("grpo.sft_steps > 0 trains on the prompts' 'answer' column, which these records lack")
+        width = self.settings.max_prompt_len + self.settings.max_new_tokens
+        pad, eos = self.tokenizer.pad_id, self.tokenizer.eos_id
+        input_ids = torch.full((len(records), width), pad, dtype=torch.long)
+        labels = torch.full((len(records), width), IGNORE_INDEX, dtype=torch.long)
+        tokens = 0
+        for row, record in enumerate(records):
+            prompt = record["prompt_ids"]
+            answer = (list(self.tokenizer.encode(str(record["answer"]))) + [eos])[: width - len(prompt)]
+            ids = prompt + answer
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, len(prompt) : len(ids)] = torch.tensor(answer)
+            tokens += len(ids)
+        batch = {"input_ids": input_ids.to(trainer.device), "labels": labels.to(trainer.device)}
+        self.criterion.sft = True
+        try:
+            outcome = trainer.booster.train_step(batch)
+        finally:
+            self.criterion.sft = False
+        self._add(sft_loss=outcome.loss, sft_steps=1.0)
+        return outcome, tokens
+
+    def _grpo_step(self, trainer, step: int):
+        booster, group, device = trainer.booster, trainer.sample_group, trainer.device
+        records = self._next_records(trainer)
+        started = time.perf_counter()
+        generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step, group.rank))
+        rollout = self._generate(trainer, records, self.params, generator)
+        rolled = time.perf_counter()
+        rewards, _ = self._score(records, rollout)
+        advantages = group_advantages(rewards, self.settings.group_size, estimator=self.settings.advantage)
+        mask = rollout.response_mask
+        batch = {
+            **rollout_model_inputs(rollout, hf=False),
+            "response_mask": mask,
+            "advantages": advantages.to(device),
+        }
+        batch["old_logps"] = self._logps(booster.forward, batch)
+        batch["ref_logps"] = self._logps(self.reference, batch)
+        scored = time.perf_counter()
+        mismatch = (batch["old_logps"] - rollout.logprobs).abs() * mask
+        minibatches = self.settings.minibatches
+        microbatches = booster.plugin.num_microbatches
+        if rollout.num_rows % (minibatches * microbatches):
+            raise ValueError(
+                f"{rollout.num_rows} completions on this rank do not split into grpo.minibatches={minibatches} x "
+                f"schedule.num_microbatches={microbatches}; change data.global_batch_size or those"
+            )
+        losses, outcome = [], None
+        for _ in range(self.settings.epochs):
+            for part in split_batch(batch, minibatches):
+                counts = global_counts(part["response_mask"], max_new_tokens=self.params.max_new_tokens, group=group)
+                self.criterion.prepare(counts, num_microbatches=microbatches, num_data_ranks=group.size)
+                outcome = booster.train_step(part)
+                losses.append(outcome.loss)
+        updated = time.perf_counter()
+        response_tokens = float(mask.sum())
+        self._add(
+            steps=1.0,
+            rows=float(rollout.num_rows),
+            reward_sum=float(rewards.double().sum()),
+            reward_sq=float((rewards.double() ** 2).sum()),
+            response_tokens=response_tokens,
+            mismatch_sum=float(mismatch.sum()),
+            rollout_seconds=rolled - started,
+            logprob_seconds=scored - rolled,
+            update_seconds=updated - scored,
+        )
+        self._peak(mismatch_max=float(mismatch.max()) if mismatch.numel() else 0.0)
+        self._window_max["rollout_seconds"] = self._window_max.get("rollout_seconds", 0.0) + (rolled - started)
+        result = type(outcome)(**{**_fields(outcome), "loss": sum(losses) / len(losses)})
+        return result, int(rollout.attention_mask.sum())
+
+    def _generate(self, trainer, records, params, generator):
+        return self.engine.generate([record["prompt_ids"] for record in records], params, generator=generator)
+
+    def _score(self, records, rollout):
+        """``(rewards, completions)`` of a rollout's rows: the reward functions on the decoded responses (eos off)."""
+        eos = self.tokenizer.eos_id
+        completions = [
+            self.tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids) for ids in rollout.responses()
+        ]
+        owners = rollout.prompt_index.tolist()
+        prompts = [records[i]["prompt"] for i in owners]
+        columns = {name: [records[i][name] for i in owners] for name in records[0] if name not in _PER_ROW}
+        return compute_rewards(self.reward_functions, prompts, completions, columns), completions
+
+    @torch.no_grad()
+    def _logps(self, forward, batch) -> torch.Tensor:
+        """``(R, T)`` per-token log-probs of the responses, forward only, in chunks of one microbatch's rows."""
+        if isinstance(forward, torch.nn.Module):
+            module = forward
+            forward = lambda micro: module(**micro)  # noqa: E731
+        rows = batch["input_ids"].shape[0]
+        size = max(1, rows // (self.settings.minibatches * self.config.schedule.num_microbatches))
+        keys = ("input_ids", "position_ids", "document_ids", "response_mask")
+        pieces = []
+        for first in range(0, rows, size):
+            micro = {key: batch[key][first : first + size] for key in keys if key in batch}
+            pieces.append(forward(micro)["logps"].detach().float())
+        return torch.cat(pieces) * batch["response_mask"].float()
+
+    # --- the reference --------------------------------------------------------------------------------------------
+
+    def _take_reference(self, trainer, step: int) -> None:
+        """The frozen reference: the policy now (after the SFT warm-up), copied on every rank; saved once."""
+        state = {name: tensor.detach().clone() for name, tensor in trainer.booster.unwrap().state_dict().items()}
+        self.reference = self._build_reference(trainer, state)
+        self.reference_step = step
+        if self.config.checkpoint.enabled:
+            if trainer.rank == 0:
+                from safetensors.torch import save_file
+
+                os.makedirs(self.config.checkpoint_dir, exist_ok=True)
+                path = os.path.join(self.config.checkpoint_dir, REFERENCE_FILE)
+                temporary = path + ".tmp"
+                save_file({k: v.contiguous().cpu() for k, v in state.items()}, temporary)
+                os.replace(temporary, path)
+            from colo.comm import barrier
+
+            barrier()
+        trainer.log.print(f"GRPO reference: the policy after step {step}, frozen (a replicated copy on every rank)")
+
+    def _build_reference(self, trainer, state: dict) -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream
+            model = trainer._build_model()
+        model.load_state_dict(state)
+        model.requires_grad_(False)
+        model.eval()
+        return attach_rollout_forward(model, temperature=self.settings.temperature)
+
+    # --- metrics --------------------------------------------------------------------------------------------------
+
+    def _add(self, **values: float) -> None:
+        for name, value in values.items():
+            self._window[name] = self._window.get(name, 0.0) + value
+
+    def _peak(self, **values: float) -> None:
+        for name, value in values.items():
+            self._window_max[name] = max(self._window_max.get(name, 0.0), value)
+
+
+def _forever(sampler):
+    while True:
+        yield from sampler
+
+
+def _seed(seed: int, step: int, rank: int) -> int:
+    """A sampling seed per (run seed, step, rank), the same in a resumed run."""
+    return (seed * 1_000_003 + step * 8191 + rank * 131 + 17) % (2**63)
+
+
+def _fields(instance) -> dict:
+    import dataclasses
+
+    return {field.name: getattr(instance, field.name) for field in dataclasses.fields(instance)}
+
+
+def _all_reduce(tensor: torch.Tensor, group, op: str) -> None:
+    if group is not None and group.size > 1:
+        from colo.comm import all_reduce
+
+        all_reduce(tensor, op, group=group)

@@ -1,0 +1,73 @@
+"""Prompt datasets of online RL (``data.task: grpo``): records with a ``prompt`` and any other columns.
+
+Records come from JSON Lines files or saved Hugging Face datasets (`colo.apps.rlhf.read_preference_records` reads
+both) or from the embedded arithmetic set (`colo.apps.rlhf.synthetic.arithmetic_prompts`). Each item keeps the
+prompt's token ids (the bos first when asked for), its text, and the record's other columns, which the reward
+functions receive (the arithmetic set's ``answer``). A prompt longer than the budget is an error naming the record:
+cutting it would change the question the reward checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+
+class PromptDataset(Dataset):
+    """Tokenized prompts: item ``i`` is ``{"prompt_ids": list[int], "prompt": str, **other columns}``.
+
+    Args:
+        records (Iterable): mappings with ``prompt_field``, or ``(record, where)`` pairs (``where`` names the file and
+            line in errors).
+        tokenizer: the run's tokenizer (``encode``, ``bos_id``).
+        max_prompt_len (int): the budget in tokens, bos included.
+        prompt_field (str): the prompt's field. Default: ``"prompt"``.
+        add_bos (bool): start every prompt with the tokenizer's bos. Default: ``True``.
+
+    Raises:
+        ValueError: a record without the prompt field or with a non-string prompt, an empty prompt, or a prompt over
+            ``max_prompt_len`` tokens (each naming the record), or no records.
+    """
+
+    def __init__(
+        self,
+        records: Iterable,
+        tokenizer,
+        *,
+        max_prompt_len: int,
+        prompt_field: str = "prompt",
+        add_bos: bool = True,
+    ) -> None:
+        self.items: list[dict[str, Any]] = []
+        bos = [tokenizer.bos_id] if add_bos and getattr(tokenizer, "bos_id", None) is not None else []
+        for index, entry in enumerate(records):
+            record, where = entry if isinstance(entry, tuple) else (entry, f"record {index}")
+            if not isinstance(record, Mapping) or not isinstance(record.get(prompt_field), str):
+                raise ValueError(f"{where}: a prompt record needs a string field {prompt_field!r}, got {record!r}")
+            text = record[prompt_field]
+            ids = bos + list(tokenizer.encode(text))
+            if len(ids) <= len(bos):
+                raise ValueError(f"{where}: the prompt is empty")
+            if len(ids) > max_prompt_len:
+                raise ValueError(
+                    f"{where}: the prompt has {len(ids)} tokens, over the budget grpo.max_prompt_len={max_prompt_len}; "
+                    "raise grpo.max_prompt_len or shorten the prompt"
+                )
+            columns = {name: value for name, value in record.items() if name != prompt_field}
+            self.items.append({**columns, "prompt_ids": ids, "prompt": text})
+        if not self.items:
+            raise ValueError("the prompt dataset is empty")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        """Tokens of every prompt."""
+        return np.array([len(item["prompt_ids"]) for item in self.items], dtype=np.int64)
