@@ -197,7 +197,7 @@ def test_invalid_hybrid_settings_are_rejected_with_the_fix():
     from colo.apps.booster import HybridParallel
 
     cases = {
-        "HybridParallel.zero_stage=3 is not supported": {"zero_stage": 3},
+        "zero_stage=3 with pp=2 is not supported": {"zero_stage": 3, "pp": 2, "num_microbatches": 2},
         "pp > 1 with zero_stage=2 is not supported": {"pp": 2, "zero_stage": 2, "num_microbatches": 2},
         "sp_mode='megatron' shards the sequence over the tp group": {"sp_mode": "megatron"},
         "sp=2 with pp=2 is not supported yet": {"sp": 2, "sp_mode": "ring", "pp": 2, "num_microbatches": 2},

@@ -28,11 +28,21 @@ class MemoryReport:
     workspace: int = 0
     """Bytes of free full-chunk buffers kept for reuse (`BufferPool`: stage 3's gathers, gradient buckets): at most
     the most that were in use at once. Not model state, so not in `total` (as the ZeRO formulas count it)."""
+    peak_gathered_params: int = 0
+    """Stage 3: the most bytes of gathered full parameter chunks held at once (in use, prefetched or kept for
+    backward) since the optimizer was built or `ChunkGatherer.reset_peak`; 0 at stages 0/1/2."""
 
     @property
     def total(self) -> int:
         """Everything above (padding is already part of the other fields)."""
         return self.params + self.grads + self.masters + self.optimizer_states
+
+    @property
+    def peak_params(self) -> int:
+        """The most parameter memory held at once: the compute copies (this rank's shards at stage 3) plus the
+        stage-3 full chunks gathered at the peak. Call it with no chunk gathered (after a step) so that `params`
+        holds the shards only."""
+        return self.params + self.peak_gathered_params
 
 
 def memory_report(zero) -> MemoryReport:
@@ -66,7 +76,11 @@ def memory_report(zero) -> MemoryReport:
             if isinstance(value, torch.Tensor):
                 nbytes = count("optimizer_states", value)
                 host += nbytes if zero.offload else 0  # they live beside the masters
-    return MemoryReport(padding=padding, host=host, workspace=zero.pool.nbytes, **totals)
+    gatherer = getattr(zero, "gatherer", None)
+    peak_gathered = gatherer.peak_gathered_bytes if gatherer is not None else 0
+    return MemoryReport(
+        padding=padding, host=host, workspace=zero.pool.nbytes, peak_gathered_params=peak_gathered, **totals
+    )
 
 
 def _shard_padding(chunk) -> int:

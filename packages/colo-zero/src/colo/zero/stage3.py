@@ -10,6 +10,13 @@ Hooks, installed on every module that owns parameters directly:
   whose outputs were wrapped in this forward). The chunk is freed again once all its gradients have been
   reduce-scattered (done by `ZeroOptimizer`'s gradient hooks). The chunk a forward with gradients finishes with is
   not freed at all: backward would gather it again first thing.
+- frozen chunks (LoRA's base weights) have no gradients whose reduction would free them: a module owning one gets
+  an identity on its inputs (`_ReleaseAfterBackward`) whose backward counts the module's backward as done; the chunk
+  is freed once the backward of every module that used it in this forward has run.
+- activation checkpointing recomputes a block in backward, outside the model's forward: its modules gather what
+  they own but free nothing after (the recomputed saved tensors are the parameters themselves) and prefetch nothing
+  in forward order; the chunks are freed as above once the block's backward is through. A frozen chunk that no
+  backward uses (its modules' inputs need no gradient: LoRA's first block) is freed right after the recomputation.
 
 Parameters keep their identity: gathering sets ``param.data`` to a view of the chunk's full buffer, freeing
 sets it to an empty tensor. Full buffers come from a `BufferPool` and go back to it when freed, so a step reuses
@@ -78,12 +85,19 @@ class ChunkGatherer:
         self.finished: dict[int, set[int]] = {chunk.index: set() for chunk in chunks}
         self.module_chunks: dict[int, list[Chunk]] = {}
         self.needed_in_backward: set[int] = set()
+        self.backward_users: dict[int, int] = {}
+        """Frozen chunks: how many module calls of this forward still have their backward to run."""
         self.handles: list = []
         self._saved_hooks: list = []
         self.num_gathers = 0
         """Chunks gathered for use (forward and backward), since construction."""
         self.num_prefetch_hits = 0
         """Of those, how many were already in flight (prefetched) when needed."""
+        self.gathered_bytes = 0
+        """Bytes of full copies held now: gathered chunks and all-gathers in flight."""
+        self.peak_gathered_bytes = 0
+        """The most `gathered_bytes` reached since construction or the last `reset_peak` (the parameter memory
+        stage 3 adds to the shards: the chunks in use, the prefetched one, the one kept for backward)."""
 
     # --- gathering --------------------------------------------------------------------------------------------
 
@@ -97,6 +111,8 @@ class ChunkGatherer:
             return
         shard = chunk.buffer("param_shard")
         full = self.pool.take(chunk.numel, shard.dtype, shard.device)
+        self.gathered_bytes += full.numel() * full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         handle = all_gather(shard, group=self.group, out=full, async_op=True)
         self.in_flight[chunk.index] = (handle, full)
 
@@ -119,23 +135,42 @@ class ChunkGatherer:
             handle, full = self.in_flight.pop(chunk.index)
             handle.wait()
             del handle
-            self.pool.give(full)
+            self._give_back(full)
         if self.is_gathered(chunk):
             chunk.unbind_params()
             full = chunk.buffer("param")
             chunk.drop_buffer("param")
             del self.gathered_at[full.data_ptr()]
-            self.pool.give(full)
+            self._give_back(full)
         self.finished[chunk.index].clear()
         # released in backward once its gradients are reduced: not to be prefetched again this step (a forward
         # release is followed, in the same hook, by marking the chunk needed again)
         self.needed_in_backward.discard(chunk.index)
+
+    def _give_back(self, full: torch.Tensor) -> None:
+        self.gathered_bytes -= full.numel() * full.element_size()
+        self.pool.give(full)
+
+    def reset_peak(self) -> None:
+        """Start measuring `peak_gathered_bytes` afresh from what is held now."""
+        self.peak_gathered_bytes = self.gathered_bytes
 
     def release_all(self) -> None:
         """Free every chunk (after the optimizer step, the full copies are stale)."""
         for chunk in self.chunks:
             self.release(chunk)
         self.needed_in_backward.clear()
+        self.backward_users.clear()
+
+    def backward_done(self, chunks: list[Chunk]) -> None:
+        """A module using the frozen ``chunks`` is through its backward: free each that no other use still needs."""
+        for chunk in chunks:
+            left = self.backward_users.get(chunk.index, 0) - 1
+            if left > 0:
+                self.backward_users[chunk.index] = left
+                continue
+            self.backward_users.pop(chunk.index, None)
+            self.release(chunk)
 
     def prefetch_for_backward(self, chunks: list[Chunk]) -> None:
         """Start gathering the chunk backward reaches after ``chunks``: the nearest earlier one it will regather."""
@@ -214,16 +249,45 @@ class ChunkGatherer:
             if self.keep_last_for_backward and self.kept_for_backward is None:
                 self.kept_for_backward = self._last_finished
 
-    def _before_forward(self, module: torch.nn.Module, args) -> None:
+    def _recomputing(self) -> bool:
+        """Whether a module runs with gradients outside the model's forward: activation checkpointing recomputing a
+        block in backward (its saved tensors are the parameters themselves, not chunk positions)."""
+        return not self._saved_hooks and torch.is_grad_enabled()
+
+    def _before_forward(self, module: torch.nn.Module, args):
         owned = self.module_chunks[id(module)]
         for chunk in owned:
             self.gather(chunk)
+        if self._recomputing():  # backward goes the other way: its own wrappers prefetch
+            return None
         following = max(chunk.index for chunk in owned) + 1
         if following < len(self.chunks):
             self.prefetch(self.chunks[following])
+        frozen = [chunk for chunk in owned if not chunk.trainable]
+        if not frozen or not torch.is_grad_enabled():
+            return None
+        positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor) and arg.requires_grad]
+        if not positions:  # no gradient flows back through this call: backward does not need the chunk for it
+            return None
+        for chunk in frozen:
+            self.backward_users[chunk.index] = self.backward_users.get(chunk.index, 0) + 1
+        wrapped = _ReleaseAfterBackward.apply(self, frozen, *[args[i] for i in positions])
+        args = list(args)
+        for i, tensor in zip(positions, wrapped):
+            args[i] = tensor
+        return tuple(args)
 
     def _after_forward(self, module: torch.nn.Module, args, output):
         owned = self.module_chunks[id(module)]
+        if self._recomputing():
+            # the recomputed block's saved tensors are the gathered parameters: they stay gathered until the
+            # gradients are reduced (trainable chunks) or the last module using them is through its backward (frozen
+            # ones); a frozen chunk no backward of this forward uses (its modules' inputs need no gradient) was
+            # gathered for the recomputed values only
+            for chunk in owned:
+                if not chunk.trainable and not self.backward_users.get(chunk.index):
+                    self.release(chunk)
+            return output
         for chunk in owned:
             done = self.finished[chunk.index]
             done.add(id(module))
@@ -254,6 +318,23 @@ def _wrap_outputs(output, gatherer: ChunkGatherer, chunks: list[Chunk]):
             return output
         return tuple(items) if isinstance(output, tuple) else items
     return output
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Forward: identity on a module's inputs (no communication). Backward: the module's own backward has run, so
+    count it done for its frozen chunks (they have no gradients whose reduction would free them; the last use frees
+    them), and pass the gradients on."""
+
+    @staticmethod
+    def forward(ctx, gatherer: ChunkGatherer, chunks: list[Chunk], *tensors: torch.Tensor):
+        ctx.gatherer = gatherer
+        ctx.chunks = chunks
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gatherer.backward_done(ctx.chunks)
+        return (None, None, *grads)
 
 
 class _RegatherInBackward(torch.autograd.Function):

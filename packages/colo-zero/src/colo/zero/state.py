@@ -268,8 +268,15 @@ def load_state(zero: ChunkOptimizer, path: str | os.PathLike, *, check_names: bo
 
 
 def _check_same_parameters(zero: ChunkOptimizer, names, where: str) -> None:
-    """The checkpoint must hold exactly the model's parameters (optimizer states may be absent: before step 1)."""
+    """The checkpoint must hold exactly the model's parameters (optimizer states may be absent: before step 1); a
+    pipeline stage holds part of the model, so there the stages' parameters together are the model's."""
     model_names = {name for chunk in zero.chunks for slot in chunk.slots for name in checkpoint_names_of(zero, slot)}
+    pipeline_axis = getattr(zero.config, "pipeline_axis", None)  # Gemini has none
+    if pipeline_axis is not None and zero.mesh.size(pipeline_axis) > 1:
+        from colo.comm import all_gather_object
+
+        for stage_names in all_gather_object(sorted(model_names), group=zero.mesh.group(pipeline_axis)):
+            model_names.update(stage_names)
     saved = {parameter_of(name) for name in names}
     unexpected, missing = sorted(saved - model_names), sorted(model_names - saved)
     if unexpected or missing:

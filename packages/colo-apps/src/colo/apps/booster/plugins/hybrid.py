@@ -1,4 +1,4 @@
-"""The `HybridParallel` plugin: tensor, pipeline and data parallelism (with ZeRO 0-2) over one `Mesh(pp, dp, tp)`."""
+"""The `HybridParallel` plugin: tensor, pipeline and data parallelism (with ZeRO 0-3) over one `Mesh(pp, dp, tp)`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from colo.comm import Mesh, init_distributed, world_group
+from colo.comm import Mesh, all_gather_object, init_distributed, world_group
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
 from colo.tensor import layout_of
 from colo.zero import ZeroOptimizer
-from colo.zero.state import OPTIM_PREFIX
+from colo.zero.state import OPTIM_PREFIX, OPTIMIZER_KEY
 
 from ...lora.tensor_parallel import (
     attach_lora_layers,
@@ -34,16 +34,23 @@ SP_MODES = (None, "megatron", "ulysses", "ring")
 class HybridParallel(Plugin):
     """Tensor (``tp``), pipeline (``pp``) and data parallelism, composed over ``Mesh(pp=, dp=, tp=)``.
 
-    ``dp`` is what is left of the world size. Data parallelism runs through `colo.zero.ZeroOptimizer` at
-    ``zero_stage`` 0 (replicated, fp32 masters), 1 or 2, with gradient clipping over every axis (tensor-parallel
-    replicas counted once). With ``pp > 1`` the batch runs as ``num_microbatches`` microbatches through
-    ``schedule`` (`colo.pipeline`), and ZeRO's gradient sync is the executor's end-of-backward callback. The model
-    needs a plan (`colo.apps.booster.plan_for`: colo's native Llama has one). Every size is checked against the
-    world size and the model before any collective runs.
+    ``dp`` is what is left of the world size (or given, and checked against it). Data parallelism runs through
+    `colo.zero.ZeroOptimizer` at ``zero_stage`` 0 (replicated, fp32 masters), 1, 2 or 3, with gradient clipping
+    over every axis (tensor-parallel replicas counted once). ``zero_stage=3`` is FSDP x TP: each rank keeps
+    1/(dp*sp) of its tensor-parallel shard of every weight, and stage 3's hooks all-gather a chunk of tp shards over
+    the data axes only, before the modules that use it (with prefetch, pooled buffers, saved-tensor hooks and the
+    root chunk kept for backward, as `colo.zero.stage3` does without tp). With ``pp > 1`` the batch runs as
+    ``num_microbatches`` microbatches through ``schedule`` (`colo.pipeline`), and ZeRO's gradient sync is the
+    executor's end-of-backward callback (ZeRO 0 or 1). The model needs a plan (`colo.apps.booster.plan_for`:
+    colo's native Llama and Hugging Face's Llama have one). Every size is checked against the world size and the
+    model before any collective runs.
     """
 
     tp: int = 1
     """Tensor-parallel size (Megatron 1D)."""
+    dp: int | None = None
+    """Data-parallel size; ``None``: what is left of the world size after tp, pp and sp (given, it must make
+    ``dp * tp * pp * sp`` the world size)."""
     pp: int = 1
     """Pipeline-parallel size (stages of contiguous layers)."""
     sp: int = 1
@@ -51,7 +58,8 @@ class HybridParallel(Plugin):
     sp_mode: str | None = None
     """``None``, ``"megatron"`` (over tp), ``"ulysses"`` or ``"ring"`` (over sp)."""
     zero_stage: int = 1
-    """ZeRO stage of the data-parallel part: 0, 1 or 2 (2 only without a pipeline)."""
+    """ZeRO stage of the data-parallel part: 0, 1, 2 or 3 (2 and 3 only without a pipeline; 3 shards each
+    tensor-parallel shard's parameters over the data axes, FSDP x TP)."""
     schedule: str = "1f1b"
     """Pipeline schedule: a name of `colo.pipeline.GENERATORS` (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
     ``zero_bubble_h1``)."""
@@ -70,6 +78,8 @@ class HybridParallel(Plugin):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"HybridParallel.{field}={value!r} must be a positive integer")
+        if self.dp is not None and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"HybridParallel.dp={self.dp!r} must be a positive integer, or None for the rest")
         if self.sp_mode not in SP_MODES:
             raise ValueError(f"HybridParallel.sp_mode={self.sp_mode!r} is unknown; use one of {SP_MODES}")
         if self.sp_mode == "megatron" and (self.tp == 1 or self.sp != 1):
@@ -99,11 +109,18 @@ class HybridParallel(Plugin):
                 "sequence shards); use one of them"
             )
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"HybridParallel.zero_stage={self.zero_stage!r} is not a ZeRO stage; use 0, 1 or 2")
-        if self.zero_stage == 3:
+            raise ValueError(f"HybridParallel.zero_stage={self.zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.zero_stage == 3 and self.pp > 1:
             raise ValueError(
-                "HybridParallel.zero_stage=3 is not supported (it gathers parameters per module, which a pipeline "
-                "or a tensor-parallel plan would have to interleave); use zero_stage<=2, or the Zero(stage=3) plugin"
+                f"HybridParallel: zero_stage=3 with pp={self.pp} is not supported (a pipeline's weight-gradient steps "
+                "and its stage-by-stage schedule would have to drive the per-block parameter gathers); use "
+                "zero_stage<=1 with pp > 1, or pp=1 with zero_stage=3"
+            )
+        if self.zero_stage == 3 and self.activation_checkpointing == "selective":
+            raise ValueError(
+                "HybridParallel.activation_checkpointing='selective' does not work with zero_stage=3: gathering "
+                "parameters inside the blocks runs different ops in the recomputation; use 'full' or 'offload', or "
+                "zero_stage <= 2"
             )
         if self.pp > 1 and self.zero_stage == 2:
             raise ValueError(
@@ -125,6 +142,12 @@ class HybridParallel(Plugin):
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         model_parallel = self.tp * self.pp * self.sp
+        if self.dp is not None and self.dp * model_parallel != world_size:
+            raise ValueError(
+                f"HybridParallel: dp={self.dp} x tp={self.tp} x pp={self.pp} x sp={self.sp} = "
+                f"{self.dp * model_parallel} ranks, but the world size is {world_size}; the sizes must multiply to "
+                "it (set dp=None to use what is left)"
+            )
         if world_size % model_parallel:
             raise ValueError(
                 f"HybridParallel: tp={self.tp} x pp={self.pp} x sp={self.sp} = {model_parallel} does not divide the "
@@ -142,6 +165,8 @@ class HybridParallel(Plugin):
         if criterion is not None and self.pp > 1:
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)
+        init_distributed()
+        self.mesh_shape(torch.distributed.get_world_size())  # the sizes against the world, before the model changes
         original_names: dict[int, list[str]] = {}  # a tied parameter has several names; a pipeline stage uses one
         for name, p in model.named_parameters(remove_duplicate=False):
             original_names.setdefault(id(p), []).append(name)
@@ -153,7 +178,6 @@ class HybridParallel(Plugin):
             raise
         aliases = _tied_aliases(original_names)
         checkpoint_names = _names_with_aliases(plan.checkpoint_names(model), aliases)
-        init_distributed()
         mesh = self.build_mesh()
         # every rank holds the whole model: make it rank 0's before the plan cuts it, so that every shard and stage
         # is a piece of one model; a meta-device model is materialized from the seed instead, the same everywhere
@@ -343,8 +367,15 @@ class PipelineEngine(OptimizerDriver, Engine):
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """The optimizer's checkpoint state with this rank's tied copies marked as replicas (the first stage holding
-        the parameter writes it, under the same checkpoint name)."""
+        the parameter writes it, under the same checkpoint name), and the optimizer scalars (AdamW's ``step``) of
+        every stage in the metadata: each stage knows its own parameters' only, and the checkpoint keeps one
+        rank's metadata (one all-gather of JSON over ``pp``)."""
         tensors, own = super().checkpoint_state()
+        optimizer = own[OPTIMIZER_KEY]
+        scalars = {}
+        for stage_scalars in all_gather_object(optimizer["scalars"], group=self.mesh.group("pp")):
+            scalars.update(stage_scalars)
+        own[OPTIMIZER_KEY] = {**optimizer, "scalars": scalars}
         for key, value in tensors.items():
             weight = key.removeprefix(OPTIM_PREFIX).rpartition("/")[0] if key.startswith(OPTIM_PREFIX) else key
             if weight in self.tied_copies:
