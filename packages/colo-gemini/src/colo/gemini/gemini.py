@@ -271,7 +271,7 @@ class GeminiOptimizer(ChunkOptimizer):
         """Step every chunk where its optimizer state lives and refresh the compute copies. The first step under
         ``placement="auto"`` ends the warm-up: the recorded access order and non-model memory are turned into the
         plan the later steps follow."""
-        self.manager.release_all()
+        self.gatherer.release_all()
         if not self.warmed_up:
             self._finish_warmup()
         if not skipped:
@@ -284,7 +284,7 @@ class GeminiOptimizer(ChunkOptimizer):
 
     def release_params(self) -> None:
         """Release every gathered chunk (after an evaluation forward under ``torch.no_grad``, say)."""
-        self.manager.release_all()
+        self.gatherer.release_all()
 
     # --- auto placement ---------------------------------------------------------------------------------------
 
@@ -348,7 +348,7 @@ class GeminiOptimizer(ChunkOptimizer):
 
     @torch.no_grad()
     def finish_load(self, loaded: dict[int, dict[str, torch.Tensor]], scalars: dict[int, dict[str, list]]) -> None:
-        self.manager.release_all()
+        self.gatherer.release_all()
         for chunk in self.chunks:
             buffers = loaded[chunk.index]
             if chunk.trainable:

@@ -7,12 +7,9 @@ owning it has run, the wrapping of module outputs so that backward re-gathers th
 hooks around the model's forward (autograd saves views of parameters for backward, ``addmm`` saves
 ``weight.t()``; here those would point into arena blocks that are reused once the chunk is evicted, so a saved
 tensor lying in a gathered chunk is packed as ``(chunk, offset, size, stride)`` and rebuilt in backward from the
-chunk's current copy: no saved tensor pins or aliases device memory). It locates saved tensors and gathers
-chunks through the manager, and adds:
-
-- for frozen chunks (whose release cannot wait for gradients), an identity on the module's inputs whose backward
-  releases the chunk once the module's backward has run; a frozen chunk owned by several modules stays gathered
-  until the step.
+chunk's current copy: no saved tensor pins or aliases device memory), and the release of frozen chunks (whose
+release cannot wait for gradients) once the backward of every module call that used them has run
+(`ChunkGatherer.release_after_backward`). It locates saved tensors, gathers and releases chunks through the manager.
 """
 
 from __future__ import annotations
@@ -75,31 +72,4 @@ class GeminiGatherer(ChunkGatherer):
         owned = self.module_chunks[id(module)]
         for chunk in owned:
             self.manager.gather(chunk, backward=False)
-        frozen = [chunk for chunk in owned if not chunk.trainable and len(self.users[chunk.index]) == 1]
-        if not frozen or not torch.is_grad_enabled():
-            return None
-        positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor) and arg.requires_grad]
-        if not positions:
-            return None
-        wrapped = _ReleaseAfterBackward.apply(self, frozen, *[args[i] for i in positions])
-        args = list(args)
-        for i, tensor in zip(positions, wrapped):
-            args[i] = tensor
-        return tuple(args)
-
-
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Forward: identity on a module's inputs (no communication). Backward: the module's own backward has run,
-    so release its frozen chunks, and pass the gradients on."""
-
-    @staticmethod
-    def forward(ctx, gatherer: GeminiGatherer, chunks: list[Chunk], *tensors: torch.Tensor):
-        ctx.gatherer = gatherer
-        ctx.chunks = chunks
-        return tuple(tensor.view_as(tensor) for tensor in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        for chunk in ctx.chunks:
-            ctx.gatherer.release(chunk)
-        return (None, None, *grads)
+        return self.release_after_backward([chunk for chunk in owned if not chunk.trainable], args)

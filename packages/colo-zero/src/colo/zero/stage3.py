@@ -263,11 +263,17 @@ class ChunkGatherer:
         following = max(chunk.index for chunk in owned) + 1
         if following < len(self.chunks):
             self.prefetch(self.chunks[following])
-        frozen = [chunk for chunk in owned if not chunk.trainable]
+        return self.release_after_backward([chunk for chunk in owned if not chunk.trainable], args)
+
+    def release_after_backward(self, frozen: list[Chunk], args: tuple) -> tuple | None:
+        """A forward pre-hook's result for a module owning the ``frozen`` chunks: its inputs that need a gradient
+        pass through an identity whose backward calls `backward_done` (the module's backward is through), and each
+        chunk counts one more backward user. ``None`` (inputs unchanged) without frozen chunks, without autograd, or
+        when no input needs a gradient (backward never uses the chunks for this call)."""
         if not frozen or not torch.is_grad_enabled():
             return None
         positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor) and arg.requires_grad]
-        if not positions:  # no gradient flows back through this call: backward does not need the chunk for it
+        if not positions:
             return None
         for chunk in frozen:
             self.backward_users[chunk.index] = self.backward_users.get(chunk.index, 0) + 1
