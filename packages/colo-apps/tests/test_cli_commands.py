@@ -83,8 +83,14 @@ def test_launch_command_is_loopback_torchrun():
 
 
 def test_launch_reports_a_bad_train_config_once_and_starts_nothing(monkeypatch, tmp_path):
+    import colo.apps.cli.launch
+
     started = []
-    monkeypatch.setattr(subprocess, "call", lambda command, **kwargs: started.append(command) or 0)
+    monkeypatch.setattr(  # where colo launch starts torchrun
+        colo.apps.cli.launch,
+        "run_forwarding_signals",
+        lambda command, **kwargs: (started.append(command), (0, None))[1],
+    )
 
     def launch(*args):
         return runner.invoke(app, ["launch", "--nproc-per-node", "2", "--", *args])

@@ -17,7 +17,7 @@ from .collectives import all_gather, all_reduce, all_to_all, barrier, broadcast,
 from .distributed import DistributedInfo, destroy_distributed, find_free_port, init_distributed, pick_backend
 from .errors import CommError, CommTimeoutError, RankFailure, RankTimeout
 from .group import Group, as_group, new_group, world_group
-from .handle import Handle
+from .handle import Handle, last_collective
 from .launch import launch
 from .mesh import Mesh
 from .objects import all_gather_object, broadcast_object, gather_object
@@ -58,6 +58,7 @@ __all__ = [
     "init_distributed",
     "irecv",
     "isend",
+    "last_collective",
     "launch",
     "load_algorithm_table",
     "new_group",

@@ -14,6 +14,10 @@ from .group import Group
 Detail = str | Callable[[], str]
 """What the call was about, for error messages; a callable is only formatted when an error happens."""
 
+_last_entered: list = [None, False]
+"""``[the translate_errors of the last operation this process entered, whether it has returned]``: one list
+store per call, read only by `last_collective` (a hang watchdog dumping where a rank waits)."""
+
 
 class translate_errors:  # noqa: N801 - used like a function: ``with translate_errors(op, group):``
     """Re-raise a backend failure inside the block as `CommError` / `CommTimeoutError` naming op and group.
@@ -28,8 +32,11 @@ class translate_errors:  # noqa: N801 - used like a function: ``with translate_e
 
     def __enter__(self) -> None:
         self.start = time.monotonic()
+        _last_entered[0], _last_entered[1] = self, False
 
     def __exit__(self, kind, error, traceback) -> bool:
+        if _last_entered[0] is self:
+            _last_entered[1] = True
         if error is None or not isinstance(error, RuntimeError) or isinstance(error, CommError):
             return False
         elapsed = time.monotonic() - self.start
@@ -45,6 +52,29 @@ class translate_errors:  # noqa: N801 - used like a function: ``with translate_e
             f"not call the same operation on this group; operations fail after the group's timeout of "
             f"{self.group.timeout:.0f}s (set it with init_distributed(timeout=...))."
         ) from error
+
+
+def last_collective() -> dict | None:
+    """The last collective or point-to-point operation this process entered through colo.comm, for hang reports.
+
+    Returns:
+        ``None`` before any, else ``{"op", "group", "ranks", "detail" (shapes and dtype), "seconds" (since it was
+        entered), "returned" (False while the process is still inside it)}``. Recording costs one list
+        store per call; the details are formatted only here.
+    """
+    entered, returned = _last_entered
+    if entered is None:
+        return None
+    detail = entered.detail() if callable(entered.detail) else entered.detail
+    group = entered.group
+    return {
+        "op": entered.op,
+        "group": group.name,
+        "ranks": list(group.ranks),
+        "detail": detail,
+        "seconds": round(time.monotonic() - entered.start, 3),
+        "returned": returned,
+    }
 
 
 class Handle:

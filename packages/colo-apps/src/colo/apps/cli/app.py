@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+import time
 from typing import Annotated
 
 import typer
@@ -51,11 +51,18 @@ def _fields_help() -> str:
     return "\n\n".join(lines)
 
 
-def _load(config: str | None, preset: str | None, overrides: list[str] | None):
+def _load(config: str | None, preset: str | None, overrides: list[str] | None, *, preflight: bool = False):
+    """The run config, or exit 2 printing ``colo: <the error>``; ``preflight`` adds the checks of the files and the
+    model's shape (`colo.apps.train.preflight`) that training would otherwise fail on inside every rank."""
     from ..train import ConfigError, load_config
 
     try:
-        return load_config(config, preset=preset, overrides=overrides or [])
+        run = load_config(config, preset=preset, overrides=overrides or [])
+        if preflight:
+            from ..train.preflight import check_before_start
+
+            check_before_start(run)
+        return run
     except ConfigError as error:
         typer.echo(f"colo: {error}", err=True)
         raise typer.Exit(2) from None
@@ -66,11 +73,17 @@ def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetO
     """Train a Llama from a run config file or --preset, with --set overrides (on every rank of the job).
 
     Run it under `colo launch` for several processes: colo launch --nproc-per-node 2 -- train --preset tiny-llama
-    """
-    run = _load(config, preset, set_)
-    from ..train import train as run_training
 
-    run_training(run)
+    Exit codes: 0 done, 2 invalid run config, 75 preempted (SIGTERM: checkpointed; the same command resumes),
+    86 a rank hung (resilience.watchdog_seconds; stacks in OUTPUT_DIR/hang/), 1 any other failure.
+    """
+    run = _load(config, preset, set_, preflight=True)
+    from ..train import train as run_training
+    from ..train.resilience import PREEMPTED_EXIT_CODE
+
+    result = run_training(run)
+    if getattr(result, "preempted", False):
+        raise typer.Exit(PREEMPTED_EXIT_CODE)
 
 
 train_command = app.registered_commands[-1]
@@ -87,6 +100,16 @@ def launch(
         str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: loopback, 1 node).")
     ] = None,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="Elastic restarts after a failure.")] = 0,
+    local_addr: Annotated[
+        str | None,
+        typer.Option("--local-addr", help="The address this node advertises (default: loopback on 1 node)."),
+    ] = None,
+    grace_seconds: Annotated[
+        int,
+        typer.Option(
+            "--grace-seconds", help="After SIGTERM, seconds the workers get to checkpoint before they are SIGKILLed."
+        ),
+    ] = 30,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the torchrun command instead of running it.")
     ] = False,
@@ -95,10 +118,14 @@ def launch(
 
     After --: a colo subcommand (train --preset tiny-llama), -m MODULE ARGS, or SCRIPT.py ARGS. A `train` command's
     run config is validated here first, so a bad one is reported once (exit code 2) and no process starts.
+
+    With --max-restarts N torchrun restarts the whole group when a rank dies and the trainer resumes from the newest
+    complete checkpoint. SIGTERM (or Ctrl-C) here is forwarded to torchrun, which forwards it to the workers: they
+    checkpoint within --grace-seconds and this command exits with 75 (run it again to resume).
     """
     import torch
 
-    from .launch import launch_environment, torchrun_command
+    from .launch import launch_environment, launch_outcome, run_forwarding_signals, torchrun_command
 
     try:
         command = torchrun_command(
@@ -108,28 +135,32 @@ def launch(
             node_rank=node_rank,
             rdzv_endpoint=rdzv_endpoint,
             max_restarts=max_restarts,
+            local_addr=local_addr,
         )
     except ValueError as error:
         typer.echo(f"colo: {error}", err=True)
         raise typer.Exit(2) from None
-    _check_launched_train(list(ctx.args))
+    run = _check_launched_train(list(ctx.args))
     if dry_run:
         typer.echo(" ".join(command))
         return
     env = launch_environment(nproc_per_node=nproc_per_node, cuda=torch.cuda.is_available())
-    raise typer.Exit(subprocess.call(command, env=env))
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_seconds)  # torchrun's SIGTERM -> SIGKILL grace
+    started = time.time()
+    code, signalled = run_forwarding_signals(command, env=env)
+    raise typer.Exit(launch_outcome(code, signalled, run=run, max_restarts=max_restarts, since=started))
 
 
-def _check_launched_train(args: list[str]) -> None:
+def _check_launched_train(args: list[str]):
     """Validate the run config of ``colo launch -- train [CONFIG] [--preset P] [--set K=V ...]`` in the launcher;
-    on an error print it once and exit with code 2 (otherwise every rank would report it). Other commands, and
-    ``train --help``, pass through untouched."""
+    on an error print it once and exit with code 2 (otherwise every rank would report it). Returns the run config
+    (``None`` for other commands, and ``train --help``, which pass through untouched)."""
     if args[:1] != ["train"] or any(arg in ("--help", "-h") for arg in args):
-        return
+        return None
     command = typer.main.get_command(app).commands["train"]
     with command.make_context("colo train", args[1:]) as parsed:  # a usage error goes up to typer: shown, exit 2
         params = parsed.params
-    _load(params["config"], params["preset"], params["set_"])
+    return _load(params["config"], params["preset"], params["set_"], preflight=True)
 
 
 @app.command()

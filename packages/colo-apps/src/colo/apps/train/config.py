@@ -289,6 +289,25 @@ class CheckpointSection(_Section):
         "fresh; or a checkpoint directory to start from.",
     )
     save_final: bool = Field(default=True, description="Save a checkpoint after the last step.")
+    every_minutes: float | None = Field(
+        default=None,
+        gt=0,
+        description="Also save when this many minutes passed since the last checkpoint (rank 0 decides, every rank "
+        "saves at the same step), bounding the work a failure loses on slow steps (None: by steps only).",
+    )
+
+
+class ResilienceSection(_Section):
+    """Failure handling (colo.apps.train.resilience): SIGTERM checkpoints and exits with code 75 (preempted, resume
+    with the same command), a hang watchdog per rank, and per-attempt records saying which rank failed and why."""
+
+    watchdog_seconds: float | None = Field(
+        default=1800.0,
+        gt=0,
+        description="End a rank (exit code 86, failing the job) when no step finished for this many seconds, after "
+        "writing its Python stacks and last collective to output_dir/hang/rank-R.txt (None: no watchdog). Keep it "
+        "above the slowest step, eval or checkpoint save.",
+    )
 
 
 class LoggingSection(_Section):
@@ -424,6 +443,7 @@ class RunConfig(_Section):
     diffusion: DiffusionSection = Field(default_factory=DiffusionSection, description=DiffusionSection.__doc__)
     grpo: GRPOSection = Field(default_factory=GRPOSection, description=GRPOSection.__doc__)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
+    resilience: ResilienceSection = Field(default_factory=ResilienceSection, description=ResilienceSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
     eval: EvalSection = Field(default_factory=EvalSection, description=EvalSection.__doc__)
     sample: SampleSection = Field(default_factory=SampleSection, description=SampleSection.__doc__)

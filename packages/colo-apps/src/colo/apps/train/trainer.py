@@ -38,6 +38,7 @@ from .generate import RUN_KEY, complete, load_llama
 from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line
 from .optim import build_optimizer, build_scheduler
 from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
+from .resilience import RunGuard
 from .state import checkpoint_path, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 
 
@@ -54,6 +55,8 @@ class TrainResult:
         checkpoints: the checkpoints this run wrote.
         sample: the generated sample (rank 0), or ``None``.
         seconds: wall time of the training loop.
+        preempted: the run stopped on SIGTERM after checkpointing ``last_step`` (exit with
+            `colo.apps.train.resilience.PREEMPTED_EXIT_CODE`; the next run resumes there).
     """
 
     losses: dict[int, float] = field(default_factory=dict)
@@ -64,6 +67,7 @@ class TrainResult:
     checkpoints: list[str] = field(default_factory=list)
     sample: str | None = None
     seconds: float = 0.0
+    preempted: bool = False
 
 
 class Trainer:
@@ -238,7 +242,34 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
-        """Train to ``schedule.total_steps`` (or ``schedule.stop_at_step``); returns what happened.
+        """Train to ``schedule.total_steps`` (or ``schedule.stop_at_step``, or a SIGTERM); returns what happened.
+
+        Failure handling (`colo.apps.train.resilience`): on SIGTERM every rank stops at the same step, checkpoints
+        and returns with ``preempted`` set; a watchdog ends a rank that makes no progress; a restarted attempt logs
+        how the previous one ended.
+        """
+        config = self.config
+        guard = self.guard = RunGuard(
+            config.output_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            every_minutes=config.checkpoint.every_minutes,
+            watchdog_seconds=config.resilience.watchdog_seconds,
+        )
+        report = guard.restart_report()
+        if report is not None:
+            self.log.print(f"restarted (torchrun restart {guard.attempt}) after a failure: {report}")
+        try:
+            result = self._fit(guard)
+        except BaseException as error:
+            guard.finished("failed", error)
+            raise
+        guard.finished("preempted" if result.preempted else "done")
+        return result
+
+    def _fit(self, guard: RunGuard) -> TrainResult:
+        """`fit`'s loop: train to ``schedule.total_steps`` (or ``schedule.stop_at_step``); returns what happened.
 
         The logged ``tokens_per_second`` (and the MFU derived from it) counts real tokens over all data-parallel
         ranks: every slot of a fixed window, but not the padding of SFT rows or of rows of packed documents.
@@ -257,6 +288,7 @@ class Trainer:
         window_steps = window_tokens = 0
         step = start
         while step < end:
+            guard.step_begins(step + 1)
             if self.task is not None:  # SFT warm-up / the reference table, before this step's batch is read
                 self.task.before_step(self, step)
             if hasattr(self.task, "train_step"):  # grpo: rollout, rewards and updates in one step
@@ -274,6 +306,7 @@ class Trainer:
                 raise FloatingPointError(
                     f"the loss is {outcome.loss} at step {step}; lower optimizer.lr or set plugin.max_grad_norm"
                 )
+            agreed = guard.agree(step)  # SIGTERM anywhere / time-based checkpoint due: the same answer on every rank
             if step % config.logging.every_steps == 0 or step == end:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -289,6 +322,7 @@ class Trainer:
                     "mfu": mfu(tokens_per_second, flops, peak, num_devices=self.world_size),
                     "memory_bytes": memory,
                     "skipped": outcome.skipped,
+                    **guard.straggler_metrics(),
                     **(self.task.take_metrics(self) if self.task is not None else {}),
                 }
                 self.log.log(record)
@@ -300,15 +334,25 @@ class Trainer:
             if config.eval.every_steps and self.data.eval is not None and step % config.eval.every_steps == 0:
                 result.eval_losses[step] = self.evaluate(step)
             every = config.checkpoint.every_steps
-            if config.checkpoint.enabled and every and step % every == 0:
+            if config.checkpoint.enabled and ((every and step % every == 0) or agreed.save or agreed.stop):
                 result.checkpoints.append(self.save(step))
+                guard.saved()
+            if agreed.stop:
+                result.preempted = True
+                break
         result.seconds = time.perf_counter() - began
         reached_end = step == total
         if config.checkpoint.enabled and config.checkpoint.save_final and reached_end and step > start:
             if not result.checkpoints or not result.checkpoints[-1].endswith(f"step-{step:08d}"):
                 result.checkpoints.append(self.save(step))
         self.log.close()
-        if not reached_end:
+        if result.preempted:
+            saved = f"checkpoint {result.checkpoints[-1]}" if result.checkpoints else "no checkpoint (it is off)"
+            self.log.print(
+                f"preempted ({guard.signalled or 'SIGTERM on another rank'}): stopped after step {step} of {total} "
+                f"with {saved}; run the same command again to resume (checkpoint.resume=auto)"
+            )
+        elif not reached_end:
             self.log.print(f"stopped after step {step} of {total} (schedule.stop_at_step); resume with resume=auto")
         elif self.rank == 0:
             result.sample = self.sample(result)
