@@ -2,6 +2,7 @@
 
 from .booster import Booster
 from .microbatch import split_batch
+from .parallel_dims import LayoutError, ParallelDims, UnsupportedLayout
 from .plans import BUILTIN_PLANS, ModelPlan, PipelinePart, plan_for, register_plan
 from .plugins.base import Engine, Plugin, StepResult
 from .plugins.ddp import DDP
@@ -18,10 +19,13 @@ __all__ = [
     "ExpertParallel",
     "Gemini",
     "HybridParallel",
+    "LayoutError",
     "ModelPlan",
+    "ParallelDims",
     "PipelinePart",
     "Plugin",
     "StepResult",
+    "UnsupportedLayout",
     "Zero",
     "plan_for",
     "register_plan",

@@ -15,6 +15,7 @@ from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_posi
 from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
 from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
+from .parallel_dims import LayoutError
 from .plans import ModelPlan, PipelinePart, materialize_device, reject_packed_rows
 
 
@@ -48,9 +49,10 @@ class LlamaPlan(ModelPlan):
             check_tp_size(config, plugin.tp)
         num_stages = plugin.pp * plugin.num_model_chunks
         if num_stages > config.num_hidden_layers:
-            raise ValueError(
+            raise LayoutError(
                 f"HybridParallel: pp={plugin.pp} x num_model_chunks={plugin.num_model_chunks} = {num_stages} stages "
-                f"but the model has num_hidden_layers={config.num_hidden_layers}; use at most that many stages"
+                f"but the model has num_hidden_layers={config.num_hidden_layers}; use at most that many stages",
+                field="pp",
             )
 
     def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
@@ -187,4 +189,3 @@ class LlamaPlan(ModelPlan):
             raise ValueError(f"a Llama pipeline batch needs 'input_ids' and 'labels'; got keys {sorted(batch)}")
         reject_packed_rows(batch, "HybridParallel(pp > 1) with a Llama")
         return batch["input_ids"], batch["labels"]
-

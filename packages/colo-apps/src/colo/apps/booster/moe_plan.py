@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from .llama_plan import LlamaPlan
+from .parallel_dims import UnsupportedLayout
 
 
 class MoELlamaPlan(LlamaPlan):
@@ -16,10 +17,10 @@ class MoELlamaPlan(LlamaPlan):
         for name in ("tp", "sp", "pp"):
             size = getattr(plugin, name, 1)
             if size > 1:
-                raise ValueError(
+                raise UnsupportedLayout(
                     f"HybridParallel.{name}={size}: {type(model).__name__} has mixture-of-experts blocks, which do not "
                     f"compose with tensor, sequence or pipeline parallelism yet; set {name}=1, and use the "
-                    "ExpertParallel plugin (ep > 1) to split the experts"
+                    "ExpertParallel plugin (ep > 1) to split the experts",
+                    field=name,
                 )
         super().check(model, plugin)
-

@@ -40,6 +40,7 @@ from torch import nn
 from colo.comm import Mesh
 from colo.tensor import Colwise, FusedQKV, ParallelStyle, Rowwise, VocabParallel, layout_of, parallelize
 
+from ..booster.parallel_dims import LayoutError, UnsupportedLayout
 from ..booster.plans import ModelPlan, PipelinePart, reject_packed_rows
 from ..models.llama.loss import causal_lm_loss
 from .pipeline import hf_llama_pipeline_stages
@@ -110,9 +111,10 @@ class _HFPlan(ModelPlan):
     def check_plugin(self, model: nn.Module, plugin, sizes: Mapping[str, int]) -> None:
         """Reject sequence parallelism and meta-device models; check that ``tp`` divides every size in ``sizes``."""
         if plugin.sp > 1 or plugin.sp_mode is not None:
-            raise ValueError(
+            raise UnsupportedLayout(
                 f"HybridParallel: sp={plugin.sp}, sp_mode={plugin.sp_mode!r} is not supported for Hugging Face "
-                f"models ({type(self).__name__}); use tp, pp and dp"
+                f"models ({type(self).__name__}); use tp, pp and dp",
+                field="sp" if plugin.sp > 1 else "sp_mode",
             )
         if any(p.is_meta for p in model.parameters()):
             raise ValueError(
@@ -121,9 +123,10 @@ class _HFPlan(ModelPlan):
             )
         for field, extent in sizes.items():
             if extent % plugin.tp:
-                raise ValueError(
+                raise LayoutError(
                     f"HybridParallel.tp={plugin.tp} does not divide config.{field}={extent} of the {self.model_name}; "
-                    f"choose tp in {[d for d in range(1, extent + 1) if extent % d == 0 and d <= 64]}"
+                    f"choose tp in {[d for d in range(1, extent + 1) if extent % d == 0 and d <= 64]}",
+                    field="tp",
                 )
 
     def shard(self, model: nn.Module, *, mesh: Mesh, plan: dict[str, ParallelStyle], embed: str) -> None:
@@ -190,9 +193,10 @@ class HFLlamaPlan(_HFPlan):
         )
         num_stages, num_layers = plugin.pp * plugin.num_model_chunks, len(model.model.layers)
         if num_stages > num_layers:
-            raise ValueError(
+            raise LayoutError(
                 f"HybridParallel: pp={plugin.pp} x num_model_chunks={plugin.num_model_chunks} = {num_stages} stages "
-                f"but the LlamaForCausalLM has {num_layers} decoder layers; use at most that many stages"
+                f"but the LlamaForCausalLM has {num_layers} decoder layers; use at most that many stages",
+                field="pp",
             )
 
     @staticmethod
@@ -274,9 +278,10 @@ class HFGPT2Plan(_HFPlan):
         sizes = {"num_attention_heads": config.num_attention_heads, "n_inner": inner, "vocab_size": config.vocab_size}
         self.check_plugin(model, plugin, sizes)
         if plugin.pp > 1:
-            raise ValueError(
+            raise UnsupportedLayout(
                 f"HybridParallel: pp={plugin.pp} is not supported for GPT2LMHeadModel yet (its plan has no pipeline "
-                "stages); use tp and dp"
+                "stages); use tp and dp",
+                field="pp",
             )
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,6 +22,7 @@ from ...lora.tensor_parallel import (
     materialize_lora_adapters,
     restore_lora_layers,
 )
+from ..parallel_dims import LayoutError, ParallelDims, UnsupportedLayout
 from ..plans import materialize_device, plan_for
 from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
@@ -74,89 +76,25 @@ class HybridParallel(Plugin):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for field in ("tp", "pp", "sp", "num_model_chunks"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"HybridParallel.{field}={value!r} must be a positive integer")
-        if self.dp is not None and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
-            raise ValueError(f"HybridParallel.dp={self.dp!r} must be a positive integer, or None for the rest")
-        if self.sp_mode not in SP_MODES:
-            raise ValueError(f"HybridParallel.sp_mode={self.sp_mode!r} is unknown; use one of {SP_MODES}")
-        if self.sp_mode == "megatron" and (self.tp == 1 or self.sp != 1):
-            raise ValueError(
-                f"HybridParallel.sp_mode='megatron' shards the sequence over the tp group: it needs tp > 1 and sp=1 "
-                f"(got tp={self.tp}, sp={self.sp})"
-            )
-        if self.sp > 1 and self.sp_mode not in ("ulysses", "ring"):
-            raise ValueError(f"HybridParallel.sp={self.sp} needs sp_mode='ulysses' or 'ring' (got {self.sp_mode!r})")
-        if self.sp_mode in ("ulysses", "ring") and self.sp == 1:
-            raise ValueError(
-                f"HybridParallel.sp_mode={self.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree"
-            )
-        if self.sp_mode == "megatron" and self.pp > 1:
-            raise ValueError(
-                "HybridParallel: sp_mode='megatron' with pp > 1 is not supported yet (it splits the sequence at the "
-                "first layer and gathers it at lm_head, on different stages); use it without a pipeline"
-            )
-        if self.loss_weighting == "token" and self.pp > 1:
-            raise ValueError(
-                "HybridParallel: loss_weighting='token' with pp > 1 is not supported yet (the pipeline averages its "
-                "microbatch losses itself); use loss_weighting='microbatch'"
-            )
-        if self.sp > 1 and self.pp > 1:
-            raise ValueError(
-                f"HybridParallel: sp={self.sp} with pp={self.pp} is not supported yet (pipeline stages would pass "
-                "sequence shards); use one of them"
-            )
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"HybridParallel.zero_stage={self.zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-        if self.zero_stage == 3 and self.pp > 1:
-            raise ValueError(
-                f"HybridParallel: zero_stage=3 with pp={self.pp} is not supported (a pipeline's weight-gradient steps "
-                "and its stage-by-stage schedule would have to drive the per-block parameter gathers); use "
-                "zero_stage<=1 with pp > 1, or pp=1 with zero_stage=3"
-            )
-        if self.zero_stage == 3 and self.activation_checkpointing == "selective":
-            raise ValueError(
-                "HybridParallel.activation_checkpointing='selective' does not work with zero_stage=3: gathering "
-                "parameters inside the blocks runs different ops in the recomputation; use 'full' or 'offload', or "
-                "zero_stage <= 2"
-            )
-        if self.pp > 1 and self.zero_stage == 2:
-            raise ValueError(
-                "HybridParallel: pp > 1 with zero_stage=2 is not supported (a pipeline's weight-gradient steps fire "
-                "no gradient hooks, which ZeRO-2 reduces from); use zero_stage=1"
-            )
-        if self.schedule not in GENERATORS:
-            raise ValueError(f"HybridParallel.schedule={self.schedule!r} is unknown; use one of {sorted(GENERATORS)}")
-        if self.schedule == "interleaved_1f1b" and self.num_model_chunks < 2:
-            raise ValueError("HybridParallel.schedule='interleaved_1f1b' needs num_model_chunks >= 2")
-        if self.schedule != "interleaved_1f1b" and self.num_model_chunks != 1:
-            raise ValueError(
-                f"HybridParallel.num_model_chunks={self.num_model_chunks} needs schedule='interleaved_1f1b'"
-            )
+        self.dims  # noqa: B018 - the degrees' own checks (positive integers)
+        for field, error, applies, message in _RULES:
+            if applies(self):
+                raise error(message(self), field=field)
         if self.pp > 1:  # the schedule's own checks (microbatches vs ranks) run now, before any collective
             self.pipeline_schedule = make_schedule(
                 self.schedule, self.pp, self.num_microbatches, num_chunks=self.num_model_chunks
             )
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees (`ParallelDims`): mesh shape, data axes and the checks against the world size."""
+        return ParallelDims(tp=self.tp, pp=self.pp, sp=self.sp, dp=self.dp)
+
     def mesh_shape(self, world_size: int) -> dict[str, int]:
-        model_parallel = self.tp * self.pp * self.sp
-        if self.dp is not None and self.dp * model_parallel != world_size:
-            raise ValueError(
-                f"HybridParallel: dp={self.dp} x tp={self.tp} x pp={self.pp} x sp={self.sp} = "
-                f"{self.dp * model_parallel} ranks, but the world size is {world_size}; the sizes must multiply to "
-                "it (set dp=None to use what is left)"
-            )
-        if world_size % model_parallel:
-            raise ValueError(
-                f"HybridParallel: tp={self.tp} x pp={self.pp} x sp={self.sp} = {model_parallel} does not divide the "
-                f"world size {world_size}; choose sizes whose product divides it"
-            )
-        return {"pp": self.pp, "dp": world_size // model_parallel, "sp": self.sp, "tp": self.tp}
+        return self.dims.mesh_shape(world_size)
 
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
-        return ("dp", "sp") if self.sp > 1 else ("dp",)
+        return self.dims.data_axes()
 
     def sample_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return ("dp",)  # sequence-parallel ranks share their samples, each holding a piece of every sequence
@@ -224,6 +162,129 @@ class HybridParallel(Plugin):
         return PipelineEngine(
             self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target, tied_copies=tied_copies
         )
+
+
+def _not_positive(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+_RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Callable[[HybridParallel], str]], ...] = (
+    # (the field to change, the error type, when it applies, the message), checked in this order
+    (
+        "num_model_chunks",
+        LayoutError,
+        lambda p: _not_positive(p.num_model_chunks),
+        lambda p: f"HybridParallel.num_model_chunks={p.num_model_chunks!r} must be a positive integer",
+    ),
+    (
+        "sp_mode",
+        LayoutError,
+        lambda p: p.sp_mode not in SP_MODES,
+        lambda p: f"HybridParallel.sp_mode={p.sp_mode!r} is unknown; use one of {SP_MODES}",
+    ),
+    (
+        "sp_mode",
+        LayoutError,
+        lambda p: p.sp_mode == "megatron" and (p.tp == 1 or p.sp != 1),
+        lambda p: (
+            "HybridParallel.sp_mode='megatron' shards the sequence over the tp group: it needs tp > 1 and sp=1 "
+            f"(got tp={p.tp}, sp={p.sp})"
+        ),
+    ),
+    (
+        "sp_mode",
+        LayoutError,
+        lambda p: p.sp > 1 and p.sp_mode not in ("ulysses", "ring"),
+        lambda p: f"HybridParallel.sp={p.sp} needs sp_mode='ulysses' or 'ring' (got {p.sp_mode!r})",
+    ),
+    (
+        "sp",
+        LayoutError,
+        lambda p: p.sp_mode in ("ulysses", "ring") and p.sp == 1,
+        lambda p: f"HybridParallel.sp_mode={p.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree",
+    ),
+    (
+        "sp_mode",
+        UnsupportedLayout,
+        lambda p: p.sp_mode == "megatron" and p.pp > 1,
+        lambda p: (
+            "HybridParallel: sp_mode='megatron' with pp > 1 is not supported yet (it splits the sequence at the "
+            "first layer and gathers it at lm_head, on different stages); use it without a pipeline"
+        ),
+    ),
+    (
+        "loss_weighting",
+        UnsupportedLayout,
+        lambda p: p.loss_weighting == "token" and p.pp > 1,
+        lambda p: (
+            "HybridParallel: loss_weighting='token' with pp > 1 is not supported yet (the pipeline averages its "
+            "microbatch losses itself); use loss_weighting='microbatch'"
+        ),
+    ),
+    (
+        "sp",
+        UnsupportedLayout,
+        lambda p: p.sp > 1 and p.pp > 1,
+        lambda p: (
+            f"HybridParallel: sp={p.sp} with pp={p.pp} is not supported yet (pipeline stages would pass "
+            "sequence shards); use one of them"
+        ),
+    ),
+    (
+        "zero_stage",
+        LayoutError,
+        lambda p: p.zero_stage not in (0, 1, 2, 3),
+        lambda p: f"HybridParallel.zero_stage={p.zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3",
+    ),
+    (
+        "zero_stage",
+        UnsupportedLayout,
+        lambda p: p.zero_stage == 3 and p.pp > 1,
+        lambda p: (
+            f"HybridParallel: zero_stage=3 with pp={p.pp} is not supported (a pipeline's weight-gradient steps "
+            "and its stage-by-stage schedule would have to drive the per-block parameter gathers); use "
+            "zero_stage<=1 with pp > 1, or pp=1 with zero_stage=3"
+        ),
+    ),
+    (
+        "activation_checkpointing",
+        UnsupportedLayout,
+        lambda p: p.zero_stage == 3 and p.activation_checkpointing == "selective",
+        lambda p: (
+            "HybridParallel.activation_checkpointing='selective' does not work with zero_stage=3: gathering "
+            "parameters inside the blocks runs different ops in the recomputation; use 'full' or 'offload', or "
+            "zero_stage <= 2"
+        ),
+    ),
+    (
+        "zero_stage",
+        UnsupportedLayout,
+        lambda p: p.pp > 1 and p.zero_stage == 2,
+        lambda p: (
+            "HybridParallel: pp > 1 with zero_stage=2 is not supported (a pipeline's weight-gradient steps fire "
+            "no gradient hooks, which ZeRO-2 reduces from); use zero_stage=1"
+        ),
+    ),
+    (
+        "schedule",
+        LayoutError,
+        lambda p: p.schedule not in GENERATORS,
+        lambda p: f"HybridParallel.schedule={p.schedule!r} is unknown; use one of {sorted(GENERATORS)}",
+    ),
+    (
+        "num_model_chunks",
+        LayoutError,
+        lambda p: p.schedule == "interleaved_1f1b" and p.num_model_chunks < 2,
+        lambda p: "HybridParallel.schedule='interleaved_1f1b' needs num_model_chunks >= 2",
+    ),
+    (
+        "num_model_chunks",
+        LayoutError,
+        lambda p: p.schedule != "interleaved_1f1b" and p.num_model_chunks != 1,
+        lambda p: f"HybridParallel.num_model_chunks={p.num_model_chunks} needs schedule='interleaved_1f1b'",
+    ),
+)
+"""HybridParallel's support matrix as data: each row raises its error type naming its field when it applies."""
 
 
 def _tied_aliases(original_names: dict[int, list[str]]) -> dict[str, str]:
