@@ -28,7 +28,7 @@ def test_every_run_preset_validates(preset):
         (["optimizer.lrr=1e-3"], "optimizer.lrr: unknown field"),
         (["plugin.name=zero", "plugin.stage=5"], "Zero.stage=5 is not a ZeRO stage"),
         (["plugin.name=hybrid", "plugin.pp=2", "plugin.zero_stage=2"], "pp > 1 with zero_stage=2"),
-        (["plugin.name=megatron"], "unknown plugin name; use one of ['ddp', 'zero', 'gemini', 'hybrid']"),
+        (["plugin.name=megatron"], "unknown plugin name; use one of ['ddp', 'zero', 'gemini', 'hybrid', 'expert']"),
         (["data.seq_len=many"], "data.seq_len: Input should be a valid integer"),
         (["optimizer.betas=[0.9, 1.5]"], "optimizer.betas: betas=(0.9, 1.5) must both be in [0, 1)"),
         (["model.preset=13b"], "model.preset: unknown Llama preset '13b'"),

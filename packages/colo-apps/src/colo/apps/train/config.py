@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from ..data.sft import ChatTemplate
 from ..diffusion.config import DiffusionSection
 from ..models.llama import PRESETS, LlamaConfig, get_preset
+from ..models.moe_llama import MOE_PRESETS, MoELlamaConfig, get_moe_preset
 from ..rlhf.grpo_config import GRPOSection
 from ._fields import dataclass_fields
 from .plugin_config import DDPSection, PluginConfig
@@ -24,11 +25,14 @@ class _Section(BaseModel):
 
 
 class _ModelBase(_Section):
-    """The model: a Llama preset plus field overrides."""
+    """The model: a Llama preset, or a mixture-of-experts Llama (`MoELlama`, Mixtral-style) preset, plus field
+    overrides."""
 
     preset: str = Field(
         default="tiny-llama",
-        description=f"Llama preset (colo.apps.models.llama.PRESETS): one of {sorted(PRESETS)}.",
+        description=f"Llama preset (colo.apps.models.llama.PRESETS): one of {sorted(PRESETS)}; or a mixture-of-"
+        f"experts Llama preset (colo.apps.models.moe_llama.MOE_PRESETS, trained with plugin.name='expert'): one of "
+        f"{sorted(MOE_PRESETS)}.",
     )
     pad_vocab_to_multiple_of: int = Field(
         default=64,
@@ -45,8 +49,11 @@ class _ModelBase(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown Llama preset {value!r}; choose one of {sorted(PRESETS)}")
+        if value not in PRESETS and value not in MOE_PRESETS:
+            raise ValueError(
+                f"unknown Llama preset {value!r}; choose one of {sorted(PRESETS)}, or a mixture-of-experts preset: "
+                f"{sorted(MOE_PRESETS)}"
+            )
         return value
 
     @model_validator(mode="after")
@@ -60,18 +67,43 @@ class _ModelBase(_Section):
                     f"{fields} or model.init_from"
                 )
             return self
-        self.llama_config(vocab_size=self.vocab_size or PRESETS[self.preset].vocab_size)  # LlamaConfig's checks
+        moe_only = sorted(name for name in _MOE_ONLY_FIELDS if getattr(self, name, None) is not None)
+        if moe_only and not self.is_moe:
+            raise ValueError(
+                f"model.{moe_only[0]} is a mixture-of-experts field, and model.preset={self.preset!r} is a dense "
+                f"Llama; choose an MoE preset ({', '.join(sorted(MOE_PRESETS))}) or drop model.{moe_only[0]}"
+            )
+        self.llama_config(vocab_size=self.vocab_size or self.preset_config.vocab_size)  # the config's own checks
         return self
 
+    @property
+    def is_moe(self) -> bool:
+        """The run trains a fresh `MoELlama` (an MoE preset and no ``init_from``)."""
+        return self.init_from is None and self.preset in MOE_PRESETS
+
+    @property
+    def preset_config(self) -> LlamaConfig:
+        """The preset's config as it is (`LlamaConfig`, or `MoELlamaConfig` for an MoE preset)."""
+        return MOE_PRESETS[self.preset] if self.preset in MOE_PRESETS else PRESETS[self.preset]
+
     def llama_config(self, *, vocab_size: int) -> LlamaConfig:
-        """The `LlamaConfig`: the preset with every set field changed, ``vocab_size`` used when unset here."""
+        """The model's config: the preset with every set field changed, ``vocab_size`` used when unset here (a
+        `MoELlamaConfig` for an MoE preset, else a `LlamaConfig`)."""
         overrides = {name: value for name, value in self.model_dump().items() if name in _LLAMA_FIELDS}
         overrides = {name: value for name, value in overrides.items() if value is not None}
         overrides.setdefault("vocab_size", vocab_size)
+        if self.preset in MOE_PRESETS:
+            return get_moe_preset(self.preset, **overrides)
         return get_preset(self.preset, **overrides)
 
 
 _LLAMA_FIELDS = dataclass_fields(LlamaConfig, optional=True)
+_MOE_ONLY_FIELDS = {
+    name: (annotation, Field(default=None, description=f"Mixture-of-experts presets only: {field.description}"))
+    for name, (annotation, field) in dataclass_fields(MoELlamaConfig, optional=True).items()
+    if name not in _LLAMA_FIELDS
+}
+_LLAMA_FIELDS.update(_MOE_ONLY_FIELDS)
 _LLAMA_FIELDS["vocab_size"] = (
     int | None,
     Field(
@@ -462,6 +494,7 @@ class RunConfig(_Section):
                 f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
             )
         check_positions_reach_the_model(self)
+        self._check_mixture_of_experts()
         self._check_preference_task()
         self._check_grpo_task()
         pipelined = self.plugin.name == "hybrid" and self.plugin.pp > 1
@@ -476,13 +509,49 @@ class RunConfig(_Section):
                 f"schedule.stop_at_step={self.schedule.stop_at_step} is after schedule.total_steps="
                 f"{self.schedule.total_steps}; lower it or leave it unset"
             )
-        max_positions = self.model.max_position_embeddings or PRESETS[self.model.preset].max_position_embeddings
+        max_positions = self.model.max_position_embeddings or self.model.preset_config.max_position_embeddings
         if self.model.init_from is None and self.data.seq_len > max_positions:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is longer than the model's max_position_embeddings={max_positions}; "
                 "lower data.seq_len or set model.max_position_embeddings"
             )
         return self
+
+    def _check_mixture_of_experts(self) -> None:
+        """An MoE preset trains under ``plugin.name: expert`` (ep dividing its experts), pre-training or SFT, without
+        LoRA; the expert plugin needs an MoE preset. (ep dividing the world size is checked when the ranks start.)"""
+        model, plugin = self.model, self.plugin
+        if plugin.name == "expert" and not model.is_moe:
+            what = f"model.init_from={model.init_from!r}" if model.init_from else f"model.preset={model.preset!r}"
+            raise ValueError(
+                f"plugin.name='expert' splits the experts of a mixture-of-experts model, and {what} is a dense "
+                f"Llama; set model.preset to one of {sorted(MOE_PRESETS)} (and no model.init_from), or use another "
+                "plugin"
+            )
+        if not model.is_moe:
+            return
+        if plugin.name != "expert":
+            raise ValueError(
+                f"model.preset={model.preset!r} is a mixture-of-experts model, which the trainer runs under "
+                f"plugin.name='expert' only (plugin.name={plugin.name!r}); set plugin.name='expert' (plugin.ep=1 keeps "
+                "every expert on every rank)"
+            )
+        experts = model.num_local_experts or MOE_PRESETS[model.preset].num_local_experts
+        if experts % plugin.ep:
+            raise ValueError(
+                f"plugin.ep={plugin.ep} does not divide model.num_local_experts={experts}: every ep rank holds the "
+                f"same number of experts; choose plugin.ep dividing {experts}"
+            )
+        if self.lora.enabled:
+            raise ValueError(
+                f"lora.enabled with the mixture-of-experts model.preset={model.preset!r} is not supported (adapters of "
+                "the experts are not implemented); set lora.enabled=false"
+            )
+        if self.data.task not in ("pretrain", "sft"):
+            raise ValueError(
+                f"data.task={self.data.task!r} with the mixture-of-experts model.preset={model.preset!r} is not "
+                "supported in the trainer; MoE presets train with data.task='pretrain' or 'sft'"
+            )
 
     def _check_preference_task(self) -> None:
         """``data.task: rm | dpo`` need preference data and a layout the pair forward supports; other tasks take no
@@ -562,7 +631,7 @@ class RunConfig(_Section):
                 "data-parallel rank; change one of them"
             )
         budget = grpo.max_prompt_len + grpo.max_new_tokens
-        window = self.model.max_position_embeddings or PRESETS[self.model.preset].max_position_embeddings
+        window = self.model.max_position_embeddings or self.model.preset_config.max_position_embeddings
         if self.model.init_from is None and budget > window:
             raise ValueError(
                 f"grpo.max_prompt_len={grpo.max_prompt_len} + grpo.max_new_tokens={grpo.max_new_tokens} exceed the "

@@ -1,6 +1,6 @@
 """Exporting a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory (``colo convert --to hf``; a LoRA
-run's adapters merged into the weights), or a LoRA run's adapters alone as a ``peft`` adapter directory
-(``colo convert --to peft``)."""
+run's adapters merged into the weights; a mixture-of-experts run as ``MixtralForCausalLM``), or a LoRA run's adapters
+alone as a ``peft`` adapter directory (``colo convert --to peft``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from colo.tensor.checkpoint import CheckpointError, export_hf, load_checkpoint, 
 from ..hf.llama_io import llama_config_to_hf, save_llama_as_hf
 from ..lora import has_lora_tensors, write_peft_adapter
 from ..models.llama import Llama, LlamaConfig
-from .generate import RUN_KEY, load_llama
+from .generate import RUN_KEY, load_llama, model_config_of
 
 _INDEX = "model.safetensors.index.json"
 
@@ -64,7 +64,10 @@ def export_llama_hf(
 
     Uses `colo.tensor.checkpoint.export_hf` (streamed, CRC-checked, any saved layout; q, k and v are already
     stored apart), then renames the tensors with the ``model.`` prefix, one file at a time. A LoRA run's checkpoint
-    is loaded whole instead, its adapters merged (``W + (alpha / r) B A``), and written as a plain model.
+    is loaded whole instead, its adapters merged (``W + (alpha / r) B A``), and written as a plain model. A
+    mixture-of-experts run (`MoELlama`, any ``ep``) is loaded whole too and written as a Hugging Face
+    ``MixtralForCausalLM`` (`colo.apps.hf.mixtral_io`: one tensor per expert, ``block_sparse_moe.experts.{e}.w1``);
+    only models whose every layer is MoE have that form.
 
     Args:
         checkpoint: a checkpoint written by the trainer.
@@ -80,6 +83,8 @@ def export_llama_hf(
     run = index.metadata.get(RUN_KEY)
     if not isinstance(run, dict) or "llama_config" not in run:
         raise ValueError(f"{checkpoint} has no '{RUN_KEY}' metadata: only checkpoints of colo's trainer convert")
+    if "num_local_experts" in run["llama_config"]:  # MoE: a Mixtral directory, the model whole in host memory
+        return _export_mixtral(checkpoint, out_dir, model_config_of(run), dtype=dtype, overwrite=overwrite)
     if has_lora_tensors(index.tensors):  # merge in one process (the whole model in host memory), then write
         return _export_merged_lora(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
     check_llama_weights(index, LlamaConfig(**run["llama_config"]), where=checkpoint)
@@ -101,6 +106,18 @@ def export_llama_hf(
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as file:
         json.dump(config, file, indent=2)
     return [os.path.join(out_dir, name) for name in (*files, "config.json")]
+
+
+def _export_mixtral(checkpoint: str, out_dir: str, config, *, dtype: torch.dtype | None, overwrite: bool) -> list[str]:
+    from ..hf.mixtral_io import load_moe_llama_checkpoint, mixtral_config_to_hf, save_moe_llama_as_hf
+
+    mixtral_config_to_hf(config)  # a model with no Mixtral form is refused before anything is read
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace an earlier export")
+    model = load_moe_llama_checkpoint(checkpoint, config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return [os.path.join(out_dir, name) for name in save_moe_llama_as_hf(model, out_dir)]
 
 
 def _export_merged_lora(checkpoint: str, out_dir: str, *, dtype: torch.dtype | None, overwrite: bool) -> list[str]:

@@ -35,9 +35,20 @@ def lora_scaling_of(run: dict) -> float:
     return lora_scaling(settings["r"], settings["alpha"], use_rslora=settings.get("use_rslora", False))
 
 
+def model_config_of(run: dict) -> LlamaConfig:
+    """The model config a trainer run's metadata records: a `MoELlamaConfig` for a mixture-of-experts run (its
+    ``llama_config`` holds the MoE fields), else a `LlamaConfig`."""
+    fields = run["llama_config"]
+    if "num_local_experts" in fields:
+        from ..models.moe_llama import MoELlamaConfig
+
+        return MoELlamaConfig(**fields)
+    return LlamaConfig(**fields)
+
+
 def load_llama(checkpoint: str | os.PathLike, *, device: str | torch.device = "cpu") -> tuple[Llama, dict]:
     """A single-process `Llama` holding a trainer checkpoint's weights, whatever layout saved it (the adapters of a
-    LoRA run merged into the weights).
+    LoRA run merged into the weights; a `MoELlama` with every expert for a mixture-of-experts run, any ``ep``).
 
     Args:
         checkpoint: a committed checkpoint directory written by the trainer (`colo.apps.train.Trainer`).
@@ -57,7 +68,11 @@ def load_llama(checkpoint: str | os.PathLike, *, device: str | torch.device = "c
         raise ValueError(
             f"{path} has no '{RUN_KEY}' metadata: it was not written by colo's trainer, so the model shape is unknown"
         )
-    config = LlamaConfig(**run["llama_config"])
+    config = model_config_of(run)
+    if type(config) is not LlamaConfig:  # MoE: the experts' names and layouts are colo.apps.hf.mixtral_io's
+        from ..hf.mixtral_io import load_moe_llama_checkpoint
+
+        return load_moe_llama_checkpoint(path, config, device=device), run
     targets = {
         name: torch.empty(entry.shape, dtype=entry.dtype)
         for name, entry in index.tensors.items()

@@ -93,9 +93,9 @@ def apply_overrides(data: Mapping, overrides: Iterable[str]) -> dict:
 
 
 def _switch_plugin(section: dict, name: object) -> None:
-    from .plugin_config import DDPSection, GeminiSection, HybridSection, ZeroSection
+    from .plugin_config import DDPSection, ExpertSection, GeminiSection, HybridSection, ZeroSection
 
-    sections = dict(zip(PLUGIN_NAMES, (DDPSection, ZeroSection, GeminiSection, HybridSection)))
+    sections = dict(zip(PLUGIN_NAMES, (DDPSection, ZeroSection, GeminiSection, HybridSection, ExpertSection)))
     if name not in sections:
         return  # validation reports the unknown name
     allowed = set(sections[name].model_fields)

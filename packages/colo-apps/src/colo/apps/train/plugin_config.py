@@ -1,8 +1,9 @@
 """The ``plugin`` section of the run config: one pydantic model per Booster plugin, chosen by ``name``.
 
-The fields are the plugin dataclasses' own (`DDP`, `Zero`, `Gemini`, `HybridParallel`), with their docstrings as
-descriptions; the plugin's ``__post_init__`` checks run at validation time, so a bad combination (``pp`` with
-``zero_stage=2``, an unknown schedule...) is reported against the ``plugin`` field before anything starts.
+The fields are the plugin dataclasses' own (`DDP`, `Zero`, `Gemini`, `HybridParallel`, `ExpertParallel`), with
+their docstrings as descriptions; the plugin's ``__post_init__`` checks run at validation time, so a bad combination
+(``pp`` with ``zero_stage=2``, an unknown schedule...) is reported against the ``plugin`` field before anything
+starts.
 ``num_microbatches`` comes from ``schedule.num_microbatches`` and the materialization seed from ``seed``.
 """
 
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from colo.pipeline import MicrobatchCountError
 
-from ..booster import DDP, Gemini, HybridParallel, Plugin, Zero
+from ..booster import DDP, ExpertParallel, Gemini, HybridParallel, Plugin, Zero
 from ._fields import dataclass_fields
 
 _SET_BY_RUN = ("num_microbatches", "seed")
@@ -67,9 +68,18 @@ def _section(name: str, plugin_class: type, doc: str) -> type[_PluginSection]:
 DDPSection = _section("ddp", DDP, "torch DistributedDataParallel over every rank (parameters replicated).")
 ZeroSection = _section("zero", Zero, "ZeRO stages 0-3 over every rank (colo.zero).")
 GeminiSection = _section("gemini", Gemini, "Gemini: ZeRO-3-style chunks placed over device, host and disk.")
-HybridSection = _section("hybrid", HybridParallel, "Tensor x pipeline x sequence x data parallelism, ZeRO 0-2.")
+HybridSection = _section("hybrid", HybridParallel, "Tensor x pipeline x sequence x data parallelism, ZeRO 0-3.")
+ExpertSection = _section(
+    "expert",
+    ExpertParallel,
+    "Expert parallelism for mixture-of-experts presets: each MoE layer's experts split over ep ranks (tokens reach "
+    "them by all-to-all), ZeRO 0-2 over the data ranks (colo.apps.booster.ExpertParallel).",
+)
 
-PluginConfig = Annotated[Union[DDPSection, ZeroSection, GeminiSection, HybridSection], Field(discriminator="name")]  # noqa: UP007
-"""One of the plugin sections, told apart by ``name`` (``ddp``, ``zero``, ``gemini``, ``hybrid``)."""
+PluginConfig = Annotated[
+    Union[DDPSection, ZeroSection, GeminiSection, HybridSection, ExpertSection],  # noqa: UP007
+    Field(discriminator="name"),
+]
+"""One of the plugin sections, told apart by ``name`` (``ddp``, ``zero``, ``gemini``, ``hybrid``, ``expert``)."""
 
-PLUGIN_NAMES = ("ddp", "zero", "gemini", "hybrid")
+PLUGIN_NAMES = ("ddp", "zero", "gemini", "hybrid", "expert")

@@ -51,6 +51,31 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
         "sample": {"prompt": "def ", "max_new_tokens": 80},
     },
+    # Mixture of experts on CPU (2 processes): the MoE Llama (Mixtral-style, 8 experts top-2 on every layer) with its
+    # experts split over ep=2 (tokens by all-to-all), ZeRO-2, fp32, on the same text as tiny-llama; the log shows the
+    # router statistics (moe_*), and `colo convert --to hf` writes a Mixtral.
+    "tiny-moe": {
+        "name": "tiny-moe",
+        "output_dir": "runs/tiny-moe",
+        "seed": 0,
+        "model": {
+            "preset": "tiny-moe",
+            "hidden_size": 128,
+            "intermediate_size": 192,
+            "num_hidden_layers": 4,
+            "max_position_embeddings": 256,
+            "num_local_experts": 8,
+            "router_z_loss_coef": 1e-3,
+        },
+        "plugin": {"name": "expert", "ep": 2, "stage": 2, "precision": "fp32", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total_steps": 300, "warmup_steps": 30, "min_lr": 2e-4},
+        "data": {"seq_len": 128, "global_batch_size": 16, "max_tokens": 4_000_000},
+        "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 10},
+        "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
+        "sample": {"prompt": "def ", "max_new_tokens": 80},
+    },
     # Reward model on CPU (2 processes): the embedded preference set (a standard-library Python line chosen, its words
     # shuffled rejected, after the previous line), generated at run time; a scalar head on the tiny Llama.
     "tiny-rm": {
@@ -164,5 +189,6 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 2000, "num_sequences": 512, "batch_size": 32},  # a multiple of the microbatches
     },
 }
-"""``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo) and ``llama-1b`` / ``llama-7b`` / ``llama-70b``
-(GPU recipes: configs that validate; their world sizes are what the comments say, set by ``colo launch``)."""
+"""``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo), ``tiny-moe`` (mixture of experts, ep2, CPU)
+and ``llama-1b`` / ``llama-7b`` / ``llama-70b`` (GPU recipes: configs that validate; their world sizes are what the
+comments say, set by ``colo launch``)."""
