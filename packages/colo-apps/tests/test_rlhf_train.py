@@ -18,7 +18,7 @@ def test_validation_names_the_fields():
         (["preference.margin=0.2"], "only with data.task"),  # a pre-training run takes no preference settings
         (["preference.beta=0.2"], "DPO setting"),
         (["data.task=dpo", "preference.margin=1"], "reward-model setting"),
-        (["plugin.name=hybrid", "plugin.tp=2"], "tp=pp=sp=1"),
+        (["plugin.name=hybrid", "plugin.pp=2", "schedule.num_microbatches=2"], "supports tp and dp"),
     ]
     for overrides, message in cases:
         preset = "tiny-llama" if message == "only with data.task" else "tiny-rm"

@@ -110,6 +110,7 @@ def attach_pair_forward(model: nn.Module, *, head: str, pad_id: int) -> nn.Modul
 
     model.forward = pair_forward
     model._colo_pair_forward = original
+    model.needs_full_logits = True  # plans keep whole logit rows on every tensor-parallel rank (log-probs per sequence)
     return model
 
 

@@ -579,11 +579,11 @@ class RunConfig(_Section):
                 f"preference.sft_steps={preference.sft_steps} leaves no DPO step of schedule.total_steps="
                 f"{self.schedule.total_steps}; lower it"
             )
-        if self.plugin.name == "hybrid" and (self.plugin.pp > 1 or self.plugin.tp > 1 or self.plugin.sp > 1):
+        if self.plugin.name == "hybrid" and (self.plugin.pp > 1 or self.plugin.sp > 1 or self.plugin.sp_mode):
             raise ValueError(
-                f"data.task={task!r} under plugin.name='hybrid' supports tp=pp=sp=1 in the trainer (the native "
-                "Llama's vocabulary-parallel logits and a pipeline do not give per-sequence log-probs yet); use "
-                "plugin.name='ddp' or 'zero' (stage 1-3), or 'gemini'"
+                f"data.task={task!r} under plugin.name='hybrid' supports tp and dp (pp=1, sp=1, sp_mode=None): a "
+                "pipeline and sequence shards do not give per-sequence log-probs or rewards yet; drop pp / sp, or use "
+                "plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
             )
         if self.plugin.loss_weighting != "microbatch":
             raise ValueError(f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'")

@@ -212,6 +212,14 @@ def apply_tp(
         del plan["embed_tokens"]
     if lm_head is None:  # a pipeline stage without the head
         del plan["lm_head"]
+    elif lm_head.out_features == 1:  # a reward model's hidden -> 1 head: replicated, reading the replicated hidden
+        if sequence_parallel:
+            raise ValueError(
+                "a scalar (reward) head cannot follow Megatron sequence parallelism: the final hidden states are "
+                "sequence shards there; use sp_mode=None with tp"
+            )
+        del plan["lm_head"]
+        lm_head = None  # nothing of the head for the objective below: it reads rewards, not a vocabulary
     if isinstance(lm_head, LMHead):  # its fused-loss forward is for the unsharded head: shard a plain linear
         plain = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False, device="meta")
         plain.weight = lm_head.weight
