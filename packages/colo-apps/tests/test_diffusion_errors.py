@@ -49,3 +49,79 @@ def test_bad_objective_and_sizes_name_the_field():
         RunConfig(data={"task": "diffusion"}, diffusion={"prediction_type": "sample"})
     with pytest.raises(ValidationError, match="not divisible by norm_num_groups=8"):
         RunConfig(data={"task": "diffusion"}, diffusion={"unet_channels": [12, 24]})
+
+
+def _trainer_outcomes(root):
+    """On every rank: a pretrained text encoder with its tokenizer (tokenizer_from) builds the trainer; one whose
+    vocabulary the caption tokenizer overruns, or whose width is not the UNet's, is refused."""
+    import os
+
+    from transformers import CLIPTokenizer
+
+    from colo.apps.diffusion import build_text_encoder, caption_vocabulary, save_caption_tokenizer
+    from colo.apps.diffusion.testing import tiny_config, tiny_run_config
+    from colo.apps.diffusion.trainer import DiffusionTrainer
+
+    def pretrained(name, words, hidden):
+        tokenizer = save_caption_tokenizer(words, os.path.join(root, name, "tokenizer"), max_length=16)
+        model_config = tiny_config()
+        model_config.text_hidden_size = hidden
+        encoder = build_text_encoder(model_config, tokenizer, seed=1)
+        encoder.save_pretrained(os.path.join(root, name, "text_encoder"))
+
+    if torch.distributed.get_rank() == 0:
+        pretrained("wide", [*caption_vocabulary(), "zebra", "giraffe", "octagon"], 16)
+        pretrained("small", ["a", "red"], 16)
+        pretrained("width32", caption_vocabulary(), 32)
+    torch.distributed.barrier()
+    wide = CLIPTokenizer.from_pretrained(os.path.join(root, "wide", "tokenizer"))
+    outcomes = {}
+    for case, tokenizer_from in [("wide", True), ("small", False), ("width32", False)]:
+        fields = {"text_encoder_from": os.path.join(root, case, "text_encoder"), "ema_decay": None}
+        if tokenizer_from:
+            fields["tokenizer_from"] = os.path.join(root, case, "tokenizer")
+        config = tiny_run_config(os.path.join(root, f"run-{case}"), plugin={"name": "ddp"}, **fields)
+        try:
+            trainer = DiffusionTrainer(config)
+        except ValueError as error:
+            outcomes[case] = str(error)
+        else:
+            outcomes[case] = trainer.tokenizer.get_vocab() == wide.get_vocab() and os.path.exists(
+                os.path.join(config.output_dir, "tokenizer", "tokenizer_config.json")
+            )
+    return outcomes
+
+
+def test_a_pretrained_text_encoder_takes_its_tokenizer_and_must_fit_the_unet(tmp_path):
+    from colo.comm.testing import run_distributed
+
+    outcomes, other = run_distributed(_trainer_outcomes, str(tmp_path), world_size=2, timeout=120)
+    assert other == outcomes  # every rank reads the same directories and refuses alike
+    assert outcomes["wide"] is True  # the run's tokenizer is the pretrained one (copied to output_dir/tokenizer)
+    assert "but the text encoder" in outcomes["small"] and "set diffusion.tokenizer_from" in outcomes["small"]
+    assert "hidden_size is 32 but the UNet's cross_attention_dim is 16" in outcomes["width32"]
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_every_trainable_objective_is_one_the_exported_pipeline_samples(prediction_type):
+    """The export refuses objectives its pipeline cannot sample (export.SAMPLEABLE); today every objective the run
+    config accepts is one of them, so nothing is refused: this pins that (a new objective must be added to both or
+    be refused) and samples each through the pipeline the export writes."""
+    import typing
+
+    from colo.apps.diffusion import DiffusionObjective
+    from colo.apps.diffusion.config import DiffusionSection
+    from colo.apps.diffusion.export import SAMPLEABLE
+    from colo.apps.diffusion.objective import PREDICTION_TYPES
+    from colo.apps.diffusion.sampling import build_pipeline
+    from colo.apps.diffusion.testing import components
+
+    accepted = typing.get_args(DiffusionSection.model_fields["prediction_type"].annotation)
+    assert set(accepted) == set(PREDICTION_TYPES) == set(SAMPLEABLE)
+    _, tokenizer, text_encoder, vae, unet = components()
+    objective = DiffusionObjective(prediction_type=prediction_type)
+    pipeline = build_pipeline(unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, objective=objective)
+    assert pipeline.scheduler.config.prediction_type == prediction_type
+    pipeline.set_progress_bar_config(disable=True)
+    images = pipeline(["a red circle on white"], num_inference_steps=2, height=16, width=16, output_type="pt").images
+    assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()

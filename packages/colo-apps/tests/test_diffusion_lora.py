@@ -79,8 +79,18 @@ def single_process_peft():
     return losses, {name: p.detach().clone() for name, p in trainable.items()}, model.state_dict()
 
 
+def _plugin(plugin_name):
+    from colo.apps.booster import DDP, Gemini, Zero
+
+    if plugin_name == "ddp":
+        return DDP()
+    if plugin_name == "gemini":  # adapters' optimizer state on the host tier
+        return Gemini(placement="static", optim_fractions={"host": 1.0}, device_capacity="64MiB", chunk_numel=4096)
+    return Zero(stage=int(plugin_name[-1]), chunk_numel=4096)
+
+
 def _boosted_lora(plugin_name):
-    from colo.apps.booster import DDP, Booster, Zero
+    from colo.apps.booster import Booster
     from colo.apps.diffusion import DenoiserLoss
     from colo.apps.diffusion.lora import add_unet_lora
 
@@ -92,7 +102,7 @@ def _boosted_lora(plugin_name):
         _set_adapters(unet)
     builder, model = _builder(tokenizer, text_encoder, vae), DenoiserLoss(unet)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    booster = Booster(DDP() if plugin_name == "ddp" else Zero(stage=2, chunk_numel=4096))
+    booster = Booster(_plugin(plugin_name))
     booster.boost(model, torch.optim.AdamW(trainable, lr=LR))
     per_rank = GLOBAL_BATCH // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -102,8 +112,25 @@ def _boosted_lora(plugin_name):
         adapters = optimizer.full_params()  # the fp32 masters of what ZeRO steps: the adapters alone
     else:
         adapters = {n: p.detach().clone() for n, p in booster.unwrap().named_parameters() if p.requires_grad}
-    frozen = {n: p.detach().clone() for n, p in booster.unwrap().named_parameters() if not p.requires_grad}
-    return losses, adapters, frozen
+    return losses, adapters, _frozen_weights(booster)
+
+
+def _frozen_weights(booster):
+    """The frozen base weights as the ranks hold them: whole under DDP / ZeRO 1-2, gathered from the frozen chunks'
+    shards under ZeRO-3 / Gemini (a collective)."""
+    from colo.comm import all_gather
+
+    optimizer = booster.engine.optimizer
+    if not hasattr(optimizer, "chunks") or optimizer.num_shards == 1 or not hasattr(optimizer, "group"):
+        return {n: p.detach().clone() for n, p in booster.unwrap().named_parameters() if not p.requires_grad}
+    frozen = {}
+    for chunk in optimizer.chunks:
+        if chunk.trainable:
+            continue
+        full = all_gather(optimizer.shard_tensors(chunk)["master"].contiguous(), group=optimizer.group)
+        for slot in chunk.slots:
+            frozen[slot.name] = chunk.slot_view(full, slot).detach().clone()
+    return frozen
 
 
 @pytest.fixture(scope="module")
@@ -111,19 +138,55 @@ def reference():
     return single_process_peft()
 
 
-@pytest.mark.parametrize("plugin_name", ["ddp", "zero2"])
-def test_lora_under_ddp_and_zero2_matches_single_process_peft(plugin_name, reference):
+@pytest.mark.parametrize("plugin_name", ["ddp", "zero2", "zero3", "gemini"])
+def test_lora_under_each_plugin_matches_single_process_peft(plugin_name, reference):
     expected_losses, expected_adapters, initial_state = reference
     for losses, adapters, frozen in run_distributed(_boosted_lora, plugin_name, world_size=2, timeout=180):
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert set(adapters) == set(expected_adapters)
         for name, value in expected_adapters.items():
             torch.testing.assert_close(adapters[name], value, rtol=1e-5, atol=1e-4, msg=name)
+        assert set(frozen) == set(initial_state) - set(expected_adapters)
         for name, value in frozen.items():  # the base never moves
             assert torch.equal(value, initial_state[name]), name
     assert len(set(expected_losses)) == NUM_STEPS
     num_attentions = sum(name.endswith(".to_q.base_layer.weight") for name in initial_state)
     assert num_attentions == 8 and len(expected_adapters) == num_attentions * 4 * 2  # (q, k, v, out) x (A, B)
+
+
+def _lora_resume_run(output_dir, plugin, stop_at_step):
+    from colo.apps.diffusion.trainer import DiffusionTrainer
+
+    schedule = {"total_steps": 4, **({"stop_at_step": stop_at_step} if stop_at_step else {})}
+    lora = {"enabled": True, "r": RANK, "alpha": ALPHA}
+    config = tiny_run_config(output_dir, lora=lora, plugin=plugin, schedule=schedule, checkpoint_every=2)
+    trainer = DiffusionTrainer(config)
+    result = trainer.fit()
+    optimizer = trainer.booster.engine.optimizer
+    if hasattr(optimizer, "full_params"):
+        adapters = optimizer.full_params()
+    else:
+        adapters = {n: p.detach().clone() for n, p in trainer.booster.unwrap().named_parameters() if p.requires_grad}
+    return result, adapters, trainer.ema.full(), _frozen_weights(trainer.booster)
+
+
+@pytest.mark.parametrize("plugin", [{"name": "ddp"}, {"name": "zero", "stage": 3}], ids=["ddp", "zero3"])
+def test_a_resumed_lora_run_reproduces_the_uninterrupted_one_exactly(plugin, tmp_path):
+    """2 processes, fp32: stopped after step 3 (last checkpoint: step 2) and resumed, the losses, the adapters, their
+    EMA and the frozen base equal the uninterrupted run's bit for bit."""
+    whole = run_distributed(_lora_resume_run, str(tmp_path / "whole"), plugin, None, world_size=2, timeout=240)
+    run_distributed(_lora_resume_run, str(tmp_path / "cut"), plugin, 3, world_size=2, timeout=240)
+    resumed = run_distributed(_lora_resume_run, str(tmp_path / "cut"), plugin, None, world_size=2, timeout=240)
+    for (whole_result, *whole_tensors), (resumed_result, *resumed_tensors) in zip(whole, resumed):
+        assert resumed_result["start_step"] == 2
+        assert len(whole_result["losses"]) == 4 and resumed_result["losses"] == whole_result["losses"][2:]
+        for kind, expected, got in zip(("adapters", "ema", "base"), whole_tensors, resumed_tensors):
+            assert expected and set(got) == set(expected), kind
+            for name, value in expected.items():
+                assert torch.equal(got[name], value), f"{kind} {name}"
+        adapters, ema, base = whole_tensors
+        assert set(ema) == set(adapters) and all(".lora_" in name for name in adapters)
+        assert not any(".lora_" in name for name in base)
 
 
 def _lora_run(output_dir):

@@ -62,26 +62,33 @@ def single_process():
     return losses, params, dict(zip(names, [s.clone() for s in ema.shadow_params]))
 
 
-def make_plugin(name: str, unet_bytes: int):
+def make_plugin(name: str, unet_bytes: int, precision: str = "fp32"):
     from colo.apps.booster import DDP, Gemini, Zero
 
     if name == "ddp":
-        return DDP()
+        return DDP(precision=precision)
     if name == "gemini":  # optimizer state on the host tier; no device budget below the UNet (see the README's note)
-        return Gemini(placement="static", optim_fractions={"host": 1.0}, device_capacity="64MiB", chunk_numel=8192)
-    return Zero(stage=int(name[-1]), chunk_numel=4096)
+        return Gemini(
+            placement="static",
+            optim_fractions={"host": 1.0},
+            device_capacity="64MiB",
+            chunk_numel=8192,
+            precision=precision,
+        )
+    return Zero(stage=int(name[-1]), chunk_numel=4096, precision=precision)
 
 
-def _boosted_run(plugin_name):
+def _boosted_run(plugin_name, precision="fp32"):
     from colo.apps.booster import Booster
     from colo.apps.diffusion import DenoiserLoss, ShardedEMA
 
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     _, tokenizer, text_encoder, vae, unet = components()
     builder = _builder(tokenizer, text_encoder, vae)  # frozen encoders: replicated, not boosted
-    model = DenoiserLoss(unet)
+    plugin = make_plugin(plugin_name, sum(p.numel() * 4 for p in unet.parameters()), precision)
+    model = DenoiserLoss(unet, compute_dtype=None if precision == "fp32" else plugin.compute_dtype)
     unet_bytes = sum(p.numel() * 4 for p in unet.parameters())
-    booster = Booster(make_plugin(plugin_name, unet_bytes))
+    booster = Booster(plugin)
     booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
     ema = ShardedEMA(booster, **EMA)
     per_rank = GLOBAL_BATCH // world_size
@@ -104,7 +111,7 @@ def _boosted_run(plugin_name):
     else:
         params = {name: p.detach().clone() for name, p in booster.unwrap().named_parameters()}
     shard_numel = sum(value.numel() for value, _ in ema.shadow.values())
-    return losses, params, ema.full(), shard_numel, unet_bytes // 4
+    return losses, params, ema.full(), ema.full(to_rank=0), shard_numel, unet_bytes // 4
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +123,11 @@ def reference():
 def test_boosted_denoiser_and_sharded_ema_match_one_process(plugin_name, reference):
     expected_losses, expected_params, expected_ema = reference
     results = run_distributed(_boosted_run, plugin_name, world_size=2, timeout=180)
-    for losses, params, ema, _, _ in results:
+    for rank, (losses, params, ema, on_rank_0, _, _) in enumerate(results):
+        if rank == 0:  # assembled on rank 0 alone: the same average
+            assert set(on_rank_0) == set(ema) and all(torch.equal(on_rank_0[n], v) for n, v in ema.items())
+        else:
+            assert on_rank_0 == {}
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert set(params) == set(expected_params) == set(ema)
         for name, value in expected_params.items():
@@ -128,3 +139,60 @@ def test_boosted_denoiser_and_sharded_ema_match_one_process(plugin_name, referen
     else:  # each rank holds its own part of it, together the whole, nothing twice
         assert sum(held) == unet_numel and max(held) < unet_numel, held
     assert not torch.equal(expected_ema["unet.conv_in.weight"], expected_params["unet.conv_in.weight"])
+
+
+@pytest.mark.parametrize("plugin_name", ["ddp", "zero2", "zero3", "gemini"])
+def test_bf16_compute_follows_the_fp32_single_process(plugin_name, reference):
+    """bf16 compute (fp32 masters) dp2: the fp32 batch enters the UNet in bf16 (`DenoiserLoss(compute_dtype=...)`,
+    as the trainer builds it; without it ZeRO's and Gemini's bf16 weights meet fp32 inputs in the timestep
+    embedding's first linear: a dtype error) and the run stays within bf16's rounding of the fp32 single process
+    over 5 steps: losses rtol 5e-3, fp32 masters atol 1e-2 (measured: losses <= 8.5e-4 relative, masters <= 4.0e-3;
+    DDP's autocast 5.5e-4 / 3.8e-3)."""
+    expected_losses, expected_params, _ = reference
+    for losses, params, *_ in run_distributed(_boosted_run, plugin_name, "bf16", world_size=2, timeout=180):
+        assert losses == pytest.approx(expected_losses, rel=5e-3)
+        assert losses != pytest.approx(expected_losses, rel=1e-6)  # bf16 did run (fp32 is within ~1e-7 here)
+        for name, value in expected_params.items():
+            assert params[name].dtype == torch.float32
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-2, msg=name)
+
+
+def _checkpointed_run(checkpointing):
+    """ZeRO-3 dp2, 3 steps, the UNet from the trainer's `initial_unet` with ``diffusion.gradient_checkpointing``;
+    counts the calls of one resnet block (recomputed in backward when checkpointing)."""
+    from colo.apps.booster import Booster
+    from colo.apps.diffusion import DenoiserLoss
+    from colo.apps.diffusion.testing import tiny_run_config
+    from colo.apps.diffusion.trainer import initial_unet
+
+    rank = torch.distributed.get_rank()
+    config = tiny_run_config("unused", gradient_checkpointing=checkpointing)
+    _, tokenizer, text_encoder, vae, _ = components()
+    unet = initial_unet(config)
+    calls = []
+    unet.down_blocks[1].resnets[0].register_forward_pre_hook(lambda *_: calls.append(1))  # (recompute stops early)
+    builder = _builder(tokenizer, text_encoder, vae)
+    booster = Booster(make_plugin("zero3", 0))
+    booster.boost(DenoiserLoss(unet), torch.optim.AdamW(unet.parameters(), lr=LR))
+    rows = slice(rank * 2, rank * 2 + 2)
+    losses = []
+    for step in range(3):
+        images = step_images(step)
+        batch = builder(
+            step=step,
+            captions=images["caption"][rows],
+            pixel_values=images["pixel_values"][rows],
+            rows=rows,
+            global_rows=GLOBAL_BATCH,
+        )
+        losses.append(booster.train_step(batch).loss)
+    return losses, booster.engine.optimizer.full_params(), len(calls)
+
+
+def test_gradient_checkpointing_recomputes_and_changes_nothing_under_zero3():
+    plain = run_distributed(_checkpointed_run, False, world_size=2, timeout=180)
+    checkpointed = run_distributed(_checkpointed_run, True, world_size=2, timeout=180)
+    for (losses, params, calls), (ckpt_losses, ckpt_params, ckpt_calls) in zip(plain, checkpointed):
+        assert ckpt_losses == losses  # fp32, same order of operations: bit for bit
+        assert all(torch.equal(ckpt_params[name], value) for name, value in params.items())
+        assert calls == 3 and ckpt_calls == 6  # one forward per step, plus its recompute in backward

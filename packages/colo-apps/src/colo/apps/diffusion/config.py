@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -23,7 +23,17 @@ class DiffusionSection(BaseModel):
     text_heads: int = Field(default=2, ge=1, description="Heads of the CLIP text encoder.")
     max_caption_tokens: int = Field(default=16, ge=4, description="Caption tokens with BOS/EOS (longer: an error).")
     vae_channels: list[int] = Field(default=[16, 32], description="The AutoencoderKL's block_out_channels.")
+    unet_config: dict[str, Any] = Field(
+        default={},
+        description="UNet2DConditionModel config fields that replace the ones built from the sizes above, e.g. "
+        "SD-1.5's published config (block types, attention_head_dim, cross_attention_dim, sample_size, ...).",
+    )
     text_encoder_from: str | None = Field(default=None, description="A local CLIPTextModel directory (None: built).")
+    tokenizer_from: str | None = Field(
+        default=None,
+        description="A local CLIPTokenizer directory, the one text_encoder_from was trained with (None: built "
+        "from the captions' words, which fits only a text encoder trained with that vocabulary, e.g. an export's).",
+    )
     vae_from: str | None = Field(default=None, description="A local AutoencoderKL directory (None: built, trained).")
     vae_pretrain_steps: int = Field(
         default=0,
@@ -43,6 +53,11 @@ class DiffusionSection(BaseModel):
         description="A local UNet2DConditionModel directory to start from, e.g. an export's unet/ (None: built "
         "from the sizes above, seeded). The base of a LoRA run (the lora section: adapters on the UNet's "
         "attention, to_q / to_k / to_v / to_out.0 unless lora.target_modules names others).",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute the UNet's blocks in backward instead of keeping their activations (diffusers' "
+        "enable_gradient_checkpointing): less memory, ~1 more forward per step; the same losses.",
     )
     prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The objective.")
     snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off).")
@@ -91,6 +106,7 @@ class DiffusionSection(BaseModel):
             text_heads=self.text_heads,
             max_caption_tokens=self.max_caption_tokens,
             vae_channels=tuple(self.vae_channels),
+            unet_extra=dict(self.unet_config),
         )
 
     def objective(self):

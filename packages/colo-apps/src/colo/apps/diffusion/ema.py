@@ -130,18 +130,30 @@ class ShardedEMA:
         metadata, _ = load_checkpoint(path, self._tensors(), strict=False)
         self.optimization_step = int(metadata["ema"]["optimization_step"])
 
-    def full(self) -> dict[str, torch.Tensor]:
-        """The whole average by parameter name (a collective under ZeRO / Gemini: every rank calls it)."""
+    def full(self, *, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The whole average by parameter name (a collective under ZeRO / Gemini: every rank calls it).
+
+        ``to_rank``: only that global rank assembles it (the others get ``{}``), so a large model's average is not
+        copied into every rank's host memory; ``None``: every rank gets it."""
         import torch.distributed as dist
 
         result = {}
         sharded = any(fields is not None for _, fields in self.shadow.values())
         if not sharded:
+            if to_rank is not None and dist.is_initialized() and dist.get_rank() != to_rank:
+                return {}
             return {name: value.clone() for name, (value, _) in self.shadow.items()}
         group = self.engine.mesh.group(*self.engine.plugin.data_axes(self.engine.mesh))
-        pieces = [(name, value, fields) for name, (value, fields) in self.shadow.items()]
-        gathered = [None] * group.size
-        dist.all_gather_object(gathered, [(n, v.cpu(), f) for n, v, f in pieces], group=group.process_group)
+        pieces = [(n, v.cpu(), f) for n, (v, f) in self.shadow.items()]
+        if to_rank is None:
+            gathered = [None] * group.size
+            dist.all_gather_object(gathered, pieces, group=group.process_group)
+        else:
+            receives = dist.get_rank() == to_rank
+            gathered = [None] * group.size if receives else None
+            dist.gather_object(pieces, gathered, dst=to_rank, group=group.process_group)
+            if not receives:
+                return {}
         for rank_pieces in gathered:
             for name, value, fields in rank_pieces:
                 shape = fields["global_shape"]

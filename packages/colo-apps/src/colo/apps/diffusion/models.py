@@ -125,7 +125,16 @@ class DiffusionModelConfig:
 
 def build_unet(config: DiffusionModelConfig, *, seed: int = 0) -> torch.nn.Module:
     """A freshly initialised `UNet2DConditionModel` (the same on every rank for the same ``seed``)."""
+    import inspect
+
     diffusers = require_diffusers()
+    known = set(inspect.signature(diffusers.UNet2DConditionModel.__init__).parameters) - {"self"}
+    unknown = sorted(set(config.unet_extra) - known)
+    if unknown:
+        raise ValueError(
+            f"diffusion.unet_config names {unknown}, which are not UNet2DConditionModel config fields; see "
+            "diffusers' UNet2DConditionModel (e.g. block_out_channels, attention_head_dim, cross_attention_dim)"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return diffusers.UNet2DConditionModel(**config.unet_config())

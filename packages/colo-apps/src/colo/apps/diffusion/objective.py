@@ -70,13 +70,25 @@ class DenoiserLoss(torch.nn.Module):
 
     ``forward`` returns ``mean_i(w_i * mean(|pred_i - target_i|^2))``: per-sample MSE times its Min-SNR weight (1
     without it), averaged over the batch, which equals `train_text_to_image.py`'s loss in both branches.
+
+    Args:
+        unet: the denoiser.
+        compute_dtype: the dtype the latents and text states enter the UNet in: the plugin's compute dtype under
+            bf16 / fp16 (``plugin.compute_dtype``). ZeRO and Gemini keep their compute weights in it and do not cast
+            a batch's floating inputs, so the fp32 batch would meet them in the timestep embedding's linear and the
+            first convolution (a dtype error); DDP's autocast casts anyway. ``None``: as given (fp32 runs). The loss
+            is taken in fp32 either way.
     """
 
-    def __init__(self, unet: torch.nn.Module) -> None:
+    def __init__(self, unet: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.unet = unet
+        self.compute_dtype = compute_dtype
 
     def forward(self, noisy_latents, timesteps, encoder_hidden_states, target, loss_weights):
+        if self.compute_dtype is not None:
+            noisy_latents = noisy_latents.to(self.compute_dtype)
+            encoder_hidden_states = encoder_hidden_states.to(self.compute_dtype)
         pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return (per_sample * loss_weights).mean()

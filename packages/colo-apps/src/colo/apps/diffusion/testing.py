@@ -51,19 +51,28 @@ def step_images(step: int):
     return collate([dataset[(GLOBAL_BATCH * step + i) % len(dataset)] for i in range(GLOBAL_BATCH)])
 
 
-def tiny_run_config(output_dir: str, *, lora: dict | None = None, **diffusion):
+def tiny_run_config(
+    output_dir: str,
+    *,
+    lora: dict | None = None,
+    plugin: dict | None = None,
+    schedule: dict | None = None,
+    checkpoint_every: int = 3,
+    **diffusion,
+):
     """The run config of a tiny 2-process ZeRO-2 ``data.task: diffusion`` run of 3 steps (no VAE pre-training, no
-    evals, a checkpoint at step 3); ``diffusion`` fields override the section's, ``lora`` fills the lora section."""
+    evals, a checkpoint every ``checkpoint_every`` steps); ``diffusion`` fields override the section's, ``lora`` fills
+    the lora section, ``plugin`` replaces the plugin section, ``schedule`` fields override the schedule's."""
     from colo.apps.train.config import RunConfig
 
     return RunConfig(
         output_dir=output_dir,
         seed=SEED,
-        plugin={"name": "zero", "stage": 2},
+        plugin=plugin or {"name": "zero", "stage": 2},
         optimizer={"lr": LR, "weight_decay": 0.0},
-        schedule={"total_steps": 3, "warmup_steps": 1},
+        schedule={"total_steps": 3, "warmup_steps": 1, **(schedule or {})},
         data={"task": "diffusion", "global_batch_size": GLOBAL_BATCH},
-        checkpoint={"every_steps": 3, "resume": "auto"},
+        checkpoint={"every_steps": checkpoint_every, "resume": "auto"},
         logging={"every_steps": 1, "tensorboard": False, "progress_bar": False},
         lora=lora or {},
         diffusion={

@@ -51,11 +51,16 @@ def load_vae(config):
 
 
 def initial_unet(config):
-    """The denoiser before training: ``diffusion.unet_from`` or built from the sizes (seeded); without adapters."""
+    """The denoiser before training: ``diffusion.unet_from`` or built from the sizes (seeded); without adapters;
+    with gradient checkpointing when ``diffusion.gradient_checkpointing`` (active only in training with grads)."""
     section = config.diffusion
     if section.unet_from is not None:
-        return require_diffusers().UNet2DConditionModel.from_pretrained(section.unet_from)
-    return build_unet(section.model_config_object(), seed=config.seed + 3)
+        unet = require_diffusers().UNet2DConditionModel.from_pretrained(section.unet_from)
+    else:
+        unet = build_unet(section.model_config_object(), seed=config.seed + 3)
+    if section.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return unet
 
 
 def frozen_components(config, *, rank: int, world_size: int):
@@ -65,8 +70,13 @@ def frozen_components(config, *, rank: int, world_size: int):
     model_config = section.model_config_object()
     dataset = build_dataset(section)
     tokenizer_dir, vae_dir = os.path.join(out, "tokenizer"), os.path.join(out, "vae")
-    if rank == 0:
-        save_caption_tokenizer(captions_vocabulary(dataset), tokenizer_dir, max_length=section.max_caption_tokens)
+    if rank == 0:  # the run's tokenizer lives in output_dir/tokenizer (the export and the grids read it there)
+        if section.tokenizer_from is not None:
+            from transformers import CLIPTokenizer
+
+            CLIPTokenizer.from_pretrained(section.tokenizer_from).save_pretrained(tokenizer_dir)
+        else:
+            save_caption_tokenizer(captions_vocabulary(dataset), tokenizer_dir, max_length=section.max_caption_tokens)
         if section.vae_from is None and section.vae_pretrain_steps and not os.path.isdir(vae_dir):
             from .vae_pretrain import pretrain_vae
 
@@ -82,7 +92,43 @@ def frozen_components(config, *, rank: int, world_size: int):
     text_encoder = build_text_encoder(
         model_config, tokenizer, seed=config.seed + 1, pretrained=section.text_encoder_from
     )
+    check_text_side(tokenizer, text_encoder, section)
     return tokenizer, text_encoder, load_vae(config), dataset
+
+
+def check_text_side(tokenizer, text_encoder, section) -> None:
+    """A pretrained text encoder needs its own tokenizer (vocabulary, maximum length): refuse a mismatch."""
+    text = text_encoder.config
+    if len(tokenizer) > text.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the text encoder ({section.text_encoder_from or 'built'}) "
+            f"embeds {text.vocab_size}; set diffusion.tokenizer_from to the CLIPTokenizer directory the encoder was "
+            "trained with (e.g. the tokenizer/ beside a pipeline's text_encoder/)"
+        )
+    if tokenizer.model_max_length > text.max_position_embeddings:
+        raise ValueError(
+            f"the tokenizer pads captions to {tokenizer.model_max_length} tokens but the text encoder has "
+            f"{text.max_position_embeddings} positions; use the encoder's own tokenizer (diffusion.tokenizer_from)"
+        )
+
+
+def check_cross_attention(unet, text_encoder) -> None:
+    """The UNet attends to the text encoder's hidden states: their widths must agree."""
+    width, expected = text_encoder.config.hidden_size, unet.config.cross_attention_dim
+    if width != expected:
+        raise ValueError(
+            f"the text encoder's hidden_size is {width} but the UNet's cross_attention_dim is {expected}; set "
+            "diffusion.text_hidden_size (or diffusion.unet_config.cross_attention_dim) to the encoder's width"
+        )
+
+
+def pick_device(choice: str) -> torch.device:
+    """The run's compute device (the ``device`` field of the run config): CUDA per local rank, or the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='auto' or 'cpu'")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 class DiffusionTrainer:
@@ -105,9 +151,13 @@ class DiffusionTrainer:
                 f"{config.schedule.num_microbatches}"
             )
         self.objective = section.objective()
+        self.device = pick_device(config.device)
         self.tokenizer, self.text_encoder, vae, self.dataset = frozen_components(
             config, rank=self.rank, world_size=self.world_size
         )
+        # the frozen encoders run where the denoiser does, in fp32 (they are not boosted; the VAE's fingerprint and
+        # the cached latents stay those of its fp32 weights)
+        self.text_encoder, vae = self.text_encoder.to(self.device), vae.to(self.device)
         self.latents = None
         if section.cache_latents:  # encode once; training then holds no VAE (sample_grid loads it)
             self.latents = build_latent_cache(
@@ -128,10 +178,13 @@ class DiffusionTrainer:
             scaling_factor=self.latents.scaling_factor if self.latents is not None else None,
         )
         self.unet = initial_unet(config)
+        check_cross_attention(self.unet, self.text_encoder)
+        self.unet.to(self.device)
         if config.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank (boost also broadcasts rank 0's)
             add_unet_lora(self.unet, **lora_settings(config.lora))
-        model = DenoiserLoss(self.unet)
+        mixed = plugin.compute_dtype if plugin.compute_dtype != torch.float32 else None
+        model = DenoiserLoss(self.unet, compute_dtype=mixed)
         opt = config.optimizer
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -163,13 +216,13 @@ class DiffusionTrainer:
         if self.latents is not None:  # cached posterior statistics; the builder draws the latent sample
             mean, std = self.latents.rows(indices[rows])
             captions = [self.dataset.caption(i) for i in indices[rows]]
+            mean, std = mean.to(self.device), std.to(self.device)
             return self.builder(
                 step=step, captions=captions, latent_mean=mean, latent_std=std, rows=rows, global_rows=size
             )
         images = collate([self.dataset[i] for i in indices[rows]])
-        return self.builder(
-            step=step, captions=images["caption"], pixel_values=images["pixel_values"], rows=rows, global_rows=size
-        )
+        pixels = images["pixel_values"].to(self.device)
+        return self.builder(step=step, captions=images["caption"], pixel_values=pixels, rows=rows, global_rows=size)
 
     # --- checkpoints ------------------------------------------------------------------------------------------
 
@@ -225,7 +278,7 @@ class DiffusionTrainer:
         """Every rank gathers the EMA (a collective); rank 0 samples the fixed prompts and seeds and writes a PNG."""
         from .sampling import build_pipeline, sample_images, save_grid
 
-        averaged = self.ema.full() if self.ema is not None else None
+        averaged = self.ema.full(to_rank=0) if self.ema is not None else None
         if averaged is None:
             model = self.booster.engine.optimizer
             averaged = (
@@ -245,8 +298,8 @@ class DiffusionTrainer:
             raise KeyError(f"the averaged weights name parameters the UNet does not have: {sorted(missing)[:3]}")
         unet.load_state_dict(state, strict=not self.config.lora.enabled)
         pipeline = build_pipeline(
-            unet=unet.eval(),
-            vae=self.vae if self.vae is not None else load_vae(self.config),  # cached latents: loaded for the grid
+            unet=unet.eval().to(self.device),
+            vae=self.vae if self.vae is not None else load_vae(self.config).to(self.device),  # cached latents: loaded
             text_encoder=self.text_encoder,
             tokenizer=self.tokenizer,
             objective=self.objective,
@@ -286,7 +339,7 @@ class DiffusionTrainer:
             progress_bar=logging.progress_bar,
             enabled=self.rank == 0,
         )
-        losses, grids, device = [], [], torch.device("cpu")
+        losses, grids, device = [], [], self.device
         began = time.perf_counter()
         for step in range(start, total):
             result = self.booster.train_step(self.step_batch(step))

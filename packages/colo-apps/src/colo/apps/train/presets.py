@@ -136,6 +136,80 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 50, "num_sequences": 80},
         "sample": {"prompt": "12+7=", "max_new_tokens": 4, "temperature": 0.0},
     },
+    # Text-to-image at Stable Diffusion 1.5's size on 8 GPUs: a UNet2DConditionModel with SD-1.5's published config
+    # (859.5M parameters, built and trained from the seed; diffusion.unet_from=<sd-1.5>/unet fine-tunes it instead),
+    # conditioned on a frozen CLIP ViT-L/14 text encoder with its tokenizer, on the latents of SD's frozen VAE, all
+    # three read from local directories (nothing downloads: point them at a StableDiffusionPipeline directory), and
+    # captioned 512 x 512 images in diffusers' metadata.jsonl layout. ZeRO-2 dp8, bf16 compute with fp32 masters: each
+    # rank keeps 1/8 of the masters, Adam moments and gradients (~1.3 GB) beside the bf16 weights; 256 images per
+    # step as 4 microbatches of 8 per GPU. AdamW at SD's 1e-4 with diffusers' weight decay and clipping; EMA 0.9999.
+    "sd15-diffusion": {
+        "name": "sd15-diffusion",
+        "output_dir": "runs/sd15-diffusion",
+        "seed": 0,
+        "plugin": {"name": "zero", "stage": 2, "precision": "bf16", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 1e-4, "betas": [0.9, 0.999], "weight_decay": 1e-2},
+        "schedule": {"total_steps": 100_000, "warmup_steps": 5000, "min_lr": 1e-5, "num_microbatches": 4},
+        "data": {"task": "diffusion", "global_batch_size": 256},
+        "checkpoint": {"every_steps": 2000, "keep_last": 3, "resume": "auto"},
+        "logging": {"every_steps": 50},
+        "eval": {"every_steps": 5000},
+        "diffusion": {
+            "image_size": 512,
+            "image_dir": "data/text-to-image",
+            "resize": 512,
+            "text_encoder_from": "pretrained/stable-diffusion-v1-5/text_encoder",
+            "tokenizer_from": "pretrained/stable-diffusion-v1-5/tokenizer",
+            "vae_from": "pretrained/stable-diffusion-v1-5/vae",
+            "vae_channels": [128, 256, 512, 512],  # SD's VAE: 8x downsampling, 64 x 64 x 4 latents
+            "unet_channels": [320, 640, 1280, 1280],
+            "unet_layers_per_block": 2,
+            "norm_num_groups": 32,
+            "text_hidden_size": 768,
+            "text_layers": 12,
+            "text_heads": 12,
+            "max_caption_tokens": 77,
+            "unet_config": {  # SD-1.5's unet/config.json (diffusers names heads attention_head_dim)
+                "sample_size": 64,
+                "in_channels": 4,
+                "out_channels": 4,
+                "down_block_types": [
+                    "CrossAttnDownBlock2D",
+                    "CrossAttnDownBlock2D",
+                    "CrossAttnDownBlock2D",
+                    "DownBlock2D",
+                ],
+                "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+                "block_out_channels": [320, 640, 1280, 1280],
+                "layers_per_block": 2,
+                "attention_head_dim": 8,
+                "cross_attention_dim": 768,
+                "norm_num_groups": 32,
+                "norm_eps": 1e-5,
+                "act_fn": "silu",
+                "center_input_sample": False,
+                "downsample_padding": 1,
+                "flip_sin_to_cos": True,
+                "freq_shift": 0,
+                "mid_block_scale_factor": 1,
+            },
+            "gradient_checkpointing": True,  # 512 px activations of 8 images per GPU; off: faster if memory allows
+            "prediction_type": "epsilon",
+            "snr_gamma": 5.0,
+            "noise_offset": 0.0,
+            "condition_dropout": 0.1,
+            "ema_decay": 0.9999,
+            "sample_prompts": [
+                "a photograph of an astronaut riding a horse",
+                "a red sports car parked on a city street at night",
+                "a bowl of fruit on a wooden table, oil painting",
+                "a snowy mountain lake at sunrise",
+            ],
+            "samples_per_prompt": 2,
+            "sample_steps": 25,
+            "guidance_scale": 7.5,
+        },
+    },
     # TinyLlama-1.1B's shape on 8 GPUs: tp2 x dp4, ZeRO-1, bf16; 2M tokens per step.
     "llama-1b": {
         "name": "llama-1b",
