@@ -149,10 +149,14 @@ class Chunk:
         for slot in self.slots:
             slot.param.data = self.slot_view(full, slot)
 
-    def unbind_params(self) -> None:
-        """Point every parameter at an empty tensor, so the full compute copy can be freed (ZeRO-3)."""
+    def unbind_params(self, dtype: torch.dtype | None = None) -> None:
+        """Point every parameter at an empty tensor, so the full compute copy can be freed (ZeRO-3).
+
+        The placeholder keeps the compute dtype (``dtype``, default the dtype the parameter has now): code that reads
+        ``param.dtype`` before the chunk is gathered again (peft casts a LoRA layer's input to its weight's dtype)
+        must see the dtype the module computes in, not the chunk's storage dtype."""
         for slot in self.slots:
-            slot.param.data = torch.empty(0, dtype=self.dtype, device=slot.param.device)
+            slot.param.data = torch.empty(0, dtype=dtype or slot.param.dtype, device=slot.param.device)
 
     def __repr__(self) -> str:
         names = [slot.name for slot in self.slots]

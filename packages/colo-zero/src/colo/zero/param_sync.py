@@ -123,7 +123,7 @@ class ShardedParams:
     def place(self, chunk: Chunk, full: torch.Tensor) -> tuple[torch.Tensor, str]:
         shard = chunk.shard_of(full).clone()
         chunk.set_buffer("param_shard", shard)
-        chunk.unbind_params()
+        chunk.unbind_params(full.dtype)
         return shard, "param_shard"
 
     def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> list:
