@@ -140,6 +140,9 @@ def _checkpoints(output_dir) -> list[str]:
 def test_a_sigkilled_rank_restarts_the_group_and_the_run_resumes_exactly(reference, tmp_path):
     output = tmp_path / "run"
     config = _config(reference["corpus"], str(output))
+    # blocking saves: the step-4 checkpoint is committed before step 5 runs, so the kill at step 6 resumes from it
+    # on any machine load (a background save would commit a moment later, and the resumed step would depend on it)
+    config["checkpoint"]["async_save"] = False
     process = _launch(
         config, tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", fault="action=kill,rank=1,step=6"
     )

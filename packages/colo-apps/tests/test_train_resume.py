@@ -124,3 +124,36 @@ def test_final_checkpoint_loads_in_one_process_and_converts_to_hf(tmp_path):
     )
     hf_config = json.load(open(os.path.join(tmp_path, "hf", "config.json")))
     assert hf_config["model_type"] == "llama" and hf_config["vocab_size"] == model.config.vocab_size
+
+
+def test_background_saves_write_the_bytes_foreground_saves_write(tmp_path):
+    # checkpoint.async_save (the default, used by the resume test above) against blocking saves: the same files with
+    # the same bytes (tensors, CRCs, metadata but the config's own async_save field)
+    corpus = write_corpus(tmp_path)
+    outputs = {}
+    for async_save in (True, False):
+        output = str(tmp_path / f"async-{async_save}")
+        config = run_config(corpus, output, PLUGINS["zero1"], total_steps=10)
+        config["checkpoint"]["async_save"] = async_save
+        run_distributed(_train, config, world_size=2)
+        outputs[async_save] = os.path.join(output, "checkpoints")
+    assert sorted(os.listdir(outputs[True])) == sorted(os.listdir(outputs[False])) == ["step-00000005", "step-00000010"]
+    for step in os.listdir(outputs[True]):
+        names = sorted(os.listdir(os.path.join(outputs[True], step)))
+        assert names == sorted(os.listdir(os.path.join(outputs[False], step)))
+        for name in names:
+            background = open(os.path.join(outputs[True], step, name), "rb").read()
+            foreground = open(os.path.join(outputs[False], step, name), "rb").read()
+            if name.endswith(".json"):  # the run config inside differs in async_save (and its output_dir)
+                background, foreground = (
+                    json.dumps(_without_run_config(json.loads(text))) for text in (background, foreground)
+                )
+            assert background == foreground, (step, name)
+
+
+def _without_run_config(value):
+    if isinstance(value, dict):
+        return {key: _without_run_config(item) for key, item in value.items() if key != "config"}
+    if isinstance(value, list):
+        return [_without_run_config(item) for item in value]
+    return value

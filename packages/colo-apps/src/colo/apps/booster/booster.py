@@ -36,6 +36,7 @@ class Booster:
         self.engine: Engine | None = None
         self.lr_scheduler = None
         self.step_count = 0
+        self._checkpointer = None  # the AsyncCheckpointer of asynchronous saves, created at the first one
 
     def boost(
         self,
@@ -143,13 +144,25 @@ class Booster:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike, *, metadata: dict | None = None) -> None:
+    def save(self, path: str | os.PathLike, *, metadata: dict | None = None, asynchronous: bool = False):
         """Save model, optimizer, LR scheduler and step count to the new checkpoint directory ``path``.
 
         Every rank calls it; each writes only what it owns (colo.tensor.checkpoint's format), so the checkpoint
-        loads under another plugin or layout.
+        loads under another plugin or layout. With ``asynchronous`` the state is copied to host staging buffers and
+        written and committed (renamed into place) by a background thread while training goes on
+        (`colo.tensor.checkpoint.AsyncCheckpointer`, on a process group of its own): the call returns a
+        `SaveHandle`; at most one save is in flight (the next one waits for it), a background failure is raised by
+        the next `save` or by `wait_for_saves`, and `load` waits first. Call `wait_for_saves` before reading the
+        checkpoint or ending the job.
         """
         engine = self._require_engine()
+        checkpointer = None
+        if asynchronous:
+            if self._checkpointer is None:  # every rank gets here at the same save: it creates a process group
+                from colo.tensor.checkpoint import AsyncCheckpointer
+
+                self._checkpointer = AsyncCheckpointer()
+            checkpointer = self._checkpointer
         booster_state = {"step": self.step_count, "plugin": type(self.plugin).__name__}
         if self.lr_scheduler is not None:
             state = self.lr_scheduler.state_dict()
@@ -161,10 +174,20 @@ class Booster:
                     "scheduler whose state is numbers and lists (LambdaLR with plain functions drops them)"
                 ) from None
             booster_state["lr_scheduler"] = state
-        engine.save(os.fspath(path), metadata={**(metadata or {}), BOOSTER_KEY: booster_state})
+        return engine.save(
+            os.fspath(path), metadata={**(metadata or {}), BOOSTER_KEY: booster_state}, checkpointer=checkpointer
+        )
+
+    def wait_for_saves(self) -> None:
+        """Wait until the background save in flight (if any) is committed, and close the background checkpointer
+        (raises the save's error, if it failed). Every rank calls it; a later asynchronous save starts a new one."""
+        if self._checkpointer is not None:
+            checkpointer, self._checkpointer = self._checkpointer, None
+            checkpointer.close()
 
     def load(self, path: str | os.PathLike) -> dict:
         """Load a checkpoint written by `save` (under any plugin or layout); returns its metadata."""
+        self.wait_for_saves()
         engine = self._require_engine()
         metadata = engine.load(os.fspath(path))
         booster_state = metadata.get(BOOSTER_KEY, {})

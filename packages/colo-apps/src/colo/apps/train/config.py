@@ -312,6 +312,12 @@ class CheckpointSection(_Section):
     every_steps: int | None = Field(
         default=100, ge=1, description="Save every this many steps (None: only at the end)."
     )
+    async_save: bool = Field(
+        default=True,
+        description="Write checkpoints in a background thread while training goes on (the state is copied to host "
+        "buffers at the save step; at most one save in flight; committed by a rename once every rank has written; "
+        "the run waits for it before it ends). False: every save blocks its step.",
+    )
     keep_last: int | None = Field(
         default=2, ge=1, description="Keep the newest this many checkpoints, deleting older ones (None: keep all)."
     )

@@ -231,7 +231,9 @@ class Trainer:
             "sampler": per_rank[0]["sampler"],
             **({getattr(self.task, "state_key", PREFERENCE_KEY): self.task.state()} if self.task is not None else {}),
         }
-        self.booster.save(path, metadata={"step": step, RUN_KEY: run})
+        # asynchronous: returns once the state is copied; the pruning keeps keep_last *committed* checkpoints, so the
+        # newest one stays until this one has committed too
+        self.booster.save(path, metadata={"step": step, RUN_KEY: run}, asynchronous=self.config.checkpoint.async_save)
         if self.rank == 0:
             prune_checkpoints(self.config.checkpoint_dir, self.config.checkpoint.keep_last)
         return path
@@ -370,6 +372,9 @@ class Trainer:
         if config.checkpoint.enabled and config.checkpoint.save_final and reached_end and step > start:
             if not result.checkpoints or not result.checkpoints[-1].endswith(f"step-{step:08d}"):
                 result.checkpoints.append(self.save(step))
+        self.booster.wait_for_saves()  # the last background save is committed before the run reports it
+        if config.checkpoint.enabled and config.checkpoint.async_save and self.rank == 0:  # now it counts as kept
+            prune_checkpoints(config.checkpoint_dir, config.checkpoint.keep_last)
         self.log.close()
         if result.preempted:
             saved = f"checkpoint {result.checkpoints[-1]}" if result.checkpoints else "no checkpoint (it is off)"

@@ -219,10 +219,15 @@ class Engine:
     def checkpoint_state(self) -> tuple[dict, dict]:
         raise NotImplementedError
 
-    def save(self, path: str, *, metadata: dict) -> None:
-        """Save model and optimizer state with ``metadata`` through `colo.tensor.checkpoint` (every rank)."""
+    def save(self, path: str, *, metadata: dict, checkpointer=None):
+        """Save model and optimizer state with ``metadata`` through `colo.tensor.checkpoint` (every rank): in the
+        foreground, or with a `colo.tensor.checkpoint.AsyncCheckpointer` in its background thread (then the
+        `SaveHandle` is returned once this rank's pieces are copied)."""
         tensors, own = self.checkpoint_state()
+        if checkpointer is not None:
+            return checkpointer.save(path, tensors, metadata={**metadata, **own}, expected_names=self.expected_names)
         save_checkpoint(path, tensors, metadata={**metadata, **own}, expected_names=self.expected_names)
+        return None
 
     def load(self, path: str) -> dict:
         raise NotImplementedError

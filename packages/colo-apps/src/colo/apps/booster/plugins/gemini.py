@@ -62,6 +62,3 @@ class GeminiEngine(OptimizerDriver, Engine):
 
     def no_sync(self):
         raise RuntimeError("the Gemini plugin reduces gradients every microbatch; it has no no_sync()")
-
-    def save(self, path: str, *, metadata: dict) -> None:
-        self.optimizer.save(path, metadata=metadata, expected_names=self.expected_names)
