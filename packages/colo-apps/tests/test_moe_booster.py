@@ -180,3 +180,31 @@ def test_expert_parallel_bf16_with_the_expert_bias_learns_and_keeps_one_bias_on_
     assert losses == other_losses and losses[-1] < losses[0]
     for bias, other in zip(biases, other_biases):
         assert torch.equal(bias, other) and bias.abs().sum() > 0
+
+
+def _bias_run(path: str) -> tuple[list[float], list[float]]:
+    def boost():
+        model = MoELlama(get_moe_preset("tiny-moe", **CONFIG, expert_bias=True))
+        model.init_weights(seed=7)
+        booster = Booster(ExpertParallel(ep=2, stage=1, max_grad_norm=MAX_NORM))
+        booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        return booster
+
+    booster = boost()
+    straight = []
+    for step in range(STEPS):
+        straight.append(_step(booster, step))
+        if step == SAVE_AFTER - 1:
+            booster.save(path)
+    resumed = boost()
+    resumed.load(path)
+    return straight[SAVE_AFTER:], [_step(resumed, step) for step in range(SAVE_AFTER, STEPS)]
+
+
+def test_the_expert_bias_is_checkpointed_and_a_resumed_run_routes_as_the_uninterrupted_one(tmp_path):
+    # the aux-loss-free bias moves every step outside autograd and the optimizer: without it in the checkpoint a
+    # resumed run would route with zero biases and diverge
+    for straight, resumed in run_distributed(_bias_run, str(tmp_path / "ckpt"), world_size=2, timeout=120):
+        assert resumed == straight
+    biases = read_index(str(tmp_path / "ckpt")).metadata["expert_bias"]
+    assert biases and all(any(value != 0.0 for value in bias) for bias in biases.values())

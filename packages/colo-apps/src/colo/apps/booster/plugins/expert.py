@@ -123,6 +123,28 @@ class ExpertParallelEngine(OptimizerDriver, Engine):
             update_expert_biases(self.model, self.mesh.group("dp", "ep"))
         return norm, skipped
 
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """The optimizer's state, plus every MoE block's aux-loss-free expert bias (training state outside autograd
+        and the optimizer, the same on every rank) in the metadata as exact fp32 values."""
+        tensors, own = super().checkpoint_state()
+        if self.uses_expert_bias:
+            own[EXPERT_BIAS_KEY] = {name: block.gate.expert_bias.tolist() for name, block in moe_blocks(self.model)}
+        return tensors, own
+
+    def load(self, path: str) -> dict:
+        metadata = super().load(path)
+        saved = metadata.get(EXPERT_BIAS_KEY)
+        if self.uses_expert_bias and saved is not None:
+            for name, block in moe_blocks(self.model):
+                if name not in saved:
+                    raise ValueError(f"{path}: the checkpoint has no expert bias for the MoE block {name!r}")
+                block.gate.expert_bias.copy_(torch.tensor(saved[name], dtype=torch.float32))
+        return metadata
+
+
+EXPERT_BIAS_KEY = "expert_bias"
+"""Checkpoint metadata key: MoE block name -> its router's expert bias (a list of fp32 values)."""
+
 
 def _swap_optimizer_params(optimizer: torch.optim.Optimizer, before: dict, after: dict) -> None:
     """Point ``optimizer``'s param groups at the parameters `shard_experts` put in place of the whole expert
