@@ -219,10 +219,16 @@ def generate(
     import torch
 
     from ..data import load_tokenizer
+    from ..quant import is_quantized_checkpoint, load_quantized
     from ..train import load_llama
     from ..train.generate import chat_template_of, complete
 
-    model, run = load_llama(checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if is_quantized_checkpoint(checkpoint):  # written by `colo convert --quantize`: the quantized model as stored
+        model, metadata = load_quantized(checkpoint, device=device)
+        run = metadata["run"]
+    else:
+        model, run = load_llama(checkpoint, device=device)
     tok = load_tokenizer(tokenizer if tokenizer is not None else run.get("tokenizer"))
     template = chat_template_of(run)
     if chat and template is None:
@@ -250,15 +256,36 @@ def convert(
     to: Annotated[
         str,
         typer.Option(
-            help="The target format: hf (Hugging Face LlamaForCausalLM; LoRA adapters merged) or peft (a LoRA run's "
+            help="The target format: hf (Hugging Face LlamaForCausalLM, LoRA adapters merged; MixtralForCausalLM for "
+            "a mixture-of-experts run) or peft (a LoRA run's "
             "adapters alone, as a peft adapter directory) or diffusers (a diffusion run as a StableDiffusionPipeline)."
         ),
     ] = "hf",
     dtype: Annotated[str | None, typer.Option(help="Convert floats to this dtype (bfloat16, float16).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an earlier export in OUT.")] = False,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            help="Write OUT as a weight-only quantized colo checkpoint instead: int8 (per output channel) or int4 "
+            "(group-wise, packed); load it with colo.apps.quant.load_quantized."
+        ),
+    ] = None,
+    group_size: Annotated[
+        int | None, typer.Option(help="With --quantize int4: input columns per scale, 32, 64 or 128 (default 32).")
+    ] = None,
+    keep_float: Annotated[
+        list[str] | None,
+        typer.Option(help="With --quantize: keep these linear layers in float too (e.g. down_proj; repeatable)."),
+    ] = None,
 ) -> None:
-    """Convert a checkpoint (any layout) to a Hugging Face Llama directory (config.json + model*.safetensors), or a
-    LoRA run's adapters to a peft adapter directory."""
+    """Convert a checkpoint (any layout) to a Hugging Face Llama directory (config.json + model*.safetensors; a
+    Mixtral for a mixture-of-experts run), or a LoRA run's adapters to a peft adapter directory."""
+    if quantize is None and (group_size is not None or keep_float):  # --quantize: a quantized colo checkpoint
+        typer.echo("colo: --group-size and --keep-float are for --quantize int8|int4", err=True)
+        raise typer.Exit(2)
+    if quantize is not None and to != "hf":
+        typer.echo(f"colo: --quantize writes a quantized colo checkpoint; it does not combine with --to {to}", err=True)
+        raise typer.Exit(2)
     if to not in ("hf", "peft", "diffusers"):
         typer.echo(f"colo: --to {to!r} is not supported; use --to hf, --to peft or --to diffusers", err=True)
         raise typer.Exit(2)
@@ -275,7 +302,19 @@ def convert(
             typer.echo(f"colo: --dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32", err=True)
             raise typer.Exit(2)
     try:
-        if to == "diffusers":  # a data.task=diffusion run: a StableDiffusionPipeline directory (EMA weights)
+        if quantize is not None:  # colo.apps.quant: codes + scales in colo's safetensors format
+            from ..quant import quantize_checkpoint
+
+            written = quantize_checkpoint(
+                checkpoint,
+                out,
+                mode=quantize,
+                group_size=group_size,
+                dtype=torch_dtype,
+                keep_float=tuple(keep_float or ()),
+                overwrite=overwrite,
+            )
+        elif to == "diffusers":  # a data.task=diffusion run: a StableDiffusionPipeline directory (EMA weights)
             from ..diffusion.export import export_diffusers
 
             written = export_diffusers(checkpoint, out, overwrite=overwrite)

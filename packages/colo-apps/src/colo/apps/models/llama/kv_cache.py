@@ -84,7 +84,9 @@ class KVCache:
         if not layers:
             raise ValueError("KVCache.for_model: the model has no decoder layers to cache")
         attention = layers[0].self_attn
-        weight = next(attention.qkv_proj.parameters())  # a plain Linear's weight, or a tp QKVParallelLinear's q_weight
+        weight = next(attention.qkv_proj.parameters(), None)  # a Linear's weight, a tp QKVParallelLinear's q_weight
+        if weight is None:  # a weight-only quantized projection (colo.apps.quant) holds buffers: the norm's dtype
+            weight = layers[0].input_layernorm.weight
         return cls(
             num_layers=len(layers),
             batch_size=batch_size,
