@@ -14,9 +14,14 @@
   estimators, the clipped loss, loss aggregation with global counts), `grpo` (`attach_rollout_forward`,
   `GRPOCriterion`), `rewards` (reward functions by import path), `prompts` (`PromptDataset`), `grpo_task` (the
   trainer's `GRPOTask`).
+- PPO (``data.task: ppo``): `ppo` (KL-shaped rewards, GAE, global whitening, the clipped value loss, the clipped
+  policy loss with dual clip and entropy bonus, fixed / adaptive KL controllers, `PPOCriterion`), `critic`
+  (`add_value_head`, `attach_ppo_forward`: per-token log-probs, entropies and values), `ppo_learner`
+  (`PPOLearner`: experience and updates of boosted actor and critic), `ppo_task` (the trainer's `PPOTask`).
 """
 
 from .advantages import ADVANTAGE_ESTIMATORS, group_advantages
+from .critic import add_value_head, attach_ppo_forward
 from .data import PreferenceDataset, read_preference_records
 from .grpo import GRPOCriterion, attach_rollout_forward
 from .losses import PREFERENCE_LOSSES, bradley_terry_loss, dpo_loss, ipo_loss, preference_loss, simpo_loss
@@ -37,12 +42,35 @@ from .policy_loss import (
     global_counts,
     kl_penalty,
 )
+from .ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    PPOCriterion,
+    clipped_value_loss,
+    gae,
+    kl_shaped_rewards,
+    ppo_policy_loss,
+    whiten,
+)
+from .ppo_learner import PPOHyperparameters, PPOLearner
 from .prompts import PromptDataset
 from .reference import WithReferenceLogps, precompute_reference_logps
 from .rewards import RewardFunctionError, compute_rewards, exact_answer, load_reward_function
 from .synthetic import arithmetic_prompts, arithmetic_records, python_line_records
 
 __all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "PPOCriterion",
+    "PPOHyperparameters",
+    "PPOLearner",
+    "add_value_head",
+    "attach_ppo_forward",
+    "clipped_value_loss",
+    "gae",
+    "kl_shaped_rewards",
+    "ppo_policy_loss",
+    "whiten",
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",

@@ -10,37 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .advantages import check_group_size
 
 
-class GRPOSection(BaseModel):
-    """Online RL with critic-free advantages (colo.apps.rlhf): every step generates group_size completions of each
-    prompt from the current policy, scores them with the reward functions, and updates the policy with the clipped
-    loss and a KL penalty to the frozen reference (GRPO, Dr. GRPO, RLOO)."""
+class RolloutSection(BaseModel):
+    """What every online RL task (``grpo``, ``ppo``) reads: sampling, the prompts, the reward functions, the SFT
+    warm-up and the updates per rollout."""
 
     model_config = ConfigDict(extra="forbid")
 
-    group_size: int = Field(default=4, description="G: completions sampled per prompt (>= 2).")
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = Field(
-        default="grpo",
-        description="'grpo': (r - group mean) / (group std + 1e-4); 'dr_grpo': r - group mean (Dr. GRPO); 'rloo': r - "
-        "mean of the group's other rewards (REINFORCE leave-one-out).",
-    )
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        default="token-mean",
-        description="How per-token losses become the loss, over the whole update batch on every data-parallel rank: "
-        "'token-mean' (TRL's dapo), 'seq-mean-token-mean' (TRL's grpo), 'seq-mean-token-sum-norm' (TRL's dr_grpo: "
-        "token sums over rows x max_new_tokens).",
-    )
-    beta: float = Field(default=0.04, ge=0, description="The KL coefficient (0: no KL term in the loss).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        default="k3", description="The per-token estimator of KL(policy || reference) (Schulman, 2020)."
-    )
-    kl_ratio_correction: bool = Field(
-        default=False,
-        description="Weight the KL term by the importance ratio (DeepSeek-V3.2; TRL 1.16's use_bias_correction_kl).",
-    )
-    eps_low: float = Field(default=0.2, ge=0, description="Lower clip range of the ratio: 1 - eps_low.")
-    eps_high: float | None = Field(
-        default=None, ge=0, description="Upper clip range: 1 + eps_high (DAPO's clip-higher); None: eps_low."
-    )
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the rollouts.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass of the rollouts.")
     max_new_tokens: int = Field(default=16, ge=1, description="The generation budget per completion.")
@@ -77,6 +52,37 @@ class GRPOSection(BaseModel):
         ge=0,
         description="At each eval, also sample this many completions per held-out prompt at the rollout temperature "
         "(0: greedy exact-match reward only).",
+    )
+
+
+class GRPOSection(RolloutSection):
+    """Online RL with critic-free advantages (colo.apps.rlhf): every step generates group_size completions of each
+    prompt from the current policy, scores them with the reward functions, and updates the policy with the clipped
+    loss and a KL penalty to the frozen reference (GRPO, Dr. GRPO, RLOO)."""
+
+    group_size: int = Field(default=4, description="G: completions sampled per prompt (>= 2).")
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        default="grpo",
+        description="'grpo': (r - group mean) / (group std + 1e-4); 'dr_grpo': r - group mean (Dr. GRPO); 'rloo': r - "
+        "mean of the group's other rewards (REINFORCE leave-one-out).",
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        default="token-mean",
+        description="How per-token losses become the loss, over the whole update batch on every data-parallel rank: "
+        "'token-mean' (TRL's dapo), 'seq-mean-token-mean' (TRL's grpo), 'seq-mean-token-sum-norm' (TRL's dr_grpo: "
+        "token sums over rows x max_new_tokens).",
+    )
+    beta: float = Field(default=0.04, ge=0, description="The KL coefficient (0: no KL term in the loss).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3", description="The per-token estimator of KL(policy || reference) (Schulman, 2020)."
+    )
+    kl_ratio_correction: bool = Field(
+        default=False,
+        description="Weight the KL term by the importance ratio (DeepSeek-V3.2; TRL 1.16's use_bias_correction_kl).",
+    )
+    eps_low: float = Field(default=0.2, ge=0, description="Lower clip range of the ratio: 1 - eps_low.")
+    eps_high: float | None = Field(
+        default=None, ge=0, description="Upper clip range: 1 + eps_high (DAPO's clip-higher); None: eps_low."
     )
 
     @model_validator(mode="after")

@@ -53,6 +53,8 @@ class GRPOTask:
     """
 
     state_key = STATE_KEY
+    metric_prefix = "grpo"
+    """The prefix of the step metrics (``grpo/...``) and the eval's (``eval_grpo/...``)."""
 
     def __init__(self, config, tokenizer) -> None:
         from ..train.data_setup import build_prompt_dataset
@@ -112,7 +114,8 @@ class GRPOTask:
     def take_metrics(self, trainer) -> dict[str, float]:
         """The step metrics since the last call, over every data-parallel rank (every rank calls it)."""
         group = trainer.sample_group
-        metrics = {f"grpo/{k}": v for k, v in self.criterion.take_metrics(group).items()}
+        prefix = self.metric_prefix
+        metrics = {f"{prefix}/{k}": v for k, v in self.criterion.take_metrics(group).items()}
         window, maxima = self._window, self._window_max
         self._window, self._window_max = {}, {}
         names = sorted(window)
@@ -127,22 +130,23 @@ class GRPOTask:
         total = dict(zip(names, sums.tolist()))
         peak = dict(zip(sorted(maxima), peaks.tolist()))
         if "sft_loss" in total:
-            metrics["grpo/sft_loss"] = total["sft_loss"] / max(total["sft_steps"], 1.0)
+            metrics[f"{prefix}/sft_loss"] = total["sft_loss"] / max(total["sft_steps"], 1.0)
         if total.get("rows"):
             rows, steps = total["rows"], max(total["steps"], 1.0)
             mean = total["reward_sum"] / rows
+            generated = total["response_tokens"] / max(peak["rollout_seconds"], 1e-9)
             metrics.update(
                 {
-                    "grpo/reward_mean": mean,
-                    "grpo/reward_std": math.sqrt(max(total["reward_sq"] / rows - mean * mean, 0.0)),
-                    "grpo/response_length": total["response_tokens"] / rows,
-                    "grpo/logprob_mismatch": total["mismatch_sum"] / max(total["response_tokens"], 1.0),
-                    "grpo/logprob_mismatch_max": peak["mismatch_max"],
+                    f"{prefix}/reward_mean": mean,
+                    f"{prefix}/reward_std": math.sqrt(max(total["reward_sq"] / rows - mean * mean, 0.0)),
+                    f"{prefix}/response_length": total["response_tokens"] / rows,
+                    f"{prefix}/logprob_mismatch": total["mismatch_sum"] / max(total["response_tokens"], 1.0),
+                    f"{prefix}/logprob_mismatch_max": peak["mismatch_max"],
                     # tokens of every rank over the slowest rank's rollout time
-                    "grpo/generation_tokens_per_second": total["response_tokens"] / max(peak["rollout_seconds"], 1e-9),
-                    "grpo/time_rollout": total["rollout_seconds"] / steps,
-                    "grpo/time_logprobs": total["logprob_seconds"] / steps,
-                    "grpo/time_update": total["update_seconds"] / steps,
+                    f"{prefix}/generation_tokens_per_second": generated,
+                    f"{prefix}/time_rollout": total["rollout_seconds"] / steps,
+                    f"{prefix}/time_logprobs": total["logprob_seconds"] / steps,
+                    f"{prefix}/time_update": total["update_seconds"] / steps,
                 }
             )
         return metrics
@@ -155,7 +159,7 @@ class GRPOTask:
         return {"reference_step": self.reference_step}
 
     def load_state(self, trainer, run: dict) -> None:
-        step = (run.get(STATE_KEY) or {}).get("reference_step")
+        step = (run.get(self.state_key) or {}).get("reference_step")
         if step is not None:
             from safetensors.torch import load_file
 
@@ -200,11 +204,11 @@ class GRPOTask:
                 sums[2], sums[3] = rewards.double().sum(), rewards.numel()
         _all_reduce(sums, group, "sum")
         reward = float(sums[0] / max(sums[1], 1.0))
-        record = {"step": step, "eval_grpo/greedy_reward": reward}
+        record = {"step": step, f"eval_{self.metric_prefix}/greedy_reward": reward}
         line = f"eval at step {step}: held-out greedy reward (exact match) {reward:.3f} over {int(sums[1])} prompts"
         if self.settings.eval_samples:
             sampled_reward = float(sums[2] / max(sums[3], 1.0))
-            record["eval_grpo/sampled_reward"] = sampled_reward
+            record[f"eval_{self.metric_prefix}/sampled_reward"] = sampled_reward
             line += f" | sampled reward {sampled_reward:.3f} ({self.settings.eval_samples} per prompt)"
         trainer.log.log(record)
         trainer.log.print(line)
@@ -358,7 +362,8 @@ class GRPOTask:
             from colo.comm import barrier
 
             barrier()
-        trainer.log.print(f"GRPO reference: the policy after step {step}, frozen (a replicated copy on every rank)")
+        name = self.metric_prefix.upper()
+        trainer.log.print(f"{name} reference: the policy after step {step}, frozen (a replicated copy on every rank)")
 
     def _build_reference(self, trainer, state: dict) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream

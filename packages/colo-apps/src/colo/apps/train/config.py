@@ -16,6 +16,7 @@ from ..diffusion.config import DiffusionSection
 from ..models.llama import PRESETS, LlamaConfig, get_preset
 from ..models.moe_llama import MOE_PRESETS, MoELlamaConfig, get_moe_preset
 from ..rlhf.grpo_config import GRPOSection
+from ..rlhf.ppo_config import PPOSection
 from ._fields import dataclass_fields
 from .plugin_config import DDPSection, PluginConfig
 
@@ -198,15 +199,16 @@ class DataSection(_Section):
     """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens, or chat records for
     supervised fine-tuning with the loss on the assistant's replies only."""
 
-    task: Literal["pretrain", "sft", "rm", "dpo", "grpo", "diffusion"] = Field(
+    task: Literal["pretrain", "sft", "rm", "dpo", "grpo", "ppo", "diffusion"] = Field(
         default="pretrain",
         description="'pretrain': next-token loss on every token of text documents; 'sft': chat records "
         "(JSONL / Hugging Face rows with a messages field or prompt/response fields) rendered by chat_template, "
         "one conversation per row (cut at or right-padded to seq_len), the loss only on the assistant's replies; "
         "'rm': a reward model (the Llama with a scalar head) on {prompt, chosen, rejected} records, Bradley-Terry "
         "loss; 'dpo': the DPO family (preference.loss_type) on the same records (colo.apps.rlhf); 'grpo': online RL "
-        "on {prompt, ...} records with reward functions (GRPO / Dr. GRPO / RLOO, the grpo section); 'diffusion': a "
-        "text-to-image UNet on captioned images (the diffusion section, colo.apps.diffusion).",
+        "on {prompt, ...} records with reward functions (GRPO / Dr. GRPO / RLOO, the grpo section); 'ppo': online RL "
+        "on the same records with a critic, GAE and reward functions or a reward model (the ppo section); "
+        "'diffusion': a text-to-image UNet on captioned images (the diffusion section, colo.apps.diffusion).",
     )
     packing: Literal["fixed", "documents"] = Field(
         default="fixed",
@@ -286,16 +288,18 @@ class DataSection(_Section):
                 raise ValueError(f"data.task={self.task!r} runs one pair per item; drop data.packing='documents'")
             if self.max_tokens is not None:
                 raise ValueError(f"data.max_tokens caps pre-training text; data.task={self.task!r} reads every record")
-        elif self.task == "grpo":
+        elif self.task in ("grpo", "ppo"):
             if self.format == "text":
                 raise ValueError(
-                    "data.task='grpo' reads {prompt, ...} records, which data.format='text' cannot hold; set "
+                    f"data.task={self.task!r} reads {{prompt, ...}} records, which data.format='text' cannot hold; set "
                     "data.format to 'jsonl', 'hf' or 'auto'"
                 )
             if self.packing != "fixed":
-                raise ValueError("data.task='grpo' generates from one prompt per row; drop data.packing='documents'")
+                raise ValueError(
+                    f"data.task={self.task!r} generates from one prompt per row; drop data.packing='documents'"
+                )
             if self.max_tokens is not None:
-                raise ValueError("data.max_tokens caps pre-training text; data.task='grpo' reads every prompt")
+                raise ValueError(f"data.max_tokens caps pre-training text; data.task={self.task!r} reads every prompt")
         elif self.chat_template != ChatTemplateSection():
             raise ValueError(
                 "data.chat_template is read only with data.task='sft' (and 'rm' / 'dpo' chat records); set "
@@ -480,6 +484,7 @@ class RunConfig(_Section):
     preference: PreferenceSection = Field(default_factory=PreferenceSection, description=PreferenceSection.__doc__)
     diffusion: DiffusionSection = Field(default_factory=DiffusionSection, description=DiffusionSection.__doc__)
     grpo: GRPOSection = Field(default_factory=GRPOSection, description=GRPOSection.__doc__)
+    ppo: PPOSection = Field(default_factory=PPOSection, description=PPOSection.__doc__)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
     resilience: ResilienceSection = Field(default_factory=ResilienceSection, description=ResilienceSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
@@ -503,6 +508,7 @@ class RunConfig(_Section):
         self._check_mixture_of_experts()
         self._check_preference_task()
         self._check_grpo_task()
+        self._check_ppo_task()
         pipelined = self.plugin.name == "hybrid" and self.plugin.pp > 1
         microbatches = self.schedule.num_microbatches
         if pipelined and self.eval.every_steps and self.eval.batch_size % microbatches:
@@ -643,6 +649,85 @@ class RunConfig(_Section):
                 f"grpo.max_prompt_len={grpo.max_prompt_len} + grpo.max_new_tokens={grpo.max_new_tokens} exceed the "
                 f"model's max_position_embeddings={window}; lower them"
             )
+
+    def _check_ppo_task(self) -> None:
+        """``data.task: ppo`` needs what grpo needs (prompts, a replicated-weights actor layout, batches that split
+        into the updates) and a critic layout that can be built; other tasks take no ``ppo``."""
+        ppo = self.ppo
+        if self.data.task != "ppo":
+            if ppo != PPOSection():
+                raise ValueError(f"ppo.* is read only with data.task='ppo' (data.task={self.data.task!r})")
+            return
+        if not self.data.paths and not ppo.synthetic_prompts:
+            raise ValueError(
+                "data.task='ppo' needs data.paths of {prompt, ...} records, or ppo.synthetic_prompts > 0 for the "
+                "embedded arithmetic prompts"
+            )
+        plugin = self.plugin
+        if plugin.name not in ("ddp", "zero") or (plugin.name == "zero" and plugin.stage == 3):
+            raise ValueError(
+                "data.task='ppo' runs the actor under plugin.name='ddp' or 'zero' (stage 0-2) in the trainer (its "
+                f"frozen reference is a replicated copy of the policy); plugin.name={plugin.name!r}"
+                + (f" with stage={plugin.stage}" if plugin.name == "zero" else "")
+                + " is not supported yet"
+            )
+        if plugin.loss_weighting != "microbatch":
+            raise ValueError(
+                "data.task='ppo' aggregates its losses itself (ppo.loss_aggregation): set "
+                "plugin.loss_weighting='microbatch'"
+            )
+        if self.lora.enabled:
+            raise ValueError(
+                "data.task='ppo' with LoRA is not supported yet (the critic and the value head train whole); set "
+                "lora.enabled=false"
+            )
+        if ppo.critic_plugin is not None:
+            self.ppo_critic_plugin()  # a critic layout that cannot be built fails here, naming the field
+        if ppo.sft_steps >= self.schedule.total_steps:
+            raise ValueError(
+                f"ppo.sft_steps={ppo.sft_steps} leaves no PPO step of schedule.total_steps="
+                f"{self.schedule.total_steps}; lower it"
+            )
+        completions = self.data.global_batch_size * ppo.group_size
+        split = ppo.minibatches * self.schedule.num_microbatches
+        if completions % split:
+            raise ValueError(
+                f"data.global_batch_size={self.data.global_batch_size} prompts x ppo.group_size={ppo.group_size} "
+                f"give {completions} completions per step, which do not split into ppo.minibatches="
+                f"{ppo.minibatches} x schedule.num_microbatches={self.schedule.num_microbatches} on every "
+                "data-parallel rank; change one of them"
+            )
+        budget = ppo.max_prompt_len + ppo.max_new_tokens
+        window = self.model.max_position_embeddings or self.model.preset_config.max_position_embeddings
+        if self.model.init_from is None and budget > window:
+            raise ValueError(
+                f"ppo.max_prompt_len={ppo.max_prompt_len} + ppo.max_new_tokens={ppo.max_new_tokens} exceed the "
+                f"model's max_position_embeddings={window}; lower them"
+            )
+
+    def ppo_critic_plugin(self):
+        """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
+        actor's ``plugin``. Raises a `ValueError` naming ``ppo.critic_plugin`` for a layout the critic cannot take
+        (its scalar head cannot be split over tp; the trainer supports DDP and ZeRO 0-3 for it)."""
+        from pydantic import TypeAdapter
+
+        if self.ppo.critic_plugin is None:
+            return self.plugin
+        try:
+            section = TypeAdapter(PluginConfig).validate_python(self.ppo.critic_plugin)
+        except Exception as error:  # pydantic's ValidationError, reworded with the field
+            raise ValueError(f"ppo.critic_plugin={self.ppo.critic_plugin!r} is not a plugin section: {error}") from None
+        if section.name not in ("ddp", "zero"):
+            raise ValueError(
+                f"ppo.critic_plugin: name={section.name!r} cannot hold the critic in the trainer: the critic scores "
+                "the actor's rows, so its data-parallel ranks must be the actor's (every rank, as ddp / zero; tp or "
+                "pp would split them), and Gemini / experts are not wired for it; use name 'ddp' or 'zero' (stage 0-3)"
+            )
+        if section.loss_weighting != "microbatch":
+            raise ValueError(
+                "ppo.critic_plugin: the value loss is aggregated by PPO itself; set loss_weighting='microbatch'"
+            )
+        return section
 
     def _rows_vary_in_labelled_tokens(self) -> bool:
         """SFT rows and rows of packed documents hold different numbers of labelled tokens: they default to

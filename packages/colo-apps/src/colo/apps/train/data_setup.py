@@ -99,7 +99,8 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
         )
-    dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference, config.grpo)
+    rollout = config.ppo if data.task == "ppo" else config.grpo  # the online RL task's prompt settings
+    dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference, rollout)
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
     num_train = len(dataset) - held_out
     if num_train < data.global_batch_size:
@@ -138,7 +139,7 @@ def build_dataset(data: DataSection, tokenizer, preference=None, grpo=None) -> t
     """
     if data.task in ("rm", "dpo"):
         return build_preference_dataset(data, preference, tokenizer)
-    if data.task == "grpo":
+    if data.task in ("grpo", "ppo"):
         return build_prompt_dataset(data, grpo, tokenizer)
     documents = read_documents(
         data.paths or default_corpus(),
@@ -209,9 +210,10 @@ def build_preference_dataset(data: DataSection, preference, tokenizer) -> tuple[
 
 
 def build_prompt_dataset(data: DataSection, grpo, tokenizer) -> tuple[Dataset, np.ndarray, str]:
-    """``task='grpo'``: `colo.apps.rlhf.prompts.PromptDataset` items (a prompt's ids, text and other columns), from
-    ``data.paths`` or the embedded arithmetic prompts (``grpo.synthetic_prompts``); every prompt within
-    ``grpo.max_prompt_len`` tokens (else a `ValueError` naming the record)."""
+    """``task='grpo'`` or ``'ppo'`` (``grpo`` is then the ``ppo`` section): `colo.apps.rlhf.prompts.PromptDataset`
+    items (a prompt's ids, text and other columns), from ``data.paths`` or the embedded arithmetic prompts
+    (``grpo.synthetic_prompts``); every prompt within ``grpo.max_prompt_len`` tokens (else a `ValueError` naming
+    the record)."""
     from ..rlhf.data import read_preference_records
     from ..rlhf.prompts import PromptDataset
     from ..rlhf.synthetic import arithmetic_prompts
@@ -225,9 +227,9 @@ def build_prompt_dataset(data: DataSection, grpo, tokenizer) -> tuple[Dataset, n
     try:
         prompts = PromptDataset(records, tokenizer, max_prompt_len=grpo.max_prompt_len, prompt_field=data.prompt_field)
     except ValueError as error:
-        raise ValueError(f"data.task='grpo': {error}") from None
+        raise ValueError(f"data.task={data.task!r}: {error}") from None
     description = (
-        f"grpo: {len(prompts)} prompts from {source}, {grpo.group_size} completions each per step, up to "
+        f"{data.task}: {len(prompts)} prompts from {source}, {grpo.group_size} completions each per step, up to "
         f"{grpo.max_new_tokens} new tokens"
     )
     return prompts, prompts.prompt_lengths, description

@@ -136,6 +136,45 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 50, "num_sequences": 80},
         "sample": {"prompt": "12+7=", "max_new_tokens": 4, "temperature": 0.0},
     },
+    # PPO on CPU (2 processes): tiny-grpo's addition prompts and exact-answer rule reward, with a critic of its own
+    # (started from the policy after the SFT warm-up, fresh value head), GAE (gamma 1, lambda 0.95), advantages
+    # whitened over both ranks, a k1 KL penalty in the rewards with the adaptive controller; 150 SFT steps, then 450
+    # PPO steps of 8 completions per prompt, 2 epochs x 2 minibatches each; evals report the held-out greedy exact
+    # match.
+    "tiny-ppo": {
+        "name": "tiny-ppo",
+        "output_dir": "runs/tiny-ppo",
+        "seed": 0,
+        "model": {"preset": "tiny", "num_hidden_layers": 4},
+        "plugin": {"name": "ddp", "precision": "fp32", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "schedule": {"total_steps": 600, "warmup_steps": 20, "min_lr": 3e-4},
+        "data": {"task": "ppo", "seq_len": 12, "global_batch_size": 16},
+        "ppo": {
+            "synthetic_prompts": 400,
+            "max_operand": 20,
+            "group_size": 8,
+            "max_prompt_len": 7,
+            "max_new_tokens": 4,
+            "sft_steps": 150,
+            "epochs": 2,
+            "minibatches": 2,
+            "critic": "separate",
+            "critic_lr": 3e-3,
+            "kl_coef": 0.05,
+            "kl_controller": "adaptive",
+            "kl_target": 1.0,
+            "kl_horizon": 10000,
+            "gamma": 1.0,
+            "lam": 0.95,
+            "value_clip": 0.2,
+            "temperature": 1.0,
+        },
+        "checkpoint": {"every_steps": 50, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 10},
+        "eval": {"every_steps": 50, "num_sequences": 80},
+        "sample": {"prompt": "12+7=", "max_new_tokens": 4, "temperature": 0.0},
+    },
     # Text-to-image at Stable Diffusion 1.5's size on 8 GPUs: a UNet2DConditionModel with SD-1.5's published config
     # (859.5M parameters, built and trained from the seed; diffusion.unet_from=<sd-1.5>/unet fine-tunes it instead),
     # conditioned on a frozen CLIP ViT-L/14 text encoder with its tokenizer, on the latents of SD's frozen VAE, all

@@ -220,6 +220,8 @@ class Trainer:
     def save(self, step: int) -> str:
         """Checkpoint after ``step`` (every rank): Booster state plus the run's metadata (JSON; no pickle)."""
         path = checkpoint_path(self.config.checkpoint_dir, step)
+        if hasattr(self.task, "save_models"):  # ppo: the separate critic's checkpoint, before the actor's commits
+            self.task.save_models(self, step)
         per_rank = all_gather_object({"rng": rng_state(), "sampler": self.data.sampler.state_dict()})
         run = {
             "step": step,
@@ -516,6 +518,10 @@ def _build_task(config: RunConfig, tokenizer):
         from ..rlhf.grpo_task import GRPOTask
 
         return GRPOTask(config, tokenizer)
+    if config.data.task == "ppo":
+        from ..rlhf.ppo_task import PPOTask
+
+        return PPOTask(config, tokenizer)
     return None
 
 
