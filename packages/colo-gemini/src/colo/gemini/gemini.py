@@ -185,16 +185,22 @@ class GeminiOptimizer(ChunkOptimizer):
     # --- construction -----------------------------------------------------------------------------------------
 
     def _module_chunks(self, model: torch.nn.Module) -> list[list[int]]:
+        """The chunks of every module that owns parameters, modules in the packing order of their first parameter:
+        registration order by default, the forward's order with ``param_order=execution_order(...)``, the order in
+        which the hooks gather the chunks (the working-set estimate reads chunks in use from it)."""
+        position = {id(param): index for index, (_, param) in enumerate(self._named_params)}
         result = []
         for module in model.modules():
-            owned = []
+            owned, first = [], None
             for param in module.parameters(recurse=False):
                 chunk = self.chunk_of.get(id(param))
                 if chunk is not None and chunk.index not in owned:
                     owned.append(chunk.index)
+                if id(param) in position:
+                    first = position[id(param)] if first is None else min(first, position[id(param)])
             if owned:
-                result.append(owned)
-        return result
+                result.append((first, owned))
+        return [owned for _, owned in sorted(result, key=lambda entry: entry[0])]
 
     def _plan(self, module_chunks: list[list[int]]) -> tuple[Placement, dict[str, float], int]:
         """Placement and tier capacities; raises `ValueError` when the model does not fit (no collective yet)."""

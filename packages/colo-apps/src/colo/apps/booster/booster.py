@@ -46,6 +46,7 @@ class Booster:
         criterion: Callable | None = None,
         dataloader=None,
         lr_scheduler=None,
+        example_batch: Mapping[str, torch.Tensor] | None = None,
     ):
         """Wrap ``model`` and ``optimizer`` for the plugin.
 
@@ -57,6 +58,11 @@ class Booster:
             criterion: ``criterion(output, batch) -> loss``; ``None`` when the model returns its loss.
             dataloader: returned as is (build one with ``plugin.prepare_dataloader`` to shard the data).
             lr_scheduler: stepped after every optimizer step that was not skipped.
+            example_batch: a batch the model runs on (``model(**batch)``): for the plugins that pack parameters
+                into chunks (`Zero`, `Gemini`: ``packs_chunks``), one forward under ``torch.no_grad`` records the order
+                in which modules use their parameters (`colo.zero.execution_order`, rank 0's, broadcast) and the
+                chunks are packed in it, so a chunk's parameters are used together and ZeRO-3 / Gemini hold fewer
+                chunks at once (registration order otherwise, which models such as diffusers' UNet do not run in).
 
         Returns:
             ``(model, optimizer, criterion, dataloader, lr_scheduler)``, wrapped where the plugin wraps them (the
@@ -65,7 +71,10 @@ class Booster:
         if self.engine is not None:
             raise RuntimeError("this Booster already boosted a model; make one Booster per model")
         manifest = checkpoint_manifest(model)  # before a pipeline keeps only this rank's stages
-        self.engine = self.plugin.configure(model, optimizer, criterion=criterion)
+        param_order = None
+        if example_batch is not None and self.plugin.packs_chunks:
+            param_order = _execution_order(model, example_batch)
+        self.engine = self.plugin.configure(model, optimizer, criterion=criterion, param_order=param_order)
         self.engine.expected_names = manifest
         self.lr_scheduler = lr_scheduler
         return self.engine.model, self.engine.optimizer, criterion, dataloader, lr_scheduler
@@ -195,3 +204,14 @@ class Booster:
         if self.lr_scheduler is not None and "lr_scheduler" in booster_state:
             self.lr_scheduler.load_state_dict(booster_state["lr_scheduler"])
         return metadata
+
+
+def _execution_order(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> list[str]:
+    """`colo.zero.execution_order` of ``model`` on ``batch``, rank 0's on every rank (chunks must be packed alike)."""
+    from colo.comm import broadcast_object, init_distributed
+    from colo.zero import execution_order
+
+    if any(param.is_meta for param in model.parameters()):
+        raise ValueError("Booster.boost(example_batch=...) runs the model once: build it on a real device, not meta")
+    init_distributed()
+    return broadcast_object(execution_order(model, **batch), src=0)

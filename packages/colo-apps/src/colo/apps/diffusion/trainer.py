@@ -194,7 +194,10 @@ class DiffusionTrainer:
             weight_decay=opt.weight_decay,
         )
         scheduler = build_scheduler(optimizer, config.schedule, peak_lr=opt.lr)
-        self.booster.boost(model, optimizer, lr_scheduler=scheduler)
+        # chunk-packing plugins (Zero, Gemini) pack in the order the UNet runs, learnt from step 0's batch (a pure
+        # function of the step): diffusers registers blocks in another order
+        example = self.step_batch(0) if plugin.packs_chunks else None
+        self.booster.boost(model, optimizer, lr_scheduler=scheduler, example_batch=example)
         self.ema = None
         if section.ema_decay is not None:
             self.ema = ShardedEMA(

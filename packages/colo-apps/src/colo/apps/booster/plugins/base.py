@@ -51,6 +51,9 @@ class Plugin:
     materializes_meta_models: ClassVar[bool] = False
     """Whether `configure` takes a model built on the meta device and materializes only this rank's shards (from
     the plugin's seed or the plan's materialize function); other plugins need the whole model in memory."""
+    packs_chunks: ClassVar[bool] = False
+    """Whether `configure` packs parameters into chunks (ZeRO-3 / Gemini gather them per chunk): then
+    `Booster.boost(example_batch=...)` records the order a forward uses them and passes it as ``param_order``."""
 
     precision: str = "fp32"
     """Compute precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 with dynamic loss scaling)."""
@@ -130,8 +133,12 @@ class Plugin:
         init_distributed()
         return Mesh(**self.mesh_shape(dist.get_world_size()))
 
-    def configure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, criterion=None) -> Engine:
-        """Wrap ``model`` and ``optimizer`` for this plugin; returns the engine that runs steps."""
+    def configure(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, criterion=None, param_order=None
+    ) -> Engine:
+        """Wrap ``model`` and ``optimizer`` for this plugin; returns the engine that runs steps. ``param_order``
+        (parameter names in the order a forward uses them, `colo.zero.execution_order`) is the chunk packing order
+        of the plugins that pack chunks (`Zero`, `Gemini`); the others ignore it."""
         raise NotImplementedError(f"{type(self).__name__} must implement configure()")
 
     def prepare_dataloader(self, dataset, *, batch_size: int, shuffle: bool = True, seed: int = 0, **kwargs):

@@ -31,7 +31,7 @@ class DDP(Plugin):
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"DDP.bucket_cap_mb={self.bucket_cap_mb!r} must be positive")
 
-    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+    def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
         mesh = self.build_mesh()
         self.maybe_checkpoint_activations(model)
         self.maybe_compile(model)

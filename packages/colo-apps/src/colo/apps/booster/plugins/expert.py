@@ -70,7 +70,7 @@ class ExpertParallel(Plugin):
     def mixed_precision(self) -> MixedPrecision | None:
         return None if self.precision == "fp32" else MixedPrecision(param_dtype=self.compute_dtype)
 
-    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+    def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
         blocks = moe_blocks(model)
         if not blocks:
             raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from colo.gemini import GeminiConfig, GeminiOptimizer, GeminiTiers
 from colo.zero import MixedPrecision
@@ -23,6 +24,8 @@ class Gemini(Plugin, GeminiTiers):
     collective. Gradients are reduced every microbatch (Gemini keeps no full gradient buffer).
     """
 
+    packs_chunks: ClassVar[bool] = True
+
     chunk_numel: int | None = None
     """Chunk capacity in elements (``None``: searched)."""
 
@@ -42,7 +45,7 @@ class Gemini(Plugin, GeminiTiers):
         tiers["optim_fractions"] = dict(self.optim_fractions)
         return GeminiConfig(**tiers, chunk_numel=self.chunk_numel, mixed_precision=mixed)
 
-    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+    def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
         mesh = self.build_mesh()
         broadcast_model_state(model_tensors(model), group=mesh.group("dp"))  # rank 0's values, before chunking
         self.maybe_checkpoint_activations(model)
@@ -50,7 +53,12 @@ class Gemini(Plugin, GeminiTiers):
         plan = find_plan(model)
         checkpoint_names = plan.checkpoint_names(model) if plan is not None else None
         gemini = GeminiOptimizer(
-            model, optimizer, mesh=mesh, config=self.gemini_config(), checkpoint_names=checkpoint_names
+            model,
+            optimizer,
+            mesh=mesh,
+            config=self.gemini_config(),
+            checkpoint_names=checkpoint_names,
+            param_order=param_order,
         )
         return GeminiEngine(
             self, model=model, optimizer=gemini, mesh=mesh, criterion=criterion, sync_every_microbatch=True

@@ -99,7 +99,7 @@ class HybridParallel(Plugin):
     def sample_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return ("dp",)  # sequence-parallel ranks share their samples, each holding a piece of every sequence
 
-    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+    def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
         if criterion is not None and self.pp > 1:
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)

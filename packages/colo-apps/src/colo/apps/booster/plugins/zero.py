@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -22,6 +23,8 @@ class Zero(Plugin):
     dynamic loss scaling over every rank). Stages 2/3 reduce-scatter every microbatch (the memory bound they
     exist for); set ``accumulate_without_sync=True`` to accumulate full gradients locally instead.
     """
+
+    packs_chunks: ClassVar[bool] = True
 
     stage: int = 2
     """ZeRO stage: 0 (nothing sharded), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)."""
@@ -56,7 +59,7 @@ class Zero(Plugin):
             return None
         return MixedPrecision(param_dtype=self.compute_dtype, comm_dtype=comm)
 
-    def configure(self, model, optimizer, *, criterion=None) -> Engine:
+    def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
         plan = find_plan(model)
         mesh = self.build_mesh()
         broadcast_model_state(model_tensors(model), group=mesh.group("dp"))  # rank 0's values, before chunking
@@ -71,6 +74,7 @@ class Zero(Plugin):
             mixed_precision=self.mixed_precision(),
             offload_optimizer=self.offload_optimizer,
             checkpoint_names=plan.checkpoint_names(model) if plan is not None else None,
+            param_order=param_order,
         )
         return ZeroEngine(
             self,
