@@ -185,21 +185,28 @@ class GeminiOptimizer(ChunkOptimizer):
     # --- construction -----------------------------------------------------------------------------------------
 
     def _module_chunks(self, model: torch.nn.Module) -> list[list[int]]:
-        """The chunks of every module that owns parameters, modules in the packing order of their first parameter:
-        registration order by default, the forward's order with ``param_order=execution_order(...)``, the order in
-        which the hooks gather the chunks (the working-set estimate reads chunks in use from it)."""
+        """The chunks of every module that owns parameters, modules in the order the hooks gather them: by the
+        packing position of the first parameter each module is the first owner of (registration order by default,
+        the forward's order with ``param_order=execution_order(...)``); a module whose parameters all belong to an
+        earlier module too (a tied ``lm_head``) keeps its place after the module registered before it."""
         position = {id(param): index for index, (_, param) in enumerate(self._named_params)}
-        result = []
+        claimed: set[int] = set()
+        result, key = [], -1.0
         for module in model.modules():
-            owned, first = [], None
+            owned, fresh = [], []
             for param in module.parameters(recurse=False):
                 chunk = self.chunk_of.get(id(param))
-                if chunk is not None and chunk.index not in owned:
+                if chunk is None:
+                    continue
+                if chunk.index not in owned:
                     owned.append(chunk.index)
-                if id(param) in position:
-                    first = position[id(param)] if first is None else min(first, position[id(param)])
-            if owned:
-                result.append((first, owned))
+                if id(param) not in claimed:
+                    claimed.add(id(param))
+                    fresh.append(position[id(param)])
+            if not owned:
+                continue
+            key = min(fresh) if fresh else key + 1e-6  # right after the previous module
+            result.append((key, owned))
         return [owned for _, owned in sorted(result, key=lambda entry: entry[0])]
 
     def _plan(self, module_chunks: list[list[int]]) -> tuple[Placement, dict[str, float], int]:
