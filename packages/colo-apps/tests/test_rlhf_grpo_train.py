@@ -213,6 +213,7 @@ def test_grpo_run_logs_its_metrics_and_resumes_exactly(tmp_path):
             assert f"grpo/{name}" in record, name
         assert record["grpo/time_rollout"] > 0 and record["grpo/time_update"] > 0
         assert record["grpo/logprob_mismatch_max"] < 1e-5  # rollout log-probs == the trainer's recompute
+        assert record["grpo/rollout_peak_bytes"] > 0  # the rollout's memory: in place under DDP, its KV cache
     assert any("eval_grpo/greedy_reward" in r for r in records)
     assert os.path.exists(os.path.join(straight_dir, "checkpoints", "grpo-reference.safetensors"))
 

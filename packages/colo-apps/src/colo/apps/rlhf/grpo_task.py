@@ -142,6 +142,7 @@ class GRPOTask:
                     f"{prefix}/response_length": total["response_tokens"] / rows,
                     f"{prefix}/logprob_mismatch": total["mismatch_sum"] / max(total["response_tokens"], 1.0),
                     f"{prefix}/logprob_mismatch_max": peak["mismatch_max"],
+                    f"{prefix}/rollout_peak_bytes": peak.get("rollout_peak_bytes", 0.0),
                     # tokens of every rank over the slowest rank's rollout time
                     f"{prefix}/generation_tokens_per_second": generated,
                     f"{prefix}/time_rollout": total["rollout_seconds"] / steps,
@@ -310,6 +311,8 @@ class GRPOTask:
             update_seconds=updated - scored,
         )
         self._peak(mismatch_max=float(mismatch.max()) if mismatch.numel() else 0.0)
+        if self.engine.last_report is not None:  # the rollout phase's weights + KV cache (CUDA: allocator peak)
+            self._peak(rollout_peak_bytes=float(self.engine.last_report.peak_rollout_bytes))
         self._window_max["rollout_seconds"] = self._window_max.get("rollout_seconds", 0.0) + (rolled - started)
         result = type(outcome)(**{**_fields(outcome), "loss": sum(losses) / len(losses)})
         return result, int(rollout.attention_mask.sum())
