@@ -57,12 +57,8 @@ class GRPOTask:
     """The prefix of the step metrics (``grpo/...``) and the eval's (``eval_grpo/...``)."""
 
     def __init__(self, config, tokenizer) -> None:
-        from ..train.data_setup import build_prompt_dataset
-
-        self.config, self.tokenizer = config, tokenizer
-        grpo = self.settings = config.grpo
-        self.reward_functions = {path: load_reward_function(path) for path in grpo.reward_functions}
-        build_prompt_dataset(config.data, grpo, tokenizer)  # every prompt within the budget, checked up front
+        self._init_rollout(config, config.grpo, tokenizer)
+        grpo = self.settings
         self.criterion = GRPOCriterion(
             loss_aggregation=grpo.loss_aggregation,
             beta=grpo.beta,
@@ -71,17 +67,26 @@ class GRPOTask:
             eps_high=grpo.eps_high,
             kl_ratio_correction=grpo.kl_ratio_correction,
         )
+
+    def _init_rollout(self, config, settings, tokenizer) -> None:
+        """What every online-RL task holds, from its section (``grpo`` / ``ppo``, a `RolloutSection`): the reward
+        functions, the sampling parameters, the SFT warm-up and update counts, and the rollout state."""
+        from ..train.data_setup import build_prompt_dataset
+
+        self.config, self.tokenizer, self.settings = config, tokenizer, settings
+        self.reward_functions = {path: load_reward_function(path) for path in settings.reward_functions}
+        build_prompt_dataset(config.data, settings, tokenizer)  # every prompt within the budget, checked up front
         self.params = SamplingParams(
-            max_new_tokens=grpo.max_new_tokens,
-            temperature=grpo.temperature,
-            top_p=grpo.top_p,
-            n=grpo.group_size,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            n=settings.group_size,
             eos_token_id=tokenizer.eos_id,
             pad_token_id=tokenizer.pad_id,
             vocab_limit=tokenizer.vocab_size,
         )
-        self.sft_steps = grpo.sft_steps
-        self.updates_per_step = grpo.epochs * grpo.minibatches
+        self.sft_steps = settings.sft_steps
+        self.updates_per_step = settings.epochs * settings.minibatches
         self.reference: torch.nn.Module | None = None
         self.reference_step: int | None = None
         self.engine = None

@@ -26,13 +26,13 @@ import time
 
 import torch
 
-from ..generation import SamplingParams, rollout_model_inputs
+from ..generation import rollout_model_inputs
 from .critic import add_value_head, attach_ppo_forward
 from .grpo_task import GRPOTask, _fields, _seed
 from .modeling import make_reward_model
 from .ppo import PPOCriterion, build_kl_controller
 from .ppo_learner import PPOLearner
-from .rewards import compute_rewards, load_reward_function
+from .rewards import compute_rewards
 
 STATE_KEY = "ppo"
 CRITIC_DIR = "critic"
@@ -54,12 +54,8 @@ class PPOTask(GRPOTask):
     metric_prefix = "ppo"
 
     def __init__(self, config, tokenizer) -> None:  # GRPOTask's attributes, from the ppo section
-        from ..train.data_setup import build_prompt_dataset
-
-        self.config, self.tokenizer = config, tokenizer
-        ppo = self.settings = config.ppo
-        self.reward_functions = {path: load_reward_function(path) for path in ppo.reward_functions}
-        build_prompt_dataset(config.data, ppo, tokenizer)
+        self._init_rollout(config, config.ppo, tokenizer)
+        ppo = self.settings
         self.reward_run = None if ppo.reward_model is None else check_reward_model(ppo.reward_model, config)
         self.shared = ppo.critic == "shared"
         losses = dict(
@@ -77,26 +73,9 @@ class PPOTask(GRPOTask):
         self.kl_controller = build_kl_controller(
             ppo.kl_controller, init=ppo.kl_coef, target=ppo.kl_target, horizon=ppo.kl_horizon
         )
-        self.params = SamplingParams(
-            max_new_tokens=ppo.max_new_tokens,
-            temperature=ppo.temperature,
-            top_p=ppo.top_p,
-            n=ppo.group_size,
-            eos_token_id=tokenizer.eos_id,
-            pad_token_id=tokenizer.pad_id,
-            vocab_limit=tokenizer.vocab_size,
-        )
-        self.sft_steps = ppo.sft_steps
-        self.updates_per_step = ppo.epochs * ppo.minibatches
-        self.reference: torch.nn.Module | None = None
-        self.reference_step: int | None = None
         self.reward_model: torch.nn.Module | None = None
         self.critic_booster = None
         self.learner: PPOLearner | None = None
-        self.engine = None
-        self._batches = None
-        self._window: dict[str, float] = {}
-        self._window_max: dict[str, float] = {}
         self._stats: dict[str, float] = {}
 
     # --- hooks of the trainer -------------------------------------------------------------------------------------

@@ -603,107 +603,70 @@ class RunConfig(_Section):
             raise ValueError("data.task='rm' with LoRA is not supported: the scalar head must train")
 
     def _check_grpo_task(self) -> None:
-        """``data.task: grpo`` needs prompts, a layout whose trainer holds full-vocabulary logits and replicated
-        weights for the frozen reference, and batches that split into the updates; other tasks take no ``grpo``."""
-        grpo = self.grpo
-        if self.data.task != "grpo":
-            if grpo != GRPOSection():
-                raise ValueError(f"grpo.* is read only with data.task='grpo' (data.task={self.data.task!r})")
-            return
-        if not self.data.paths and not grpo.synthetic_prompts:
-            raise ValueError(
-                "data.task='grpo' needs data.paths of {prompt, ...} records, or grpo.synthetic_prompts > 0 for the "
-                "embedded arithmetic prompts"
-            )
-        plugin = self.plugin
-        if plugin.name not in ("ddp", "zero") or (plugin.name == "zero" and plugin.stage == 3):
-            raise ValueError(
-                "data.task='grpo' runs under plugin.name='ddp' or 'zero' (stage 0-2) in the trainer (its frozen "
-                f"reference is a replicated copy of the policy); plugin.name={plugin.name!r}"
-                + (f" with stage={plugin.stage}" if plugin.name == "zero" else "")
-                + " is not supported yet"
-            )
-        if plugin.loss_weighting != "microbatch":
-            raise ValueError(
-                "data.task='grpo' aggregates its loss itself (grpo.loss_aggregation): set "
-                "plugin.loss_weighting='microbatch'"
-            )
-        if grpo.sft_steps >= self.schedule.total_steps:
-            raise ValueError(
-                f"grpo.sft_steps={grpo.sft_steps} leaves no GRPO step of schedule.total_steps="
-                f"{self.schedule.total_steps}; lower it"
-            )
-        completions = self.data.global_batch_size * grpo.group_size
-        split = grpo.minibatches * self.schedule.num_microbatches
-        if completions % split:
-            raise ValueError(
-                f"data.global_batch_size={self.data.global_batch_size} prompts x grpo.group_size={grpo.group_size} "
-                f"give {completions} completions per step, which do not split into grpo.minibatches="
-                f"{grpo.minibatches} x schedule.num_microbatches={self.schedule.num_microbatches} on every "
-                "data-parallel rank; change one of them"
-            )
-        budget = grpo.max_prompt_len + grpo.max_new_tokens
-        window = self.model.max_position_embeddings or self.model.preset_config.max_position_embeddings
-        if self.model.init_from is None and budget > window:
-            raise ValueError(
-                f"grpo.max_prompt_len={grpo.max_prompt_len} + grpo.max_new_tokens={grpo.max_new_tokens} exceed the "
-                f"model's max_position_embeddings={window}; lower them"
-            )
+        """``data.task: grpo``: the checks of every online-RL task (`_check_rollout_task`)."""
+        self._check_rollout_task("grpo", self.grpo, GRPOSection())
 
     def _check_ppo_task(self) -> None:
-        """``data.task: ppo`` needs what grpo needs (prompts, a replicated-weights actor layout, batches that split
-        into the updates) and a critic layout that can be built; other tasks take no ``ppo``."""
-        ppo = self.ppo
-        if self.data.task != "ppo":
-            if ppo != PPOSection():
-                raise ValueError(f"ppo.* is read only with data.task='ppo' (data.task={self.data.task!r})")
+        """``data.task: ppo``: what grpo needs, no LoRA yet, and a critic layout that can be built."""
+        if not self._check_rollout_task("ppo", self.ppo, PPOSection()):
             return
-        if not self.data.paths and not ppo.synthetic_prompts:
+        if self.lora.enabled:
             raise ValueError(
-                "data.task='ppo' needs data.paths of {prompt, ...} records, or ppo.synthetic_prompts > 0 for the "
-                "embedded arithmetic prompts"
+                "data.task='ppo' with LoRA is not supported yet (the critic and the value head train whole); set "
+                "lora.enabled=false"
+            )
+        if self.ppo.critic_plugin is not None:
+            self.ppo_critic_plugin()  # a critic layout that cannot be built fails here, naming the field
+
+    def _check_rollout_task(self, task: str, section, default) -> bool:
+        """An online-RL task's section (``grpo`` / ``ppo``, a `colo.apps.rlhf.RolloutSection`) needs prompts, a
+        layout whose trainer holds full-vocabulary logits and replicated weights for the frozen reference, batches
+        that split into the updates and prompts + completions that fit the model; other tasks take no section.
+        Returns whether ``task`` is the run's."""
+        if self.data.task != task:
+            if section != default:
+                raise ValueError(f"{task}.* is read only with data.task='{task}' (data.task={self.data.task!r})")
+            return False
+        if not self.data.paths and not section.synthetic_prompts:
+            raise ValueError(
+                f"data.task='{task}' needs data.paths of {{prompt, ...}} records, or {task}.synthetic_prompts > 0 for "
+                "the embedded arithmetic prompts"
             )
         plugin = self.plugin
         if plugin.name not in ("ddp", "zero") or (plugin.name == "zero" and plugin.stage == 3):
             raise ValueError(
-                "data.task='ppo' runs the actor under plugin.name='ddp' or 'zero' (stage 0-2) in the trainer (its "
+                f"data.task='{task}' runs the policy under plugin.name='ddp' or 'zero' (stage 0-2) in the trainer (its "
                 f"frozen reference is a replicated copy of the policy); plugin.name={plugin.name!r}"
                 + (f" with stage={plugin.stage}" if plugin.name == "zero" else "")
                 + " is not supported yet"
             )
         if plugin.loss_weighting != "microbatch":
             raise ValueError(
-                "data.task='ppo' aggregates its losses itself (ppo.loss_aggregation): set "
+                f"data.task='{task}' aggregates its losses itself ({task}.loss_aggregation): set "
                 "plugin.loss_weighting='microbatch'"
             )
-        if self.lora.enabled:
+        if section.sft_steps >= self.schedule.total_steps:
             raise ValueError(
-                "data.task='ppo' with LoRA is not supported yet (the critic and the value head train whole); set "
-                "lora.enabled=false"
-            )
-        if ppo.critic_plugin is not None:
-            self.ppo_critic_plugin()  # a critic layout that cannot be built fails here, naming the field
-        if ppo.sft_steps >= self.schedule.total_steps:
-            raise ValueError(
-                f"ppo.sft_steps={ppo.sft_steps} leaves no PPO step of schedule.total_steps="
+                f"{task}.sft_steps={section.sft_steps} leaves no {task.upper()} step of schedule.total_steps="
                 f"{self.schedule.total_steps}; lower it"
             )
-        completions = self.data.global_batch_size * ppo.group_size
-        split = ppo.minibatches * self.schedule.num_microbatches
+        completions = self.data.global_batch_size * section.group_size
+        split = section.minibatches * self.schedule.num_microbatches
         if completions % split:
             raise ValueError(
-                f"data.global_batch_size={self.data.global_batch_size} prompts x ppo.group_size={ppo.group_size} "
-                f"give {completions} completions per step, which do not split into ppo.minibatches="
-                f"{ppo.minibatches} x schedule.num_microbatches={self.schedule.num_microbatches} on every "
-                "data-parallel rank; change one of them"
+                f"data.global_batch_size={self.data.global_batch_size} prompts x {task}.group_size="
+                f"{section.group_size} give {completions} completions per step, which do not split into "
+                f"{task}.minibatches={section.minibatches} x schedule.num_microbatches="
+                f"{self.schedule.num_microbatches} on every data-parallel rank; change one of them"
             )
-        budget = ppo.max_prompt_len + ppo.max_new_tokens
+        budget = section.max_prompt_len + section.max_new_tokens
         window = self.model.max_position_embeddings or self.model.preset_config.max_position_embeddings
         if self.model.init_from is None and budget > window:
             raise ValueError(
-                f"ppo.max_prompt_len={ppo.max_prompt_len} + ppo.max_new_tokens={ppo.max_new_tokens} exceed the "
-                f"model's max_position_embeddings={window}; lower them"
+                f"{task}.max_prompt_len={section.max_prompt_len} + {task}.max_new_tokens={section.max_new_tokens} "
+                f"exceed the model's max_position_embeddings={window}; lower them"
             )
+        return True
 
     def ppo_critic_plugin(self):
         """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
