@@ -15,7 +15,7 @@ from colo.comm import init_distributed
 from ..booster import Booster
 from ..train.metrics import MetricsLogger, memory_bytes
 from ..train.optim import build_scheduler
-from ..train.state import checkpoint_path, prune_checkpoints, resolve_resume
+from ..train.state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume
 from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate
 from .ema import ShardedEMA
 from .latent_cache import CACHE_DIR, build_latent_cache
@@ -120,15 +120,6 @@ def check_cross_attention(unet, text_encoder) -> None:
             f"the text encoder's hidden_size is {width} but the UNet's cross_attention_dim is {expected}; set "
             "diffusion.text_hidden_size (or diffusion.unet_config.cross_attention_dim) to the encoder's width"
         )
-
-
-def pick_device(choice: str) -> torch.device:
-    """The run's compute device (the ``device`` field of the run config): CUDA per local rank, or the CPU."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use device='auto' or 'cpu'")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 class DiffusionTrainer:

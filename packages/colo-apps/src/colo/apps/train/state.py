@@ -95,3 +95,12 @@ def resolve_resume(resume: str, root: str) -> str | None:
             "checkpoint directory holding index.json"
         ) from None
     return resume
+
+
+def pick_device(choice: str) -> torch.device:
+    """The run's compute device (the ``device`` field of the run config): CUDA per local rank, or the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='auto' or 'cpu'")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +41,7 @@ from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line
 from .optim import build_optimizer, build_scheduler
 from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
 from .resilience import RunGuard
-from .state import checkpoint_path, prune_checkpoints, resolve_resume, rng_state, set_rng_state
+from .state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 
 
 @dataclass
@@ -88,7 +87,7 @@ class Trainer:
         self.config = config
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = _pick_device(config.device)
+        self.device = pick_device(config.device)
         self.log = MetricsLogger(
             config.output_dir,
             total_steps=config.schedule.total_steps,
@@ -523,14 +522,6 @@ def _build_task(config: RunConfig, tokenizer):
 
         return PPOTask(config, tokenizer)
     return None
-
-
-def _pick_device(choice: str) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use device='auto' or 'cpu'")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 def train(config: RunConfig) -> TrainResult:
