@@ -1,5 +1,6 @@
-"""Reward-model and DPO training under DDP dp2, ZeRO-2 dp2, ZeRO-3 dp2 and HybridParallel tp2 (colo's native Llama;
-and DPO on a ``transformers`` Llama under tp2, whose plan gathers the logits) match the single-process run over 5 AdamW
+"""Reward-model and DPO training under DDP dp2, ZeRO-2 dp2, ZeRO-3 dp2 and HybridParallel tp2 (colo's native Llama,
+whose DPO log-probs under tp2 come from vocabulary-parallel logits without gathering them; and DPO on a
+``transformers`` Llama under tp2, whose plan gathers the logits) match the single-process run over 5 AdamW
 steps: the loss of every step and every parameter at the end. Each rank runs its data-parallel share of the pairs
 (chosen and rejected of a pair always together); the DPO reference log-probs are precomputed through the boosted
 model (every rank an equal share, all-gathered) and must equal the single-process ones.
@@ -99,6 +100,7 @@ def single_process(task, make):
 def _train(task, runs):
     from colo.apps import DDP, Booster, HybridParallel, Zero
     from colo.apps.rlhf import WithReferenceLogps, precompute_reference_logps
+    from colo.comm import CommTracker
     from colo.tensor import layout_of
 
     results = {}
@@ -122,13 +124,19 @@ def _train(task, runs):
             booster.train_step(batch_of(dataset, step, slice(rank * share, (rank + 1) * share))).loss
             for step in range(STEPS)
         ]
+        mismatches = []
+        if task == "dpo" and kind == "native" and settings.get("tp", 1) > 1:
+            # the policy's log-probs come from the vocabulary-parallel logit columns: no logits are gathered
+            with CommTracker() as tracker:
+                booster.engine.forward(batch_of(dataset, 0, slice(rank * share, (rank + 1) * share)))
+            if tracker.calls("all_gather"):
+                mismatches.append(f"{label}: the pair forward gathered: {tracker.summary()}")
         if plugin_name == "ddp":
             params = {n.removeprefix("module."): p.detach() for n, p in booster.unwrap().named_parameters()}
             named = {}
         else:
             params = booster.engine.optimizer.full_params()
             named = dict(booster.engine.model.named_parameters())
-        mismatches = []
         for name, value in params.items():
             reference = _reference_of(expected, name, model)
             layout = layout_of(named[name]) if name in named else None
@@ -171,8 +179,8 @@ def test_native_llama_under_ddp_zero2_zero3_matches_one_process(task):
 
 @pytest.mark.parametrize("task", ["rm", "dpo"])
 def test_native_llama_under_tp2_matches_one_process(task):
-    # the reward head (hidden -> 1) stays replicated after the row-parallel layers; DPO's pair forward reads whole
-    # logit rows, so the plan gathers the vocabulary-parallel logits for it
+    # the reward head (hidden -> 1) stays replicated after the row-parallel layers; DPO's per-sequence log-probs come
+    # from the vocabulary-parallel logit columns (two all-reduces per token row), never gathered (asserted in _train)
     runs = [("tp2", "hybrid", {"tp": 2, "zero_stage": 1}, "native")]
     # losses: the first step's agree to 1e-7 (and the gradient norm to 2e-6); the reward loss then drifts to 2.4e-5
     # relative by step 4 as AdamW (lr 1e-2) amplifies the summation-order rounding, while every parameter stays within

@@ -58,13 +58,11 @@ class LlamaPlan(ModelPlan):
     def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
         device = _materialize_device(model)
         if plugin.tp > 1:
-            # a pipeline's last stage outputs logits for the executor's loss, so they are gathered there, as for
-            # a model whose forward reads whole logit rows (the preference pair forward's per-sequence log-probs)
-            full_logits = plugin.pp > 1 or getattr(model, "needs_full_logits", False)
+            # a pipeline's last stage outputs logits for the executor's loss, so they are gathered there
             parallelize_llama(
                 model,
                 mesh=mesh,
-                loss_parallel=not full_logits,
+                loss_parallel=plugin.pp == 1,
                 sequence_parallel=plugin.sp_mode == "megatron",
                 materialize=device,
                 seed=plugin.seed,

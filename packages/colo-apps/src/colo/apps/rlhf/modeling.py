@@ -6,7 +6,8 @@ batch's ``(pairs, 2, seq)`` tensors, runs chosen and rejected rows in one forwar
 (``width`` the longest row of the microbatch: padding past it is not computed) and returns per-row quantities:
 
 - ``head="logps"`` (DPO family): ``{"logps": (pairs, 2) sums of log pi over the response tokens, "num_tokens":
-  (pairs, 2)}``, from the model's logits (colo's `Llama` or a ``transformers`` causal LM);
+  (pairs, 2)}``, from the model's logits (a ``transformers`` causal LM), or for colo's `Llama` from its objective's
+  per-token log-probs (under tensor parallelism computed from the vocabulary-parallel logit columns, never gathered);
 - ``head="reward"`` (reward model): ``{"rewards": (pairs, 2)}``, the scalar head read at the rightmost token that is
   not ``pad_id``, the rule ``transformers``' ``LlamaForSequenceClassification`` applies (so an exported model scores
   the same).
@@ -91,6 +92,8 @@ def attach_pair_forward(model: nn.Module, *, head: str, pad_id: int) -> nn.Modul
         pairs, _, seq = input_ids.shape
         width = int(lengths.max()) if lengths is not None else seq
         ids = input_ids.reshape(2 * pairs, seq)[:, :width]
+        if native and head == "logps":
+            return _native_pair_logps(model, ids, labels, pairs, seq, width)
         if native:
             output = original(ids, return_logits=True)
         else:
@@ -110,8 +113,18 @@ def attach_pair_forward(model: nn.Module, *, head: str, pad_id: int) -> nn.Modul
 
     model.forward = pair_forward
     model._colo_pair_forward = original
-    model.needs_full_logits = True  # plans keep whole logit rows on every tensor-parallel rank (log-probs per sequence)
     return model
+
+
+def _native_pair_logps(model: Llama, ids, labels, pairs: int, seq: int, width: int) -> dict:
+    """colo's `Llama`: per-token log-probs from the model's own objective, so a vocabulary-parallel ``lm_head``
+    (tensor parallelism) gives them from its logit columns without gathering whole rows."""
+    if labels is None:
+        raise ValueError("a DPO batch needs 'labels' (-100 outside the responses)")
+    rows = labels.reshape(2 * pairs, seq)[:, :width]
+    token_logps = model.objective.token_logprobs(model.hidden_states(ids), model.lm_head, rows)
+    counts = (model.objective.targets(rows) != model.objective.ignore_index).sum(-1)
+    return {"logps": token_logps.sum(-1).reshape(pairs, 2), "num_tokens": counts.reshape(pairs, 2)}
 
 
 def make_reward_model(model: Llama, *, seed: int = 0) -> Llama:

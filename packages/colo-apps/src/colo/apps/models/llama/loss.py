@@ -127,5 +127,20 @@ class CausalLMObjective(nn.Module):
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=self.ignore_index
         ), logits
 
+    def token_logprobs(self, hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """The log-probability of each position's target (``labels`` shifted, as for the loss) under the softmax of
+        the logits, 0 where the target is ignored: ``(batch, seq)`` in fp32. Sequence-level quantities (DPO's
+        summed response log-probs) are sums of these along a row.
+
+        Args:
+            hidden (torch.Tensor): ``(batch, seq, hidden)`` final hidden states (after the last norm).
+            lm_head (nn.Module): the output projection ``hidden -> vocab``.
+            labels (torch.Tensor): ``(batch, seq)`` labels aligned with the inputs, ``ignore_index`` for none.
+        """
+        targets = self.targets(labels)
+        log_probs = torch.log_softmax(lm_head(hidden).float(), dim=-1)
+        picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return picked.masked_fill(targets == self.ignore_index, 0.0)
+
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, fused={self.fused}"

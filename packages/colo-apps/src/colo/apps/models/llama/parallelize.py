@@ -90,6 +90,20 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
         # the mean over non-ignored targets, 0 when all are ignored (as colo.kernels.cross_entropy)
         return total / (targets != self.ignore_index).sum().clamp(min=1), logits
 
+    def token_logprobs(self, hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """As `CausalLMObjective.token_logprobs`, from this rank's logit columns without gathering them: the
+        negated per-token `colo.tensor.vocab_parallel_cross_entropy` (two small all-reduces per token row)."""
+        targets = self.targets(labels)
+        losses = vocab_parallel_cross_entropy(
+            lm_head(hidden).float(),
+            targets,
+            group=self.group,
+            ignore_index=self.ignore_index,
+            vocab_size=self.vocab_size,
+            reduction="none",
+        )
+        return -losses
+
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, vocab_size={self.vocab_size}, tp={self.group.size}"
 
