@@ -1,6 +1,6 @@
-"""Reward-model and DPO training under DDP dp2, ZeRO-2 dp2, ZeRO-3 dp2 and HybridParallel tp2 (colo's native Llama,
-whose DPO log-probs under tp2 come from vocabulary-parallel logits without gathering them; and DPO on a
-``transformers`` Llama under tp2, whose plan gathers the logits) match the single-process run over 5 AdamW
+"""Reward-model and DPO training under DDP dp2, ZeRO-2 dp2, ZeRO-3 dp2, Gemini dp2 and HybridParallel tp2 (colo's
+native Llama, whose DPO log-probs under tp2 come from vocabulary-parallel logits without gathering them; and DPO on
+a ``transformers`` Llama under tp2, whose plan gathers the logits) match the single-process run over 5 AdamW
 steps: the loss of every step and every parameter at the end. Each rank runs its data-parallel share of the pairs
 (chosen and rejected of a pair always together); the DPO reference log-probs are precomputed through the boosted
 model (every rank an equal share, all-gathered) and must equal the single-process ones.
@@ -98,7 +98,7 @@ def single_process(task, make):
 
 
 def _train(task, runs):
-    from colo.apps import DDP, Booster, HybridParallel, Zero
+    from colo.apps import DDP, Booster, Gemini, HybridParallel, Zero
     from colo.apps.rlhf import WithReferenceLogps, precompute_reference_logps
     from colo.comm import CommTracker
     from colo.tensor import layout_of
@@ -107,7 +107,8 @@ def _train(task, runs):
     for label, plugin_name, settings, kind in runs:
         make = hf_model if kind == "hf" else (lambda: native_model(task))
         expected_losses, expected, expected_table = single_process(task, make)
-        plugin = {"ddp": DDP, "zero": Zero, "hybrid": HybridParallel}[plugin_name](max_grad_norm=1.0, **settings)
+        plugins = {"ddp": DDP, "zero": Zero, "gemini": Gemini, "hybrid": HybridParallel}
+        plugin = plugins[plugin_name](max_grad_norm=1.0, **settings)
         model, booster, criterion = make(), Booster(plugin), criterion_for(task)
         booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), criterion=criterion)
         mesh = booster.engine.mesh
@@ -166,11 +167,12 @@ NATIVE_RUNS = [
     ("ddp-dp2", "ddp", {}, "native"),
     ("zero2-dp2", "zero", {"stage": 2}, "native"),
     ("zero3-dp2", "zero", {"stage": 3}, "native"),
+    ("gemini-dp2", "gemini", {}, "native"),
 ]
 
 
 @pytest.mark.parametrize("task", ["rm", "dpo"])
-def test_native_llama_under_ddp_zero2_zero3_matches_one_process(task):
+def test_native_llama_under_ddp_zero2_zero3_gemini_matches_one_process(task):
     for rank_results in run_distributed(_train, task, NATIVE_RUNS, world_size=2, timeout=120):
         for label, (losses, expected_losses, num_params, mismatches) in rank_results.items():
             torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=0, msg=label)
