@@ -42,7 +42,7 @@ def test_bad_ppo_runs_name_the_field(tmp_path):
         (["ppo.critic_plugin={name: hybrid, tp: 2}"], "ppo.critic_plugin: name='hybrid' cannot hold the critic"),
         (["ppo.critic_plugin={name: nothing}"], "ppo.critic_plugin=.* is not a plugin section"),
         (["ppo.critic=shared", "ppo.critic_plugin={name: ddp}"], "drop ppo.critic_plugin"),
-        (["plugin.name=zero", "plugin.stage=3"], "stage=3 is not supported"),
+        (["plugin.name=hybrid"], "plugin.name='hybrid' is not supported"),
         (["ppo.synthetic_prompts=0"], "needs data.paths"),
         (["ppo.sft_steps=600"], "leaves no PPO step"),
         (["ppo.reward_functions=[]"], "give the policy a reward"),

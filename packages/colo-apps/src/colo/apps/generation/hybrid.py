@@ -187,6 +187,16 @@ class RolloutEngine:
         )
         return rollout
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the trained module's state dict with whole weights on every rank (of its tensor-parallel
+        shards under ``tp``): in place, a clone of the module's own; under ZeRO-3 / Gemini, read from the rollout
+        copy assembled chunk by chunk as for `generate` (then freed). E.g. a frozen reference of the policy.
+        Every rank must call it (the gathered layouts run collectives)."""
+        optimizer = self._chunk_optimizer
+        context = self._gathered(optimizer) if optimizer is not None else self._in_place()
+        with context as (module, _sync), torch.no_grad():
+            return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
     # --- layouts ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -354,8 +354,9 @@ class GRPOTask:
     # --- the reference --------------------------------------------------------------------------------------------
 
     def _take_reference(self, trainer, step: int) -> None:
-        """The frozen reference: the policy now (after the SFT warm-up), copied on every rank; saved once."""
-        state = {name: tensor.detach().clone() for name, tensor in trainer.booster.unwrap().state_dict().items()}
+        """The frozen reference: the policy now (after the SFT warm-up), copied on every rank (gathered chunk by
+        chunk under ZeRO-3 / Gemini); saved once."""
+        state = self.engine.full_state_dict()
         self.reference = self._build_reference(trainer, state)
         self.reference_step = step
         if self.config.checkpoint.enabled:

@@ -620,9 +620,9 @@ class RunConfig(_Section):
 
     def _check_rollout_task(self, task: str, section, default) -> bool:
         """An online-RL task's section (``grpo`` / ``ppo``, a `colo.apps.rlhf.RolloutSection`) needs prompts, a
-        layout whose trainer holds full-vocabulary logits and replicated weights for the frozen reference, batches
-        that split into the updates and prompts + completions that fit the model; other tasks take no section.
-        Returns whether ``task`` is the run's."""
+        layout whose trainer holds full-vocabulary logits and whole weights (in place or gathered) for the frozen
+        reference, batches that split into the updates and prompts + completions that fit the model; other tasks
+        take no section. Returns whether ``task`` is the run's."""
         if self.data.task != task:
             if section != default:
                 raise ValueError(f"{task}.* is read only with data.task='{task}' (data.task={self.data.task!r})")
@@ -633,12 +633,11 @@ class RunConfig(_Section):
                 "the embedded arithmetic prompts"
             )
         plugin = self.plugin
-        if plugin.name not in ("ddp", "zero") or (plugin.name == "zero" and plugin.stage == 3):
+        if plugin.name not in ("ddp", "zero", "gemini"):
             raise ValueError(
-                f"data.task='{task}' runs the policy under plugin.name='ddp' or 'zero' (stage 0-2) in the trainer (its "
-                f"frozen reference is a replicated copy of the policy); plugin.name={plugin.name!r}"
-                + (f" with stage={plugin.stage}" if plugin.name == "zero" else "")
-                + " is not supported yet"
+                f"data.task='{task}' runs the policy under plugin.name='ddp', 'zero' (stages 0-3) or 'gemini' in the "
+                f"trainer (its frozen reference is a replicated copy of the policy); plugin.name={plugin.name!r} is "
+                "not supported yet"
             )
         if plugin.loss_weighting != "microbatch":
             raise ValueError(
