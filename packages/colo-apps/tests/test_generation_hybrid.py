@@ -1,6 +1,6 @@
 """`RolloutEngine`: rollouts from the weights a Booster trains equal a single-process reference and the trainer's own
-recomputed log-probs, under DDP dp2, ZeRO-3 dp2, Gemini dp2, HybridParallel tp2 and LoRA (under ZeRO-3 dp2, where
-only the adapters are gathered again).
+recomputed log-probs, under DDP dp2, ZeRO-3 dp2, Gemini dp2, HybridParallel tp2 and LoRA (in place under DDP dp2, and
+under ZeRO-3 dp2, where only the adapters are gathered again).
 
 Each rank boosts the native tiny Llama, takes one SGD step on its share of a fixed batch (so the rollout must see
 trained weights, not the initial ones), and generates its own prompts (the same on both ranks of a tp group) with
@@ -154,8 +154,11 @@ def _check(results, *, layout: str):
     return [[r["report"] for r in rounds] for rounds in results]
 
 
-def test_rollouts_under_ddp_equal_the_reference_in_place():
-    results = run_distributed(_rollout_case, "ddp", {}, False, world_size=2, timeout=180)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_rollouts_under_ddp_equal_the_reference_in_place(lora):
+    if lora:
+        pytest.importorskip("peft")
+    results = run_distributed(_rollout_case, "ddp", {}, lora, world_size=2, timeout=180)
     reports = _check(results, layout="in-place")
     assert all(r.synced_bytes == 0 and r.rollout_weight_bytes == 0 for rank in reports for r in rank)
 
