@@ -39,11 +39,21 @@ the slowest rank's median timed step (robust to a neighbour's bursts on a shared
 max over ranks; each side's imports included: accelerate on one side, colo's packages on the other, diffusers and
 transformers on both), the training RSS (the peak minus the resident set once the models and data were built, just
 before the optimizer and the wrapping: what training itself added, max over ranks), the first losses (the same on
-both sides, to ~1e-6), and the load average. No assertion on timings anywhere.
+both sides, to ~1e-6), and the load average. No assertion on timings anywhere. Also the RSS once set up (after the
+wrapping, before the first step), the peak RSS of the steps alone (the high-water mark reset just before the first
+step: construction and ZeRO-3 / Gemini's one-time copy into chunks excluded) and the RSS after the last step. Every
+rank of every row runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``, default 64 KiB), so
+freed tensors go back to the OS and the RSS follows live memory rather than glibc's retained heap. colo's rows boost
+with ``example_batch`` (chunks packed in the order the forward uses the parameters, as the diffusion trainer does);
+``--chunk-mib`` sets ZeRO-3 / Gemini's chunk size.
 
 Run::
 
     python benchmarks/diffusion_train.py [--batch 16] [--warmup 2] [--steps 8] [--repeats 2]
+    # a 64.5M-parameter UNet, where model states outweigh activations (the memory comparison):
+    python benchmarks/diffusion_train.py --channels 128 256 512 --batch 2 --warmup 1 --steps 3 --chunk-mib 16 \
+        --impls colo_ddp colo_zero2 colo_zero3 colo_gemini diffusers_ddp --gemini-budget 160MiB \
+        --out benchmarks/results/diffusion_train_unet64m_cpu.json
 
 Writes ``benchmarks/results/diffusion_train_cpu.json`` (``--out``).
 """
@@ -135,8 +145,30 @@ def current_rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux: ``clear_refs`` 5); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def timed_loop(args, step_fn, barrier, rss_before_mb: float) -> dict:
     step_times, losses = [], []
+    # the training phase's own peak: model construction and boosting (ZeRO-3 / Gemini copy the full model into
+    # chunks once) are excluded by resetting the high-water mark here, after setup and before the first step
+    steady_before = current_rss_mb()
+    reset = reset_peak_rss()
     start = time.perf_counter()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -153,6 +185,9 @@ def timed_loop(args, step_fn, barrier, rss_before_mb: float) -> dict:
         "losses": losses,
         "peak_rss_mb": peak,
         "training_rss_mb": peak - rss_before_mb,
+        "setup_rss_mb": steady_before,
+        "step_peak_rss_mb": peak_rss_since_reset_mb() if reset else float("nan"),
+        "end_rss_mb": current_rss_mb(),
     }
 
 
@@ -179,25 +214,30 @@ def colo_rank(impl: str, args) -> dict:
     )
     model = DenoiserLoss(unet)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    chunk_numel = args.chunk_mib * 2**20 // 4 if args.chunk_mib else None
     plugin = {
         "colo_zero2": lambda: Zero(stage=2),
-        "colo_zero3": lambda: Zero(stage=3),
-        "colo_gemini": lambda: Gemini(placement="auto", device_capacity=args.gemini_budget),
+        "colo_zero3": lambda: Zero(stage=3, chunk_numel=chunk_numel),
+        "colo_gemini": lambda: Gemini(placement="auto", device_capacity=args.gemini_budget, chunk_numel=chunk_numel),
     }.get(impl, DDP)()
     booster = Booster(plugin)
-    booster.boost(model, optimizer)
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
 
-    def step_fn(step: int) -> float:
+    def batch_of(step: int) -> dict:
         data = local_images(dataset, step, rank, args.batch, world)
-        batch = builder(
+        return builder(
             step=step,
             captions=data["caption"],
             pixel_values=data["pixel_values"],
             rows=rows,
             global_rows=args.batch * world,
         )
-        return float(booster.train_step(batch).loss)
+
+    # chunks packed in the order the UNet's forward uses its parameters, as colo's diffusion trainer packs them
+    booster.boost(model, optimizer, example_batch=batch_of(0))
+
+    def step_fn(step: int) -> float:
+        return float(booster.train_step(batch_of(step)).loss)
 
     result = timed_loop(args, step_fn, dist.barrier, rss_before)
     result["rank"] = rank
@@ -299,6 +339,9 @@ def measure(impl: str, args) -> dict:
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in per_rank],
         "training_rss_mb": max(r["training_rss_mb"] for r in per_rank),
+        "setup_rss_mb": max(r["setup_rss_mb"] for r in per_rank),
+        "step_peak_rss_mb": max(r["step_peak_rss_mb"] for r in per_rank),
+        "end_rss_mb": max(r["end_rss_mb"] for r in per_rank),
         "first_losses": per_rank[0]["losses"][:3],
         "median_step_s": [statistics.median(r["step_times_s"][args.warmup :]) for r in per_rank],
         "load_average": os.getloadavg()[0],
@@ -321,6 +364,16 @@ def main() -> int:
     parser.add_argument(
         "--gemini-budget", default="64MiB", help="Gemini's device_capacity per rank (a host arena without a GPU)"
     )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ in every rank of every row (0: leave glibc's dynamic threshold): "
+        "tensors above it are mmapped and given back to the OS when freed, so the RSS follows live memory",
+    )
+    parser.add_argument(
+        "--chunk-mib", type=int, default=0, help="ZeRO-3 / Gemini chunk size in MiB of fp32 (0: colo's search)"
+    )
     parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. the machine's load)")
     parser.add_argument("--out", default=str(RESULTS / "diffusion_train_cpu.json"))
@@ -330,6 +383,8 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(baseline_rank(args)))
         return 0
 
+    if args.mmap_threshold:
+        RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     runs = []
     began = time.perf_counter()
     for repeat in range(args.repeats):
@@ -354,7 +409,8 @@ def main() -> int:
             summary[impl] = {"error": next(r["error"] for r in runs if r["impl"] == impl)}
             continue
         row = {"processes": IMPLS[impl][1]}
-        for key in ("steps_per_s", "images_per_s", "peak_rss_mb", "training_rss_mb", "steps_per_s_median_step"):
+        keys = ("steps_per_s", "images_per_s", "peak_rss_mb", "training_rss_mb", "steps_per_s_median_step")
+        for key in (*keys, "setup_rss_mb", "step_peak_rss_mb", "end_rss_mb"):
             row[key] = statistics.median(r[key] for r in ok)
         row["steps_per_s_repeats"] = [r["steps_per_s"] for r in ok]
         row["first_losses"] = ok[0]["first_losses"]
@@ -372,6 +428,7 @@ def main() -> int:
         ratios[f"{colo} / {base} throughput_median_step"] = a["steps_per_s_median_step"] / b["steps_per_s_median_step"]
         ratios[f"{colo} / {base} peak_rss"] = a["peak_rss_mb"] / b["peak_rss_mb"]
         ratios[f"{colo} / {base} training_rss"] = a["training_rss_mb"] / b["training_rss_mb"]
+        ratios[f"{colo} / {base} step_peak_rss"] = a["step_peak_rss_mb"] / b["step_peak_rss_mb"]
     for impl, single in (("colo_ddp", "colo_single"), ("diffusers_ddp", "diffusers_single")):
         if "images_per_s" in summary.get(impl, {}) and "images_per_s" in summary.get(single, {}):
             ratios[f"{impl} scaling (images/s over 2 x {single})"] = summary[impl]["images_per_s"] / (
@@ -380,18 +437,18 @@ def main() -> int:
 
     print(
         "\n| row | procs | steps/s | images/s | steps/s from median step | peak RSS/rank (MB) | training RSS/rank (MB) "
-        "| first losses |"
+        "| RSS after setup (MB) | peak RSS of the steps (MB) | first losses |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for impl, row in summary.items():
         if "error" in row:
-            print(f"| {IMPLS[impl][0]} | {IMPLS[impl][1]} | failed | | | | | |")
+            print(f"| {IMPLS[impl][0]} | {IMPLS[impl][1]} | failed | | | | | | | |")
             continue
         losses = ", ".join(f"{x:.4f}" for x in row["first_losses"])
         print(
             f"| {IMPLS[impl][0]} | {row['processes']} | {row['steps_per_s']:.2f} | {row['images_per_s']:.1f} | "
             f"{row['steps_per_s_median_step']:.2f} | {row['peak_rss_mb']:.0f} | {row['training_rss_mb']:.0f} | "
-            f"{losses} |"
+            f"{row['setup_rss_mb']:.0f} | {row['step_peak_rss_mb']:.0f} | {losses} |"
         )
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
