@@ -8,18 +8,26 @@
   its log-probs equal the rollout's.
 - `RolloutEngine(booster, model)`: the hybrid engine: generation from the weights a `Booster` trains, whatever the
   plugin's layout.
+- `ServingEngine(model, ...)`: continuous batching over a paged KV cache (`PagedKVCache`) with per-request
+  `RequestParams` (temperature / top-p / top-k, max tokens, stop strings and ids, seed), for `colo serve`.
 """
 
 from .engine import generate
 from .hybrid import RolloutEngine, RolloutReport
+from .paged_cache import PagedKVCache
 from .params import SamplingParams
 from .rollout import Rollout, rollout_model_inputs, sequence_logprobs, token_logprobs
+from .serving import RequestOutput, RequestParams, ServingEngine
 
 __all__ = [
+    "PagedKVCache",
+    "RequestOutput",
+    "RequestParams",
     "Rollout",
     "RolloutEngine",
     "RolloutReport",
     "SamplingParams",
+    "ServingEngine",
     "generate",
     "rollout_model_inputs",
     "sequence_logprobs",

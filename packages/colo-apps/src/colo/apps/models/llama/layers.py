@@ -207,8 +207,10 @@ class LlamaAttention(nn.Module):
 
         With ``kv_cache`` (this layer's slot of a `KVCache`), the new keys and values are written to the cache and
         the queries attend over every cached token and the new ones; ``cos`` and ``sin`` must then start at the
-        first new token's position. ``document_ids`` (``(batch, keys)``, one id per key): attend only within a
-        document (`colo.kernels.flash_attention`); only passed to the core when given.
+        first new token's position. A paged cache's layer (``paged = True``, `colo.apps.generation.paged_cache`)
+        writes and attends itself, each row over its own tokens (``document_ids`` is then unused).
+        ``document_ids`` (``(batch, keys)``, one id per key): attend only within a document
+        (`colo.kernels.flash_attention`); only passed to the core when given.
         """
         head_dim = self.head_dim
         widths = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
@@ -219,6 +221,9 @@ class LlamaAttention(nn.Module):
         k = k.reshape(batch, seq, self.num_kv_heads, head_dim)
         v = v.reshape(batch, seq, self.num_kv_heads, head_dim)
         q, k = apply_rotary(q, k, cos, sin)
+        if getattr(kv_cache, "paged", False):  # a paged cache (colo.apps.generation.paged_cache): own masks per row
+            out = kv_cache.attend(q, k, v, scale=self.core.scale)
+            return self.o_proj(out.reshape(batch, seq, self.num_heads * head_dim))
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # every cached token's k / v and the new ones: (batch, length + seq, ...)
         out = self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)

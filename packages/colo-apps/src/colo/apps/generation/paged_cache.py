@@ -1,0 +1,271 @@
+"""`PagedKVCache`: a block-allocated key/value cache with a fixed budget, for continuous batching (Kwon et al.,
+2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention").
+
+Every decoder layer owns one key pool and one value pool of ``num_blocks * block_size`` token slots
+(``(slots, num_kv_heads, head_dim)``, the model's dtype and device), allocated once. A sequence owns a *block table*:
+the ids of the blocks holding its tokens in order, so token ``p`` lives in slot
+``table[p // block_size] * block_size + p % block_size``. Blocks come from a free list and go back to it when the
+sequence finishes or is preempted; nothing is ever copied between blocks.
+
+A forward over several sequences (each continuing its own cached tokens with its own number of new ones) goes
+through a `PagedBatch`: it is what `colo.apps.models.llama.Llama.hidden_states` takes as ``kv_cache``, with per-row
+``position_ids``. Each layer's attention (`PagedLayer.attend`) writes the new keys (after RoPE) and values into
+their slots, gathers each row's slots into a contiguous ``(rows, longest context, kv_heads, head_dim)`` view, and
+runs ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask per row: a query sees only its own
+sequence's keys at or before its own position, so rows of different lengths never see each other's tokens nor the
+padding of the gather. The gather is a copy of the rows' context per layer: the reference path (on CPU, and the
+fallback on CUDA); a fused paged-attention kernel reading the pools in place is left for later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _cache_shape(model: nn.Module) -> tuple[int, int, int, torch.dtype, torch.device]:
+    """``(num_layers, num_kv_heads, head_dim, dtype, device)`` of a native Llama (this rank's kv heads under tp)."""
+    layers = list(model.layers.values())
+    if not layers:
+        raise ValueError("PagedKVCache: the model has no decoder layers to cache")
+    attention = layers[0].self_attn
+    weight = next(attention.qkv_proj.parameters(), None)  # Linear, or a tp QKVParallelLinear's q_weight
+    if weight is None:  # a weight-only quantized projection (colo.apps.quant) holds buffers: the norm's dtype
+        weight = layers[0].input_layernorm.weight
+    return len(layers), attention.num_kv_heads, attention.head_dim, weight.dtype, weight.device
+
+
+class PagedKVCache:
+    """Key and value pools of fixed-size blocks, a free list, and one block table per sequence.
+
+    Args:
+        num_layers (int): decoder layers of the model.
+        num_blocks (int): blocks in the pool (the budget).
+        block_size (int): tokens per block.
+        num_kv_heads (int): key/value heads of one layer (this rank's count in a tensor-parallel model).
+        head_dim (int): size of one head.
+        dtype (torch.dtype): dtype of the pools (the model's). Default: ``torch.float32``.
+        device (torch.device | str | None): where the pools live. Default: ``None`` (the current default device).
+
+    Attributes:
+        keys (list[torch.Tensor]): per layer, ``(num_blocks * block_size, num_kv_heads, head_dim)`` key slots.
+        values (list[torch.Tensor]): per layer, the value slots, shaped like ``keys``.
+        block_tables (dict[str, list[int]]): each sequence's blocks, in token order.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedKVCache: {name}={value!r} must be a positive int")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self.block_tables: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_model(cls, model: nn.Module, *, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A cache shaped for a native `Llama` (its layers, this rank's kv heads, its dtype and device)."""
+        num_layers, num_kv_heads, head_dim, dtype, device = _cache_shape(model)
+        return cls(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @staticmethod
+    def bytes_per_block(model: nn.Module, block_size: int) -> int:
+        """Bytes one block takes over all layers, keys and values (this rank's share under tp)."""
+        num_layers, num_kv_heads, head_dim, dtype, _ = _cache_shape(model)
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        """Bytes of the key and value pools."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Grow ``seq_id``'s block table to hold ``num_tokens`` tokens; ``False`` (and nothing taken) when the free
+        list is too short."""
+        table = self.block_tables.setdefault(seq_id, [])
+        missing = self.blocks_for(num_tokens) - len(table)
+        if missing > len(self._free):
+            if not table:
+                del self.block_tables[seq_id]
+            return False
+        for _ in range(max(missing, 0)):
+            table.append(self._free.pop())
+        return True
+
+    def free(self, seq_id: str) -> None:
+        """Give ``seq_id``'s blocks back to the free list (nothing if it holds none)."""
+        for block in reversed(self.block_tables.pop(seq_id, [])):
+            self._free.append(block)
+
+    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """The slots of ``seq_id``'s tokens ``start .. end - 1`` (its table must already cover them)."""
+        table, size = self.block_tables[seq_id], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def batch(self, seq_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int]) -> PagedBatch:
+        """The view of one forward: row ``i`` feeds ``num_new[i]`` tokens after ``starts[i]`` cached ones."""
+        return PagedBatch(self, seq_ids, starts, num_new)
+
+    def __repr__(self) -> str:
+        k = self.keys[0]
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_kv_heads={k.shape[1]}, head_dim={k.shape[2]}, dtype={k.dtype}, free={self.num_free_blocks})"
+        )
+
+
+class PagedBatch:
+    """One forward's rows over a `PagedKVCache`: the ``kv_cache`` argument of `Llama.hidden_states`.
+
+    Row ``i`` holds ``starts[i]`` cached tokens and feeds ``num_new[i]`` new ones at positions
+    ``starts[i] .. starts[i] + num_new[i] - 1``; the input is right-padded to the longest ``num_new``
+    (`position_ids` gives the positions, 0 on padding; the padded queries' outputs are garbage to be dropped).
+    The rows' block tables must already cover their new tokens (`PagedKVCache.allocate`).
+
+    Attributes:
+        position_ids (torch.Tensor): ``(rows, max(num_new))`` RoPE positions of the input.
+        length (int): ``0``: `Llama.hidden_states` offsets positions by it only when none are given.
+    """
+
+    paged = True
+
+    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int]):
+        if not (len(seq_ids) == len(starts) == len(num_new)) or not seq_ids:
+            raise ValueError("PagedBatch: seq_ids, starts and num_new must be non-empty and of one length")
+        if min(num_new) < 1 or min(starts) < 0:
+            raise ValueError(f"PagedBatch: every row needs >= 1 new token and >= 0 cached ones: {num_new}, {starts}")
+        self.cache = cache
+        device = cache.device
+        width = max(num_new)
+        contexts = [s + n for s, n in zip(starts, num_new, strict=True)]
+        longest = max(contexts)
+        write_slots, write_index, read_slots = [], [], []
+        for row, (seq_id, start, new, context) in enumerate(zip(seq_ids, starts, num_new, contexts, strict=True)):
+            write_slots += cache.slots(seq_id, start, context)
+            write_index += range(row * width, row * width + new)
+            read_slots.append(cache.slots(seq_id, 0, context) + [0] * (longest - context))
+        self.write_slots = torch.tensor(write_slots, dtype=torch.long, device=device)
+        self.write_index = torch.tensor(write_index, dtype=torch.long, device=device)
+        self.read_slots = torch.tensor(read_slots, dtype=torch.long, device=device)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+        new_t = torch.tensor(num_new, dtype=torch.long, device=device)[:, None]
+        query = torch.arange(width, device=device)[None, :]
+        valid = query < new_t  # (rows, width)
+        self.position_ids = torch.where(valid, starts_t + query, 0)
+        # a query sees keys at or before its position; padded queries see their row's whole context (never empty)
+        last = torch.where(valid, starts_t + query, starts_t + new_t - 1)  # (rows, width)
+        keys = torch.arange(longest, device=device)[None, None, :]
+        self.mask = (keys <= last[:, :, None])[:, None]  # (rows, 1, width, longest)
+        self.num_new = list(num_new)
+        self.length = 0
+
+    def check_input(self, batch: int, seq: int, *, num_layers: int, device: torch.device) -> None:
+        """Raise a `ValueError` when the input is not this batch's ``(rows, max(num_new))`` on the cache's device."""
+        rows, width = self.position_ids.shape
+        if (batch, seq) != (rows, width):
+            raise ValueError(f"PagedBatch: the input is {(batch, seq)} but the batch was built for {(rows, width)}")
+        if num_layers != self.cache.num_layers:
+            raise ValueError(
+                f"PagedKVCache: built for {self.cache.num_layers} layers but the model has {num_layers}; build it "
+                "with PagedKVCache.for_model(model, ...)"
+            )
+        if device != self.cache.device:
+            raise ValueError(f"PagedKVCache: the cache is on {self.cache.device} but the input is on {device}")
+
+    def layer(self, index: int) -> PagedLayer:
+        """Layer ``index``'s view, which `LlamaAttention` attends through."""
+        return PagedLayer(self, index)
+
+    def advance(self, num_tokens: int) -> None:
+        """Nothing: each row's cached length is kept by its owner (the serving engine)."""
+
+
+class PagedLayer:
+    """One layer's view of a `PagedBatch` (``paged = True`` tells `LlamaAttention` to call `attend`)."""
+
+    paged = True
+
+    def __init__(self, batch: PagedBatch, index: int):
+        self.batch, self.index = batch, index
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        """Write the new ``k``, ``v`` into their slots and attend ``q`` over each row's own cached and new keys.
+
+        Args:
+            q (torch.Tensor): ``(rows, width, heads, head_dim)`` queries after RoPE.
+            k (torch.Tensor): ``(rows, width, kv_heads, head_dim)`` new keys after RoPE (padding rows ignored).
+            v (torch.Tensor): the new values, shaped like ``k``.
+            scale (float | None): score scale; ``None``: ``1 / sqrt(head_dim)``.
+
+        Returns:
+            torch.Tensor: ``(rows, width, heads, head_dim)``; the padded queries' rows are not meaningful.
+        """
+        batch, cache = self.batch, self.batch.cache
+        pool_k, pool_v = cache.keys[self.index], cache.values[self.index]
+        rows, width, kv_heads, head_dim = k.shape
+        if pool_k.shape[1:] != (kv_heads, head_dim):
+            raise ValueError(
+                f"PagedKVCache: layer {self.index} caches (kv_heads, head_dim)={tuple(pool_k.shape[1:])} but got keys "
+                f"{tuple(k.shape)}; build the cache with PagedKVCache.for_model(model, ...) after any parallelize_llama"
+            )
+        flat_k = k.reshape(rows * width, kv_heads, head_dim).index_select(0, batch.write_index)
+        flat_v = v.reshape(rows * width, kv_heads, head_dim).index_select(0, batch.write_index)
+        pool_k.index_copy_(0, batch.write_slots, flat_k.to(pool_k.dtype))
+        pool_v.index_copy_(0, batch.write_slots, flat_v.to(pool_v.dtype))
+        keys = pool_k[batch.read_slots].to(q.dtype)  # (rows, longest, kv_heads, head_dim): the gather
+        values = pool_v[batch.read_slots].to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=batch.mask,
+            scale=scale,
+            enable_gqa=q.shape[2] != kv_heads,
+        )
+        return out.transpose(1, 2)
