@@ -329,6 +329,11 @@ def convert(
         typer.echo(path)
 
 
+from .serve import serve as _serve  # noqa: E402  (colo serve: an OpenAI-compatible server, in its own module)
+
+app.command(name="serve")(_serve)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``colo`` entry point."""
     args = sys.argv[1:] if argv is None else argv

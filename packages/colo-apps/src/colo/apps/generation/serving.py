@@ -111,11 +111,12 @@ class RequestParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def sampling(self) -> SamplingParams:
-        """The `SamplingParams` of `colo.apps.generation.sampling.next_tokens` for this request."""
+    def sampling(self, vocab_limit: int | None = None) -> SamplingParams:
+        """The `SamplingParams` of `colo.apps.generation.sampling.next_tokens` for this request (tokens drawn below
+        ``vocab_limit`` when given)."""
         return SamplingParams(
             max_new_tokens=self.max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
-            top_k=self.top_k,
+            top_k=self.top_k, vocab_limit=vocab_limit,
         )  # fmt: skip
 
 
@@ -209,6 +210,9 @@ class ServingEngine:
             ``max_model_len`` tokens. Default: ``None``.
         max_model_len (int | None): the most tokens of prompt plus generation; ``None``: the model's
             ``max_position_embeddings``. Default: ``None``.
+        vocab_limit (int | None): sample only ids below it (the tokenizer's size when the model's embedding is
+            padded past it, as ``SamplingParams.vocab_limit``); ``None``: every row of the output layer. Default:
+            ``None``.
         group: the tensor-parallel process group the model is sharded over (``None``: one process).
 
     Attributes:
@@ -227,12 +231,19 @@ class ServingEngine:
         kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
         max_model_len: int | None = None,
+        vocab_limit: int | None = None,
         group=None,
     ):
         self.model = _native_model(model)
         self.tokenizer = tokenizer
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
+        if vocab_limit is not None and (not _is_int(vocab_limit) or not 1 <= vocab_limit <= self.vocab_size):
+            raise ValueError(
+                f"ServingEngine: vocab_limit={vocab_limit!r} must be an int in [1, vocab_size={self.vocab_size}] or "
+                "None"
+            )
+        self.vocab_limit = vocab_limit
         for name, value in (("max_batch_size", max_batch_size), ("block_size", block_size)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"ServingEngine: {name}={value!r} must be an int >= 1")
@@ -413,7 +424,8 @@ class ServingEngine:
         kind = op[0]
         if kind == "add":
             _, request_id, prompt, params = op
-            request = _Request(request_id, prompt, params, next(self._arrivals), sampling=params.sampling())
+            sampling = params.sampling(self.vocab_limit)
+            request = _Request(request_id, prompt, params, next(self._arrivals), sampling=sampling)
             if params.seed is not None and not params.greedy and self.rank == 0:
                 request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self._waiting.append(request)

@@ -1,0 +1,30 @@
+"""colo.apps.serving: `colo serve`, an OpenAI-compatible HTTP server over the continuous-batching `ServingEngine`.
+
+- `create_app(engine, tokenizer, settings=ServeSettings(...), chat_template=...)`: the FastAPI app with
+  ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming), ``/v1/models`` and ``/health``; limits on prompt
+  length and concurrent requests; graceful draining (`ServingState.drain`).
+- `EngineLoop`: the thread stepping the engine and handing outputs to the request handlers.
+- `load_for_serving` / `load_rank`: what `colo generate` loads (run, quantized or Hugging Face checkpoints), optionally
+  quantized, sharded over ``tp`` ranks.
+- `serve_app`: uvicorn with colo's SIGTERM / SIGINT draining.
+
+FastAPI and uvicorn are the ``serve`` extra (``pip install 'colo-apps[serve]'``), imported only when serving.
+"""
+
+from .app import ServeSettings, ServingState, create_app
+from .engine_loop import EngineLoop
+from .model import EngineOptions, load_for_serving, load_rank
+from .server import serve_app
+from .text import TextStream
+
+__all__ = [
+    "EngineLoop",
+    "EngineOptions",
+    "ServeSettings",
+    "ServingState",
+    "TextStream",
+    "create_app",
+    "load_for_serving",
+    "load_rank",
+    "serve_app",
+]
