@@ -200,7 +200,7 @@ def test_invalid_hybrid_settings_are_rejected_with_the_fix():
         "zero_stage=3 with pp=2 is not supported": {"zero_stage": 3, "pp": 2, "num_microbatches": 2},
         "pp > 1 with zero_stage=2 is not supported": {"pp": 2, "zero_stage": 2, "num_microbatches": 2},
         "sp_mode='megatron' shards the sequence over the tp group": {"sp_mode": "megatron"},
-        "sp=2 with pp=2 is not supported yet": {"sp": 2, "sp_mode": "ring", "pp": 2, "num_microbatches": 2},
+        "HybridParallel.sp_mode='ulysses' needs sp > 1": {"sp_mode": "ulysses", "pp": 2, "num_microbatches": 2},
         "HybridParallel.sp=2 needs sp_mode='ulysses' or 'ring'": {"sp": 2},
         "HybridParallel.schedule='zigzag' is unknown": {"schedule": "zigzag"},
         "interleaved_1f1b' needs num_model_chunks >= 2": {"pp": 2, "schedule": "interleaved_1f1b"},

@@ -192,4 +192,4 @@ def test_a_module_the_plan_does_not_know_is_named():
     with pytest.raises(ValueError, match=r"tp=3 does not divide config\.num_attention_heads=4"):
         plan_for(llama).check(llama, HybridParallel(tp=3))
     with pytest.raises(ValueError, match="sp_mode='megatron' is not supported for Hugging Face models"):
-        plan_for(llama).check(llama, HybridParallel(tp=2, sp_mode="megatron"))
+        plan_for(gpt2).check(make_model("gpt2"), HybridParallel(tp=2, sp_mode="megatron"))

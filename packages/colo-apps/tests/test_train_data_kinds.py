@@ -114,16 +114,21 @@ def test_defaults_are_unchanged_and_sft_settings_load():
     )
 
 
-def test_documents_packing_needs_a_layout_that_passes_positions():
-    """A pipeline is rejected at validation (so `colo launch` reports it before starting any process); tensor and
-    sequence parallelism keep the positions and the document mask (test_packed_documents.py), and SFT packs."""
-    with pytest.raises(ValueError, match="set data.packing='fixed'") as error:
-        load_config(
-            overrides=["plugin.name=hybrid", "data.packing=documents", "plugin.pp=2", "schedule.num_microbatches=2"]
-        )
-    assert "the pipeline (plugin.pp=2) feeds its first stage" in str(error.value)
-    for plugin in (["plugin.tp=2"], ["plugin.sp=2", "plugin.sp_mode=ulysses"], ["plugin.sp=2", "plugin.sp_mode=ring"]):
-        load_config(overrides=["plugin.name=hybrid", "data.packing=documents", *plugin])
+def test_documents_packing_runs_under_every_hybrid_layout():
+    """Every layout passes a batch's positions on: tensor and sequence parallelism (test_packed_documents.py) and
+    pipelines, whose stages hand the positions and document ids on with the hidden states (the pipeline test
+    below; pp x sp in test_sequence_pipeline.py); a pipeline averages its microbatches, so it keeps
+    loss_weighting='microbatch'. SFT packs too."""
+    layouts = (
+        ["plugin.tp=2"],
+        ["plugin.sp=2", "plugin.sp_mode=ulysses"],
+        ["plugin.sp=2", "plugin.sp_mode=ring"],
+        ["plugin.pp=2", "schedule.num_microbatches=2"],
+        ["plugin.pp=2", "plugin.sp=2", "plugin.sp_mode=ring", "schedule.num_microbatches=2"],
+    )
+    for plugin in layouts:
+        config = load_config(overrides=["plugin.name=hybrid", "data.packing=documents", *plugin])
+        assert config.plugin.loss_weighting == ("microbatch" if config.plugin.pp > 1 else "token")
     sft = load_config(overrides=["data.task=sft", "data.paths=[c.jsonl]", "data.packing=documents"])
     assert sft.plugin.loss_weighting == "token"
 
@@ -262,6 +267,28 @@ def test_documents_run_feeds_position_ids_to_the_model(tmp_path):
     # and the loss without the batch's positions is far outside it.
     assert ranks[0]["losses"][1] == pytest.approx(with_positions / 2, rel=1e-6, abs=1e-6)
     assert abs(with_positions - without_positions) / 2 > 1e-3
+
+
+def test_documents_run_feeds_position_ids_to_every_pipeline_stage(tmp_path):
+    data = {"packing": "documents", "paths": [write_documents(tmp_path / "d.jsonl")], "seq_len": 96}
+    config = run_config(data, str(tmp_path), total_steps=1)
+    config["plugin"] = {"name": "hybrid", "pp": 2, "precision": "fp32", "max_grad_norm": 1.0}
+    config["schedule"]["num_microbatches"] = 2
+    config["eval"] = {"every_steps": 1, "num_sequences": 2, "batch_size": 2}
+    config["model"]["initializer_range"] = 0.3  # attention depends visibly on positions (see the test above)
+    ranks = run_distributed(_train_recording, config, world_size=2)
+
+    batch = ranks[0]["batches"][0]  # both stages' ranks are fed the step's whole batch (dp=1)
+    assert (batch["position_ids"][:, 1:] == 0).any()  # packed rows: positions restart within a row
+    model = initial_model(ranks[0]["llama_config"], config["seed"])
+    halves = [{k: v.chunk(2)[i] for k, v in batch.items()} for i in range(2)]
+    with torch.no_grad():  # the pipeline's loss: the mean of its microbatches' losses
+        with_positions = sum(float(model(**half).loss) for half in halves) / 2
+        without_positions = sum(float(model(h["input_ids"], labels=h["labels"]).loss) for h in halves) / 2
+    # the last stage computes its loss with colo.kernels' cross-entropy: summation order only
+    assert ranks[0]["losses"][1] == pytest.approx(with_positions, rel=1e-5)
+    assert abs(with_positions - without_positions) > 1e-3
+    assert ranks[0]["eval_losses"][1] == ranks[1]["eval_losses"][1]  # the pipeline's eval ran on both stages
 
 
 def _train(config: dict) -> dict:

@@ -3,6 +3,7 @@ attention over ``sp`` on the attention cores, pipeline stages by `llama_pipeline
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -11,12 +12,13 @@ from torch import nn
 from colo.comm import Mesh
 from colo.kernels import document_ids_from_position_ids
 from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_positions, shard_sequence
+from colo.tensor.ulysses import check_ulysses_heads
 
 from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
-from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, sharded_causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
 from .parallel_dims import LayoutError
-from .plans import ModelPlan, PipelinePart, materialize_device, reject_packed_rows
+from .plans import ModelPlan, PipelinePart, materialize_device
 
 
 def _materialize_device(model: nn.Module) -> torch.device | None:
@@ -47,6 +49,14 @@ class LlamaPlan(ModelPlan):
         config = model.config
         if plugin.tp > 1:
             check_tp_size(config, plugin.tp)
+        if plugin.sp_mode == "ulysses":  # each rank attends with num_heads / (tp * sp) heads
+            heads, kv_heads = config.num_attention_heads // plugin.tp, max(1, config.num_key_value_heads // plugin.tp)
+            try:
+                check_ulysses_heads(
+                    plugin.sp, heads, kv_heads, f"HybridParallel.sp={plugin.sp} (Ulysses, tp={plugin.tp})"
+                )
+            except ValueError as error:
+                raise LayoutError(str(error), field="sp") from None
         num_stages = plugin.pp * plugin.num_model_chunks
         if num_stages > config.num_hidden_layers:
             raise LayoutError(
@@ -94,28 +104,40 @@ class LlamaPlan(ModelPlan):
         its shard's positions."""
         layout = self.sequence_layout(plugin)
         style = UlyssesAttention(layout=layout) if plugin.sp_mode == "ulysses" else RingAttention(layout=layout)
-        parallelize(model, mesh, {"layers.*.self_attn.core": style}, axis="sp")
-        model.objective.labels_shifted = True
+        # no Replicate layouts for the (unsharded) weights: a fused q/k/v weight with a layout reads as a
+        # tensor-parallel shard, which checkpoints cannot split into q, k and v
+        parallelize(model, mesh, {"layers.*.self_attn.core": style}, axis="sp", replicate_layouts=False)
+        if hasattr(model, "objective"):  # a pipeline's last stage computes its loss outside the objective
+            model.objective.labels_shifted = True
         model.document_ids_from_positions = False
 
-    def prepare_batch(self, batch, *, mesh: Mesh, plugin):
-        if plugin.sp_mode == "megatron" and batch["input_ids"].shape[1] % plugin.tp:
+    @staticmethod
+    def check_sequence_length(seq_len: int, plugin) -> None:
+        """Raise a `ValueError` naming the fix when ``seq_len`` cannot be split as the plugin splits it (before any
+        collective): over tp under Megatron-SP, into ``sp`` (Ulysses) or ``2 * sp`` (ring, zigzag) chunks."""
+        if plugin.sp_mode == "megatron" and seq_len % plugin.tp:
             raise ValueError(
-                f"sequence length {batch['input_ids'].shape[1]} does not divide by tp={plugin.tp}, which Megatron "
-                "sequence parallelism splits it over; pad the sequences to a multiple of tp"
+                f"sequence length {seq_len} does not divide by tp={plugin.tp}, which Megatron sequence parallelism "
+                "splits it over; pad the sequences to a multiple of tp"
             )
+        if plugin.sp > 1:
+            layout = LlamaPlan.sequence_layout(plugin)
+            chunks = plugin.sp * (2 if layout == "zigzag" else 1)
+            if seq_len % chunks:
+                raise ValueError(
+                    f"sequence length {seq_len} does not divide into {chunks} chunks (sp={plugin.sp}, {layout} "
+                    f"layout); use a multiple of {chunks}"
+                )
+
+    def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        if "input_ids" in batch:
+            self.check_sequence_length(batch["input_ids"].shape[1], plugin)
         if plugin.sp == 1:
             return batch, 1.0
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError(f"a sequence-parallel Llama batch needs 'input_ids' and 'labels'; got {sorted(batch)}")
         layout, num_shards, rank = self.sequence_layout(plugin), plugin.sp, mesh.rank("sp")
         ids, labels = batch["input_ids"], batch["labels"]
-        chunks = num_shards * (2 if layout == "zigzag" else 1)
-        if ids.shape[1] % chunks:
-            raise ValueError(
-                f"sequence length {ids.shape[1]} does not divide into {chunks} chunks (sp={num_shards}, {layout} "
-                f"layout); use a multiple of {chunks}"
-            )
         ignore = IGNORE_INDEX
         targets = shift_labels(labels, ignore)
         local_targets = shard_sequence(targets, num_shards=num_shards, rank=rank, layout=layout)
@@ -147,7 +169,8 @@ class LlamaPlan(ModelPlan):
         tied: dict[str, nn.Parameter] = {}
         for chunk in chunks:
             tied.update(chunk.tied_parameters())
-        return PipelinePart(chunks=chunks, loss_fn=causal_lm_loss, tied_parameters=tied)
+        loss_fn = causal_lm_loss if plugin.sp == 1 else functools.partial(sharded_causal_lm_loss, num_shards=plugin.sp)
+        return PipelinePart(chunks=chunks, loss_fn=loss_fn, tied_parameters=tied)
 
     def checkpoint_names(self, model: nn.Module):
         """Checkpoints hold q, k and v apart (``self_attn.q_proj.weight`` ...), as Hugging Face does, whether the
@@ -187,5 +210,37 @@ class LlamaPlan(ModelPlan):
     def pipeline_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError(f"a Llama pipeline batch needs 'input_ids' and 'labels'; got keys {sorted(batch)}")
-        reject_packed_rows(batch, "HybridParallel(pp > 1) with a Llama")
         return batch["input_ids"], batch["labels"]
+
+    def prepare_pipeline_batch(self, batch: Mapping[str, torch.Tensor], *, mesh: Mesh, plugin):
+        """The first stage's inputs and the last stage's targets of this rank.
+
+        Without sequence parallelism, positions or document ids: ``(input_ids, labels)``. With ``position_ids``
+        (packed rows) the inputs are ``{"x": input_ids, "position_ids": ...}``, which every stage uses (deriving
+        its attention's document ids from them) and hands on. Under Ulysses or ring attention (``sp > 1``) each
+        rank gets its piece of every sequence as `prepare_batch` cuts it (zigzag for ring), its tokens' positions
+        in the whole sequence and, when the batch has ``position_ids``, the whole sequence's ``document_ids``; the
+        targets are ``{"labels": its shifted labels, "num_targets": each row's labelled targets}`` for
+        `sharded_causal_lm_loss`. What crosses a stage boundary depends only on which keys the batch has (a
+        pipeline fixes it at its first step), never on whether a row happens to hold several documents."""
+        input_ids, labels = self.pipeline_batch(batch)
+        self.check_sequence_length(input_ids.shape[1], plugin)
+        rows = input_ids.shape[0]
+        positions, document_ids = batch.get("position_ids"), batch.get("document_ids")
+        if plugin.sp > 1:
+            local, _ = self.prepare_batch(batch, mesh=mesh, plugin=plugin)
+            inputs = {"x": local["input_ids"], "position_ids": local["position_ids"].expand(rows, -1)}
+            if document_ids is None and positions is not None:
+                document_ids = document_ids_from_position_ids(positions.expand(rows, -1))
+            if document_ids is not None:
+                inputs["document_ids"] = document_ids.expand(rows, -1)
+            counts = (shift_labels(labels, IGNORE_INDEX) != IGNORE_INDEX).sum(dim=1)
+            return inputs, {"labels": local["labels"], "num_targets": counts}
+        if positions is None and document_ids is None:
+            return input_ids, labels
+        inputs = {"x": input_ids}
+        if positions is not None:
+            inputs["position_ids"] = positions.expand(rows, -1)
+        if document_ids is not None:
+            inputs["document_ids"] = document_ids.expand(rows, -1)
+        return inputs, labels

@@ -63,6 +63,17 @@ class ModelPlan:
         """``(first stage's inputs, last stage's targets)`` from a batch dict."""
         raise NotImplementedError
 
+    def prepare_pipeline_batch(self, batch: Mapping[str, torch.Tensor], *, mesh: Mesh, plugin) -> tuple:
+        """``(first stage's inputs, last stage's targets)`` of this rank: with sequence parallelism its piece of
+        every sequence (and what the stages and the loss need to go with it). Default: `pipeline_batch`, and a
+        `ValueError` under ``sp > 1`` (a plan that cuts sequences for its stages overrides this)."""
+        if getattr(plugin, "sp", 1) > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not cut sequences for pipeline stages (sp={plugin.sp} with pp > 1); "
+                "use sp=1 with a pipeline, or override ModelPlan.prepare_pipeline_batch"
+            )
+        return self.pipeline_batch(batch)
+
 
 def reject_packed_rows(batch: Mapping[str, torch.Tensor], where: str) -> None:
     """Raise when a pipeline batch holds packed rows (``position_ids`` restarting within a row, or

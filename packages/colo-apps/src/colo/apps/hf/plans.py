@@ -19,10 +19,11 @@ row from ``position_ids`` when the forward builds no KV cache, so the plans run 
 heads). A pipeline's stages see token ids only, so a pipeline batch of packed rows is refused.
 
 Tied embeddings stay tied: both modules hold the same vocabulary rows on a rank and share that shard. Norms,
-GPT-2's position embedding and every bias of a row-parallel layer are replicated. Sequence parallelism is not
-offered for these models (``sp`` / ``sp_mode`` are rejected by `check`). Before anything changes, `check` walks the
-model: every module holding parameters must be one the plan knows, of the type it expects, or a `ValueError` names
-its path and type.
+GPT-2's position embedding and every bias of a row-parallel layer are replicated. `HFLlamaPlan` offers sequence
+parallelism without a pipeline (`colo.apps.hf.sequence`): Megatron-SP over ``tp``, Ulysses and ring attention over
+``sp`` through transformers' ``AttentionInterface``; GPT-2's plan rejects ``sp`` / ``sp_mode``. Before anything
+changes, `check` walks the model: every module holding parameters must be one the plan knows, of the type it expects,
+or a `ValueError` names its path and type.
 
 `colo.apps.booster.plans.BUILTIN_PLANS` names these plans for the transformers classes by module and class name,
 so importing ``colo.apps`` imports neither this module nor transformers (about 4 s); a model object that exists has
@@ -38,12 +39,35 @@ import torch
 from torch import nn
 
 from colo.comm import Mesh
-from colo.tensor import Colwise, FusedQKV, ParallelStyle, Rowwise, VocabParallel, layout_of, parallelize
+from colo.kernels import document_ids_from_position_ids
+from colo.tensor import (
+    Colwise,
+    FusedQKV,
+    ParallelStyle,
+    Rowwise,
+    VocabParallel,
+    layout_of,
+    parallelize,
+    shard_positions,
+    shard_sequence,
+)
+from colo.tensor.ulysses import check_ulysses_heads
 
 from ..booster.parallel_dims import LayoutError, UnsupportedLayout
 from ..booster.plans import ModelPlan, PipelinePart, reject_packed_rows
-from ..models.llama.loss import causal_lm_loss
+from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from .pipeline import hf_llama_pipeline_stages
+from .sequence import (
+    DOCUMENT_IDS_KEY,
+    check_attention_implementation,
+    hf_llama_sequence_parallel_plan,
+    use_sequence_parallel_attention,
+)
+
+
+def _layer_names(model: nn.Module) -> list[str]:
+    """The decoder layers' indices, in order (``model.layers`` of the whole model or of a stage)."""
+    return [name for name, _ in model.model.layers.named_children()]
 
 
 class _ClassByName(type):
@@ -109,13 +133,9 @@ class _HFPlan(ModelPlan):
             raise ValueError(f"{type(self).__name__}: the model has no module {missing[0]!r} of the {self.model_name}")
 
     def check_plugin(self, model: nn.Module, plugin, sizes: Mapping[str, int]) -> None:
-        """Reject sequence parallelism and meta-device models; check that ``tp`` divides every size in ``sizes``."""
-        if plugin.sp > 1 or plugin.sp_mode is not None:
-            raise UnsupportedLayout(
-                f"HybridParallel: sp={plugin.sp}, sp_mode={plugin.sp_mode!r} is not supported for Hugging Face "
-                f"models ({type(self).__name__}); use tp, pp and dp",
-                field="sp" if plugin.sp > 1 else "sp_mode",
-            )
+        """Check sequence parallelism (`check_sequence_parallel`), reject meta-device models; check that ``tp``
+        divides every size in ``sizes``."""
+        self.check_sequence_parallel(model, plugin)
         if any(p.is_meta for p in model.parameters()):
             raise ValueError(
                 f"{type(self).__name__}: the model has parameters on the meta device; build or load it eagerly "
@@ -128,6 +148,15 @@ class _HFPlan(ModelPlan):
                     f"choose tp in {[d for d in range(1, extent + 1) if extent % d == 0 and d <= 64]}",
                     field="tp",
                 )
+
+    def check_sequence_parallel(self, model: nn.Module, plugin) -> None:
+        """Reject sequence parallelism (a plan that offers it overrides this)."""
+        if plugin.sp > 1 or plugin.sp_mode is not None:
+            raise UnsupportedLayout(
+                f"HybridParallel: sp={plugin.sp}, sp_mode={plugin.sp_mode!r} is not supported for Hugging Face "
+                f"models ({type(self).__name__}); use tp, pp and dp",
+                field="sp" if plugin.sp > 1 else "sp_mode",
+            )
 
     def shard(self, model: nn.Module, *, mesh: Mesh, plan: dict[str, ParallelStyle], embed: str) -> None:
         """`colo.tensor.parallelize` ``plan`` over ``tp``, keeping a tied ``lm_head`` tied to ``embed``'s shard."""
@@ -199,6 +228,40 @@ class HFLlamaPlan(_HFPlan):
                 field="pp",
             )
 
+    def check_sequence_parallel(self, model: nn.Module, plugin) -> None:
+        """Megatron-SP (over tp), Ulysses or ring attention (over sp), without a pipeline; Ulysses needs the heads
+        of a tensor-parallel rank to split over sp; Ulysses and ring need the model's attention to be one
+        `colo.apps.hf.sequence.SUPPORTED_ATTENTION` names."""
+        if plugin.sp_mode is None:
+            return
+        if plugin.pp > 1:
+            raise UnsupportedLayout(
+                f"HybridParallel: sp_mode={plugin.sp_mode!r} with pp={plugin.pp} is not supported for the "
+                "LlamaForCausalLM yet (its pipeline stages rebuild the mask and positions from whole sequences); use "
+                "pp=1, or colo's native Llama",
+                field="sp_mode",
+            )
+        if plugin.sp_mode in ("ulysses", "ring"):
+            try:
+                check_attention_implementation(model, plugin.sp_mode)
+            except ValueError as error:
+                raise LayoutError(str(error), field="sp_mode") from None
+        if plugin.sp_mode == "ulysses":
+            config = model.config
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            heads, kv_heads = config.num_attention_heads // plugin.tp, max(1, kv_heads // plugin.tp)
+            try:
+                check_ulysses_heads(
+                    plugin.sp, heads, kv_heads, f"HybridParallel.sp={plugin.sp} (Ulysses, tp={plugin.tp})"
+                )
+            except ValueError as error:
+                raise LayoutError(str(error), field="sp") from None
+
+    @staticmethod
+    def sequence_layout(plugin) -> str:
+        """Ring attention splits the sequence zigzag (equal causal work per rank); Ulysses contiguously."""
+        return "zigzag" if plugin.sp_mode == "ring" else "contiguous"
+
     @staticmethod
     def tp_plan() -> dict[str, ParallelStyle]:
         """Module-name pattern -> style (the logits are gathered: the loss runs on full logits)."""
@@ -211,15 +274,83 @@ class HFLlamaPlan(_HFPlan):
         return plan
 
     def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
+        if plugin.sp > 1:
+            use_sequence_parallel_attention(
+                model, mesh=mesh, mode=plugin.sp_mode, layout=self.sequence_layout(plugin), axis="sp"
+            )
         if plugin.tp == 1:
             return model
-        self.shard(model, mesh=mesh, plan=self.tp_plan(), embed="model.embed_tokens")
+        if plugin.sp_mode == "megatron":
+            plan = hf_llama_sequence_parallel_plan(first_layer=next(iter(_layer_names(model)), None))
+        else:
+            plan = self.tp_plan()
+        self.shard(model, mesh=mesh, plan=plan, embed="model.embed_tokens")
         for name, module in model.named_modules():
             if name.endswith(".self_attn"):  # head counts some transformers 4.x versions keep on the module
                 for attr in ("num_heads", "num_key_value_heads", "hidden_size"):
                     if isinstance(getattr(module, attr, None), int):
                         setattr(module, attr, getattr(module, attr) // plugin.tp)
         return model
+
+    def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        """As `_HFPlan.prepare_batch`; under Megatron-SP the sequence length must divide by tp. Under Ulysses or
+        ring attention this rank gets its piece of every sequence (zigzag for ring), its tokens' global
+        ``position_ids`` and its targets pre-shifted over the whole sequence (``shift_labels``, so Hugging Face's
+        loss does not shift the shard again), weighted like colo's Llama plan: ``sp * its labelled targets / all``,
+        so that the mean over the sp ranks is the loss of the whole sequence. Packed rows (``position_ids``
+        restarting within a row): each rank gets its tokens' positions and the whole sequence's document ids
+        (``colo_document_ids``, which transformers hands on to the attention function)."""
+        if plugin.sp_mode is None:
+            return super().prepare_batch(batch, mesh=mesh, plugin=plugin)
+        if "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(
+                f"a sequence-parallel LlamaForCausalLM batch needs 'input_ids' and 'labels'; got {sorted(batch)}"
+            )
+        ids, labels = batch["input_ids"], batch["labels"]
+        seq_len = ids.shape[1]
+        if plugin.sp_mode == "megatron":
+            if seq_len % plugin.tp:
+                raise ValueError(
+                    f"sequence length {seq_len} does not divide by tp={plugin.tp}, which Megatron sequence "
+                    "parallelism splits it over; pad the sequences to a multiple of tp"
+                )
+            return super().prepare_batch(batch, mesh=mesh, plugin=plugin)
+        layout, num_shards = self.sequence_layout(plugin), plugin.sp
+        chunks = num_shards * (2 if layout == "zigzag" else 1)
+        if seq_len % chunks:
+            raise ValueError(
+                f"sequence length {seq_len} does not divide into {chunks} chunks (sp={num_shards}, {layout} layout); "
+                f"use a multiple of {chunks}"
+            )
+        if batch.get("attention_mask") is not None and not bool(batch["attention_mask"].all()):
+            raise ValueError(
+                "HybridParallel(sp_mode='ulysses' or 'ring') with a LlamaForCausalLM attends causally over whole "
+                "rows: an attention_mask with padding is not supported; label padding -100 and drop the mask"
+            )
+        rank = mesh.rank("sp")
+        targets = shift_labels(labels, IGNORE_INDEX)
+        local_targets = shard_sequence(targets, num_shards=num_shards, rank=rank, layout=layout)
+        local_count = int((local_targets != IGNORE_INDEX).sum())
+        positions = batch.get("position_ids")
+        if positions is None:
+            local_positions = shard_positions(seq_len, num_shards, rank, layout).to(ids.device)
+        else:  # packed rows: the shard's own positions, and the whole sequence's document ids
+            positions = positions.expand(ids.shape[0], -1)
+            local_positions = shard_sequence(positions, num_shards=num_shards, rank=rank, layout=layout)
+        local = {
+            "input_ids": shard_sequence(ids, num_shards=num_shards, rank=rank, layout=layout),
+            "position_ids": local_positions.expand(ids.shape[0], -1),
+            "labels": local_targets,
+            "shift_labels": local_targets,
+            # a sum over this shard's targets divided by their count: 0, not NaN, when the shard has none
+            "num_items_in_batch": torch.tensor(max(local_count, 1), device=ids.device),
+            "use_cache": False,
+        }
+        document_ids = None if positions is None else document_ids_from_position_ids(positions)
+        if document_ids is not None and bool(document_ids[:, -1:].ne(document_ids[:, :1]).any()):
+            local[DOCUMENT_IDS_KEY] = document_ids
+        total = int((targets != IGNORE_INDEX).sum())
+        return local, (num_shards * local_count / total if total else 0.0)
 
     def pipeline(self, model: nn.Module, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
         stages = hf_llama_pipeline_stages(model, plugin.pp * plugin.num_model_chunks)

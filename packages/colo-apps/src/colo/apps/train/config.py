@@ -411,23 +411,6 @@ class LoraSection(_Section):
         return self.alpha / (self.r**0.5 if self.use_rslora else self.r)
 
 
-def check_positions_reach_the_model(config: RunConfig) -> None:
-    """Raise when ``data.packing='documents'`` meets a layout that does not pass a batch's ``position_ids`` on.
-
-    A pipeline (``pp > 1``) feeds its first stage ``input_ids`` only, so it would silently train with positions
-    that do not restart per document and attention across documents. (Tensor parallelism, Megatron-SP, Ulysses
-    and ring attention keep the positions and the document mask: `LlamaPlan.prepare_batch`.)
-    """
-    plugin = config.plugin
-    if config.data.packing != "documents" or plugin.name != "hybrid":
-        return
-    if plugin.pp > 1:
-        raise ValueError(
-            f"data.packing='documents' needs per-document position_ids in the model, but the pipeline (plugin.pp="
-            f"{plugin.pp}) feeds its first stage input_ids only; set data.packing='fixed' or plugin.pp=1"
-        )
-
-
 class PreferenceSection(_Section):
     """Preference training (``data.task: rm | dpo``, colo.apps.rlhf): the loss, its temperature, the prompt budget,
     the SFT warm-up of a DPO policy and the embedded synthetic data of the tiny presets."""
@@ -504,7 +487,6 @@ class RunConfig(_Section):
                 f"data.global_batch_size={self.data.global_batch_size} does not divide into "
                 f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
             )
-        check_positions_reach_the_model(self)
         self._check_mixture_of_experts()
         self._check_preference_task()
         self._check_grpo_task()

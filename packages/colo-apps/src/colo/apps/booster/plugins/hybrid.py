@@ -204,30 +204,12 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
         lambda p: f"HybridParallel.sp_mode={p.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree",
     ),
     (
-        "sp_mode",
-        UnsupportedLayout,
-        lambda p: p.sp_mode == "megatron" and p.pp > 1,
-        lambda p: (
-            "HybridParallel: sp_mode='megatron' with pp > 1 is not supported yet (it splits the sequence at the "
-            "first layer and gathers it at lm_head, on different stages); use it without a pipeline"
-        ),
-    ),
-    (
         "loss_weighting",
         UnsupportedLayout,
         lambda p: p.loss_weighting == "token" and p.pp > 1,
         lambda p: (
             "HybridParallel: loss_weighting='token' with pp > 1 is not supported yet (the pipeline averages its "
             "microbatch losses itself); use loss_weighting='microbatch'"
-        ),
-    ),
-    (
-        "sp",
-        UnsupportedLayout,
-        lambda p: p.sp > 1 and p.pp > 1,
-        lambda p: (
-            f"HybridParallel: sp={p.sp} with pp={p.pp} is not supported yet (pipeline stages would pass "
-            "sequence shards); use one of them"
         ),
     ),
     (
@@ -270,6 +252,16 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
         LayoutError,
         lambda p: p.schedule not in GENERATORS,
         lambda p: f"HybridParallel.schedule={p.schedule!r} is unknown; use one of {sorted(GENERATORS)}",
+    ),
+    (
+        "schedule",
+        UnsupportedLayout,
+        lambda p: p.sp_mode == "megatron" and p.pp > 1 and p.schedule == "zero_bubble_h1",
+        lambda p: (
+            "HybridParallel: sp_mode='megatron' with schedule='zero_bubble_h1' is not supported (its split "
+            "weight-gradient steps bypass the gradient hooks that sum the sequence-parallel norms' gradients over "
+            "tp, so the tp ranks' collectives diverge); use schedule='1f1b' or 'gpipe'"
+        ),
     ),
     (
         "num_model_chunks",
@@ -403,7 +395,7 @@ class PipelineEngine(OptimizerDriver, Engine):
         )
 
     def train_step(self, batch):
-        inputs, targets = self.plan.pipeline_batch(batch)
+        inputs, targets = self.plan.prepare_pipeline_batch(batch, mesh=self.mesh, plugin=self.plugin)
         result = self.executor.step(inputs, targets, return_loss=True)
         grad_norm, skipped = self.step()
         self.zero_grad()
@@ -417,7 +409,7 @@ class PipelineEngine(OptimizerDriver, Engine):
         """The mean loss of ``batch`` (this data rank's share), forward only through the pipeline's stages
         (`PipelineExecutor.evaluate`); every rank of the pipeline gets it. The batch splits into the schedule's
         microbatches, so its size must divide by ``num_microbatches``."""
-        inputs, targets = self.plan.pipeline_batch(batch)
+        inputs, targets = self.plan.prepare_pipeline_batch(batch, mesh=self.mesh, plugin=self.plugin)
         return self.executor.evaluate(inputs, targets)
 
     def backward(self, loss):

@@ -48,6 +48,35 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
     return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
 
 
+def sharded_causal_lm_loss(
+    logits: torch.Tensor, targets: dict[str, torch.Tensor], *, num_shards: int, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """The next-token loss of a sequence shard, scaled so that the mean over the shards is the whole sequence's.
+
+    A pipeline executor's ``loss_fn(output, target)`` under Ulysses or ring attention: each sequence-parallel rank
+    holds a piece of every sequence, its labels shifted over the whole sequence before the split. The result is
+    ``num_shards * (this shard's summed cross-entropy) / (the microbatch's labelled targets over all shards)``;
+    averaging it over the shards (as the data-parallel gradient and loss means do) gives the mean over every
+    labelled target of the microbatch, as `causal_lm_loss` of the whole sequence. No communication.
+
+    Args:
+        logits (torch.Tensor): ``(batch, local_seq, vocab)`` this shard's logits.
+        targets (dict[str, torch.Tensor]): ``"labels"``: ``(batch, local_seq)`` this shard's targets (already
+            shifted); ``"num_targets"``: ``(batch,)`` each row's labelled targets in the whole sequence.
+        num_shards (int): the sequence-parallel size (bind it with ``functools.partial``).
+        ignore_index (int): label of tokens without a loss. Default: ``-100``.
+
+    Returns:
+        torch.Tensor: the scaled fp32 scalar (0 when every target is ignored).
+    """
+    labels = targets["labels"]
+    total = cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+    count = targets["num_targets"].sum().clamp(min=1)
+    return total * num_shards / count.to(total.dtype)
+
+
 class LMHead(nn.Linear):
     """The output projection ``hidden -> vocab`` that can also return the next-token loss without the logits.
 

@@ -93,6 +93,16 @@ def init_llama_module(name: str, module: nn.Module, *, config: LlamaConfig, seed
         )
 
 
+def attention_document_ids(position_ids: torch.Tensor, batch_size: int) -> torch.Tensor | None:
+    """``(batch, seq)`` document ids of packed rows derived from their positions
+    (`colo.kernels.document_ids_from_position_ids`), ``None`` when no row restarts its positions (plain causal
+    attention)."""
+    ids = document_ids_from_position_ids(position_ids)
+    if not bool(ids[..., -1:].any()):
+        return None
+    return ids.expand(batch_size, -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
+
+
 class Llama(nn.Module):
     """The Llama causal language model.
 
@@ -162,10 +172,7 @@ class Llama(nn.Module):
         (`colo.kernels.document_ids_from_position_ids`), ``None`` when every row is one document."""
         if document_ids is not None or position_ids is None or not self.document_ids_from_positions:
             return document_ids
-        ids = document_ids_from_position_ids(position_ids)
-        if not bool(ids[..., -1:].any()):  # no row restarts its positions: plain causal attention
-            return None
-        return ids.expand(input_ids.shape[0], -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
+        return attention_document_ids(position_ids, input_ids.shape[0])
 
     def hidden_states(
         self,

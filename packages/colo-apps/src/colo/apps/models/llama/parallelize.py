@@ -12,10 +12,11 @@ Tensor parallelism (Megatron-LM, Shoeybi et al., 2019) over one mesh axis, as a 
   vocabulary-parallel cross-entropy of the local logits (two small all-reduces per token, the ``(tokens, vocab)``
   logits never gathered); without it the logits are all-gathered and the ordinary cross-entropy is used.
 
-Norms and the rotary tables are replicated. Sequence parallelism is not applied yet; the model is shaped for the
-plans of `colo.tensor`'s sequence-parallel styles: Megatron-SP changes the layouts of this plan's linears and adds
-the norms, and Ulysses or ring attention wrap or replace each layer's parameter-free ``self_attn.core`` (its
-positions come in as ``position_ids``), each as its own function next to `apply_tp`.
+Norms and the rotary tables are replicated. Megatron-SP (`llama_sequence_parallel_plan`) changes the layouts of
+this plan's linears and adds the norms; on pipeline stages the first stage splits the sequence after the embedding,
+the stages pass sequence shards and the last gathers them at ``lm_head``. Ulysses or ring attention wrap or replace
+each layer's parameter-free ``self_attn.core`` (its positions come in as ``position_ids``); see
+`colo.apps.booster.llama_plan`.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def llama_sequence_parallel_plan(*, loss_parallel: bool = True, first_layer: str
     Args:
         loss_parallel (bool): as in `llama_tp_plan`. Default: ``True``.
         first_layer (str | None): the name of the first decoder layer (where the sequence is split); ``None`` when
-            the model holds no embedding. Default: ``"0"``.
+            the model holds no embedding (a pipeline stage after the first, whose input arrives split). Default:
+            ``"0"``.
     """
     sequence = Shard(1)
     plan = {
@@ -217,9 +219,12 @@ def apply_tp(
     config: LlamaConfig = model.config
     embed, lm_head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     if sequence_parallel:
-        if embed is None or lm_head is None or not hasattr(model, "norm"):
-            raise ValueError("Megatron sequence parallelism applies to a whole Llama, not to a pipeline stage")
-        plan = llama_sequence_parallel_plan(loss_parallel=loss_parallel, first_layer=next(iter(model.layers)))
+        # a pipeline stage splits the sequence only where it holds the embedding and keeps it split otherwise:
+        # its hidden states travel to the next stage as sequence shards
+        first_layer = next(iter(model.layers)) if embed is not None else None
+        plan = llama_sequence_parallel_plan(loss_parallel=loss_parallel, first_layer=first_layer)
+        if not hasattr(model, "norm"):  # a pipeline stage before the last
+            del plan["norm"]
     else:
         plan = llama_tp_plan(loss_parallel=loss_parallel)
     if embed is None:  # a pipeline stage without the embedding

@@ -3,7 +3,10 @@
 A `LlamaStage` is what `colo.pipeline.PipelineExecutor` runs as a model chunk: called on one tensor, returning
 one tensor. The first stage takes token ids (it holds the embedding), the last returns logits (it holds the final
 norm, ``lm_head`` and the objective), the others map hidden states to hidden states. Positions are
-``0 .. seq - 1``; the loss is `colo.apps.models.llama.causal_lm_loss` on the last stage's logits.
+``0 .. seq - 1`` unless ``position_ids`` come with the input (a sequence shard's global positions under Ulysses or
+ring attention, or packed documents' restarting ones): then every stage uses them and hands them, and the whole
+sequence's ``document_ids`` when given, on to the next stage with its hidden states. The loss is
+`colo.apps.models.llama.causal_lm_loss` on the last stage's logits (`sharded_causal_lm_loss` for sequence shards).
 
 Stages keep the model's module names (``embed_tokens``, ``layers.5``, ``norm``, ``lm_head``), so
 `parallelize_llama` applies to a stage as to the whole model, and a stage materialized from the meta device gets
@@ -19,7 +22,7 @@ from torch import nn
 
 from colo.pipeline import partition_by_parameters, partition_uniform
 
-from .model import Llama, init_llama_module
+from .model import Llama, attention_document_ids, init_llama_module
 
 
 class LlamaStage(nn.Module):
@@ -40,6 +43,9 @@ class LlamaStage(nn.Module):
         super().__init__()
         self.config = model.config
         self.first, self.last = first, last
+        self.document_ids_from_positions = model.document_ids_from_positions
+        """As `Llama.document_ids_from_positions`: packed rows' document ids from this stage's positions (a
+        sequence-parallel plan turns it off and passes the whole sequence's ids)."""
         if first:
             self.embed_tokens = model.embed_tokens
         self.rotary_emb = model.rotary_emb
@@ -47,17 +53,35 @@ class LlamaStage(nn.Module):
         if last:
             self.norm, self.lm_head, self.objective = model.norm, model.lm_head, model.objective
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """``x``: ``(batch, seq)`` token ids on the first stage, else ``(batch, seq, hidden)``. Returns hidden
-        states, or ``(batch, seq, vocab)`` logits on the last stage."""
+        states, or ``(batch, seq, vocab)`` logits on the last stage.
+
+        ``position_ids`` (``(batch, seq)``, this rank's tokens' positions in the whole sequence: a sequence
+        shard's under Ulysses or ring attention, restarting per document in packed rows) and ``document_ids``
+        (``(batch, keys)``, the whole sequence's, see `Llama.hidden_states`; without them, derived from
+        ``position_ids`` as `Llama` derives them) are used by this stage's layers and handed on: a stage that is
+        not the last then returns ``{"x": hidden, "position_ids": ..., "document_ids": ...}`` (the ones it got),
+        which the pipeline sends to the next stage as they are."""
+        given_document_ids = document_ids  # handed on as given: the boundary's tensors never depend on the rows
         if self.first:
             x = self.embed_tokens(x)
-        cos, sin = self.rotary_emb(x.shape[1])
+        if document_ids is None and position_ids is not None and self.document_ids_from_positions:
+            document_ids = attention_document_ids(position_ids, x.shape[0])
+        # Megatron-SP stages get a sequence shard of the hidden states but attend over the whole sequence
+        seq_len = x.shape[1] if position_ids is None else position_ids.shape[-1]
+        cos, sin = self.rotary_emb(seq_len, position_ids)
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, document_ids=document_ids)
         if self.last:
             _, x = self.objective(self.norm(x), self.lm_head)
-        return x
+            return x
+        if position_ids is None and given_document_ids is None:
+            return x
+        passed = {"x": x, "position_ids": position_ids, "document_ids": given_document_ids}
+        return {key: value for key, value in passed.items() if value is not None}
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """``{"word_embeddings": weight}`` on the first and the last stage of a tied model, else ``{}``: the
