@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -15,11 +14,8 @@ from colo.tensor.checkpoint import save_checkpoint
 
 from ...checkpointing import MODES as CHECKPOINTING_MODES
 from ...checkpointing import apply_activation_checkpointing
-from ..microbatch import loss_of, split_batch
 from ..precision import check_precision
-
-IGNORE_INDEX = -100
-"""The label of tokens without a loss (Hugging Face's and colo's Llama convention)."""
+from .runner import MicrobatchRunner, comm_device
 
 
 @dataclass(frozen=True)
@@ -162,10 +158,12 @@ class Plugin:
 
 
 class Engine:
-    """Runs steps for one plugin: forward, backward, gradient sync, clipping and the optimizer step.
+    """Runs steps for one plugin: an optimizer driver (backward, gradient sync, clipping, the optimizer step,
+    checkpoint state) and a runner (`runner`: what turns a step's batch into forwards and backwards).
 
-    Subclasses implement `backward`, `no_sync`, `step`, `zero_grad`, `checkpoint_state` and `load`; the default
-    `train_step` splits the batch into microbatches and accumulates over them (a pipeline overrides it).
+    Subclasses implement `backward`, `no_sync`, `step`, `zero_grad`, `checkpoint_state` and `load` (the chunk
+    optimizers' through `OptimizerDriver`); `train_step` runs ``runner.forward_backward`` and then `step`, whatever
+    the runner (the microbatch loop by default, a pipeline schedule for ``pp > 1``).
     """
 
     def __init__(
@@ -188,6 +186,9 @@ class Engine:
         self.expected_names: list[str] | None = None
         """The checkpoint names of the whole model (`colo.apps.booster.checkpoint_manifest`, set by the Booster):
         every checkpoint must hold them, whichever ranks hold which parameters."""
+        self.runner = MicrobatchRunner(self)
+        """What a step runs before the optimizer step (`colo.apps.booster.plugins.runner`): the microbatch loop here;
+        a pipeline engine puts a `PipelineRunner` in its place."""
 
     # --- per plugin ---------------------------------------------------------------------------------------------
 
@@ -197,14 +198,13 @@ class Engine:
 
     @property
     def eval_microbatches(self) -> int:
-        """How many microbatches `eval_loss` splits a batch into (a batch's size must divide by it): 1 here."""
-        return 1
+        """How many microbatches `eval_loss` splits a batch into (a batch's size must divide by it)."""
+        return self.runner.eval_microbatches
 
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The loss of ``batch`` on this rank, forward only (the caller disables gradients): the plugin's share of
-        it (`prepare_micro`), its loss weighted the way a training step weights it."""
-        micro, weight = self.prepare_micro(batch)
-        return loss_of(self.forward(micro), micro, self.criterion) * weight
+        """The loss of ``batch`` on this rank, forward only (the caller disables gradients), as the runner computes
+        it (`MicrobatchRunner.evaluate`, `PipelineRunner.evaluate`)."""
+        return self.runner.evaluate(batch)
 
     def prepare_micro(self, micro: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
         """This rank's part of a microbatch and the weight of its loss (sequence parallelism splits sequences)."""
@@ -256,55 +256,17 @@ class Engine:
     # --- shared -------------------------------------------------------------------------------------------------
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> tuple[float, float | None, bool]:
-        """One optimizer step over ``batch``; returns ``(mean loss over data ranks, grad norm, skipped)``."""
-        micro_batches = split_batch(batch, self.plugin.num_microbatches)
-        count = len(micro_batches)
-        if self.plugin.loss_weighting == "token":
-            shares = self.token_shares(micro_batches)
-        else:
-            shares = [1.0 / count] * count
-        total = torch.zeros((), dtype=torch.float64)
-        for index, micro in enumerate(micro_batches):
-            last = index == count - 1
-            context = contextlib.nullcontext() if last or self.sync_every_microbatch else self.no_sync()
-            with context:
-                micro, weight = self.prepare_micro(micro)
-                loss = loss_of(self.forward(micro), micro, self.criterion) * (weight * shares[index])
-                self.backward(loss)
-            total += loss.detach().double().cpu()
+        """One optimizer step over ``batch``: the runner's forwards and backwards, then the driver's step; returns
+        ``(mean loss over data ranks, grad norm, skipped)``."""
+        loss = self.runner.forward_backward(batch)
         grad_norm, skipped = self.step()
         self.zero_grad()
-        return self.mean_over_data_ranks(total), grad_norm, skipped
-
-    def token_shares(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
-        """Per microbatch, ``its labelled targets * ranks with different samples / the step's labelled targets on
-        all of them``: the factors that make the data-parallel mean of the weighted microbatch means the mean over
-        every labelled token of the step (``loss_weighting="token"``). One all-reduce of a scalar."""
-        counts = []
-        for micro in micro_batches:
-            labels = micro.get("labels") if isinstance(micro, Mapping) else None
-            if labels is None:
-                raise ValueError(
-                    f"{type(self.plugin).__name__}.loss_weighting='token' counts the batch's labelled tokens, but the "
-                    "batch has no 'labels'; pass labels or use loss_weighting='microbatch'"
-                )
-            counts.append(int((labels[:, 1:] != IGNORE_INDEX).sum()))
-        group = self.mesh.group(*self.plugin.sample_axes(self.mesh))
-        total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=_comm_device(group))
-        if group.size > 1:
-            all_reduce(total, group=group)
-        total = max(float(total.item()), 1.0)
-        return [n * group.size / total for n in counts]
+        return self.mean_over_data_ranks(loss), grad_norm, skipped
 
     def mean_over_data_ranks(self, value: torch.Tensor) -> float:
         """The mean of a scalar over the data-parallel ranks (one tiny all-reduce)."""
         if self.data_group.size == 1:
             return float(value)
-        reduced = value.reshape(1).to(_comm_device(self.data_group))
+        reduced = value.reshape(1).to(comm_device(self.data_group))
         all_reduce(reduced, group=self.data_group)
         return float(reduced.item()) / self.data_group.size
-
-
-def _comm_device(group: Group) -> torch.device:
-    backend = dist.get_backend(group.process_group) if dist.is_initialized() else "gloo"
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

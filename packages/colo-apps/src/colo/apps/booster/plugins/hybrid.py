@@ -27,6 +27,7 @@ from ..plans import materialize_device, plan_for
 from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
 from .driver import OptimizerDriver
+from .runner import PipelineRunner
 from .zero import ZeroEngine
 
 SP_MODES = (None, "megatron", "ulysses", "ring")
@@ -373,7 +374,8 @@ class HybridEngine(ZeroEngine):
 
 
 class PipelineEngine(OptimizerDriver, Engine):
-    """Runs a pipeline step (`colo.pipeline.PipelineExecutor`) with ZeRO over the data axes."""
+    """Runs a pipeline step with ZeRO over the data axes: the chunk-optimizer driver and a `PipelineRunner` (the
+    schedule's `colo.pipeline.PipelineExecutor`; a batch's size must divide by ``num_microbatches``)."""
 
     def __init__(
         self, plugin: HybridParallel, *, plan, part, optimizer: ZeroOptimizer, mesh: Mesh, model, tied_copies=()
@@ -393,24 +395,7 @@ class PipelineEngine(OptimizerDriver, Engine):
             tied_parameters=part.tied_parameters,
             on_backward_end=optimizer.reduce_gradients,
         )
-
-    def train_step(self, batch):
-        inputs, targets = self.plan.prepare_pipeline_batch(batch, mesh=self.mesh, plugin=self.plugin)
-        result = self.executor.step(inputs, targets, return_loss=True)
-        grad_norm, skipped = self.step()
-        self.zero_grad()
-        return self.mean_over_data_ranks(result.loss.detach().double().cpu()), grad_norm, skipped
-
-    @property
-    def eval_microbatches(self) -> int:
-        return self.plugin.num_microbatches
-
-    def eval_loss(self, batch) -> torch.Tensor:
-        """The mean loss of ``batch`` (this data rank's share), forward only through the pipeline's stages
-        (`PipelineExecutor.evaluate`); every rank of the pipeline gets it. The batch splits into the schedule's
-        microbatches, so its size must divide by ``num_microbatches``."""
-        inputs, targets = self.plan.prepare_pipeline_batch(batch, mesh=self.mesh, plugin=self.plugin)
-        return self.executor.evaluate(inputs, targets)
+        self.runner = PipelineRunner(self.executor, plan=plan, plugin=plugin, mesh=mesh)
 
     def backward(self, loss):
         raise RuntimeError("with pp > 1 the pipeline runs backward itself: use booster.train_step(batch)")
