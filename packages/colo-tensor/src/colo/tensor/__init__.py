@@ -17,6 +17,13 @@ are `SequenceParallelColumnLinear`, `SequenceParallelQKVLinear`, `SequenceParall
 load-balanced for causal attention). `shard_sequence` / `gather_sequence` split and join a sequence in the
 ``"contiguous"`` or ``"zigzag"`` layout, padding lengths that do not divide.
 
+2D / 2.5D / 3D tensor parallelism (`colo.tensor.tp2d`, `colo.tensor.tp3d`, on the grids of `colo.tensor.tp_grid`):
+`grid_mesh(mode, tp, depth=...)` builds the mesh (sizes checked first, valid ones listed); `Linear2D` (SUMMA),
+`QKVLinear2D`, `LayerNorm2D`, `RMSNorm2D`, `Embedding2D`, `VocabParallelEmbedding2D`, `cross_entropy_2d` run on a
+q x q grid, or d stacked grids for 2.5D (Tesseract); `Linear3D`, `LayerNorm3D`, `Embedding3D`,
+`VocabParallelEmbedding3D`, `attention_3d`, `cross_entropy_3d` on a q x q x q cube. `colo.tensor.grid_styles` has
+their `parallelize` styles and `colo.tensor.tp_cost` the communication cost of every scheme per layer.
+
 Checkpoints (`colo.tensor.checkpoint`): `save_checkpoint` / `load_checkpoint` in one sharded format for every
 layout, `AsyncCheckpointer` for background saves, `export_hf` for a consolidated Hugging Face export.
 """
@@ -70,6 +77,26 @@ from .styles import (
     StyleTarget,
     VocabParallel,
 )
+from .tp2d import (
+    Embedding2D,
+    LayerNorm2D,
+    Linear2D,
+    QKVLinear2D,
+    RMSNorm2D,
+    VocabParallelEmbedding2D,
+    cross_entropy_2d,
+    shard_batch,
+)
+from .tp3d import (
+    Embedding3D,
+    LayerNorm3D,
+    Linear3D,
+    VocabParallelEmbedding3D,
+    attention_3d,
+    cross_entropy_3d,
+    shard_3d,
+)
+from .tp_grid import GRID_AXES, TP_MODES, check_tp_size, grid_mesh, valid_grid_sizes
 from .ulysses import ulysses_attention
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from .zigzag import SEQUENCE_LAYOUTS, gather_sequence, padded_seq_len, shard_positions, shard_sequence
@@ -86,6 +113,26 @@ __all__ = [
     "save_checkpoint",
     "verify_checkpoint",
     "ColumnParallelLinear",
+    "Embedding2D",
+    "Embedding3D",
+    "GRID_AXES",
+    "LayerNorm2D",
+    "LayerNorm3D",
+    "Linear2D",
+    "Linear3D",
+    "QKVLinear2D",
+    "RMSNorm2D",
+    "TP_MODES",
+    "VocabParallelEmbedding2D",
+    "VocabParallelEmbedding3D",
+    "attention_3d",
+    "check_tp_size",
+    "cross_entropy_2d",
+    "cross_entropy_3d",
+    "grid_mesh",
+    "shard_3d",
+    "shard_batch",
+    "valid_grid_sizes",
     "Colwise",
     "FusedQKV",
     "Layout",

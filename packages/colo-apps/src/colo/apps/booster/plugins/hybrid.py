@@ -13,6 +13,7 @@ from torch import nn
 from colo.comm import Mesh, all_gather_object, init_distributed, world_group
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
 from colo.tensor import layout_of
+from colo.tensor.tp_grid import GRID_AXES, TP_MODES, check_tp_size
 from colo.zero import ZeroOptimizer
 from colo.zero.state import OPTIM_PREFIX, OPTIMIZER_KEY
 
@@ -22,6 +23,7 @@ from ...lora.tensor_parallel import (
     materialize_lora_adapters,
     restore_lora_layers,
 )
+from ..grid_plan import grid_plan_for
 from ..parallel_dims import LayoutError, ParallelDims, UnsupportedLayout
 from ..plans import materialize_device, plan_for
 from ..replicas import broadcast_model_state, model_tensors
@@ -50,7 +52,13 @@ class HybridParallel(Plugin):
     """
 
     tp: int = 1
-    """Tensor-parallel size (Megatron 1D)."""
+    """Tensor-parallel size (Megatron 1D, or the ranks of the 2D / 2.5D grid or 3D cube with ``tp_mode``)."""
+    tp_mode: str = "1d"
+    """``"1d"`` (Megatron), ``"2d"`` (SUMMA on a q x q grid, tp = q^2), ``"2.5d"`` (Tesseract, tp = tp_depth q^2;
+    `colo.tensor.tp2d`) or ``"3d"`` (a q x q x q cube, tp = q^3; `colo.tensor.tp3d`). The grid modes compose with
+    dp and ZeRO 0-2 (no pipeline, sequence parallelism or ZeRO-3) on colo's native Llama."""
+    tp_depth: int = 1
+    """2.5D's number of stacked q x q grids (``tp_mode="2.5d"`` only)."""
     dp: int | None = None
     """Data-parallel size; ``None``: what is left of the world size after tp, pp and sp (given, it must make
     ``dp * tp * pp * sp`` the world size)."""
@@ -92,7 +100,16 @@ class HybridParallel(Plugin):
         return ParallelDims(tp=self.tp, pp=self.pp, sp=self.sp, dp=self.dp)
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
-        return self.dims.mesh_shape(world_size)
+        shape = self.dims.mesh_shape(world_size)
+        if self.tp_mode != "1d":  # the tp axis becomes the grid's axes, in its place (innermost)
+            shape.update(check_tp_size(self.tp_mode, shape.pop("tp"), self.tp_depth))
+        return shape
+
+    def tensor_parallel_axes(self) -> tuple[str, ...]:
+        """The mesh axes tensor parallelism runs over (``("tp",)``, or the grid's axes)."""
+        if self.tp == 1:
+            return ()
+        return ("tp",) if self.tp_mode == "1d" else GRID_AXES[self.tp_mode]
 
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
         return self.dims.data_axes()
@@ -104,6 +121,8 @@ class HybridParallel(Plugin):
         if criterion is not None and self.pp > 1:
             raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
         plan = plan_for(model)
+        if self.tp_mode != "1d":
+            plan = grid_plan_for(plan, self)
         init_distributed()
         self.mesh_shape(torch.distributed.get_world_size())  # the sizes against the world, before the model changes
         original_names: dict[int, list[str]] = {}  # a tied parameter has several names; a pipeline stage uses one
@@ -148,7 +167,7 @@ class HybridParallel(Plugin):
             data_axes=self.data_axes(mesh),
             chunk_numel=self.chunk_numel,
             mixed_precision=_mixed_precision(self),
-            tensor_parallel_axes=("tp",) if self.tp > 1 else (),
+            tensor_parallel_axes=self.tensor_parallel_axes(),
             pipeline_axis="pp" if self.pp > 1 else None,
             checkpoint_names=checkpoint_names,
         )
@@ -163,6 +182,15 @@ class HybridParallel(Plugin):
         return PipelineEngine(
             self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target, tied_copies=tied_copies
         )
+
+
+def _grid_error(plugin: HybridParallel) -> str | None:
+    """Why ``tp`` / ``tp_depth`` do not make ``tp_mode``'s grid (the valid sizes listed), or ``None``."""
+    try:
+        check_tp_size(plugin.tp_mode, plugin.tp, plugin.tp_depth)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _not_positive(value) -> bool:
@@ -211,6 +239,28 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
         lambda p: (
             "HybridParallel: loss_weighting='token' with pp > 1 is not supported yet (the pipeline averages its "
             "microbatch losses itself); use loss_weighting='microbatch'"
+        ),
+    ),
+    (
+        "tp_mode",
+        LayoutError,
+        lambda p: p.tp_mode not in TP_MODES,
+        lambda p: f"HybridParallel.tp_mode={p.tp_mode!r} is unknown; use one of {TP_MODES}",
+    ),
+    (
+        "tp",
+        LayoutError,
+        lambda p: p.tp_mode in TP_MODES and _grid_error(p) is not None,
+        lambda p: f"HybridParallel: {_grid_error(p)}",
+    ),
+    (
+        "tp_mode",
+        UnsupportedLayout,
+        lambda p: p.tp_mode != "1d" and (p.pp > 1 or p.sp > 1 or p.sp_mode is not None or p.zero_stage == 3),
+        lambda p: (
+            f"HybridParallel: tp_mode={p.tp_mode!r} composes with dp and zero_stage 0-2 only (got pp={p.pp}, "
+            f"sp={p.sp}, sp_mode={p.sp_mode!r}, zero_stage={p.zero_stage}); use pp=1, sp=1, sp_mode=None and "
+            "zero_stage <= 2, or tp_mode='1d'"
         ),
     ),
     (
