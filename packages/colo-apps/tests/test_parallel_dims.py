@@ -41,7 +41,11 @@ def test_sizes_that_do_not_fit_the_world_name_the_field(dims, world, field, word
         ({"zero_stage": 4}, LayoutError, "zero_stage"),
         ({"zero_stage": 3, "pp": 2, "num_microbatches": 2}, UnsupportedLayout, "zero_stage"),
         ({"zero_stage": 3, "activation_checkpointing": "selective"}, UnsupportedLayout, "activation_checkpointing"),
-        ({"sp": 2, "sp_mode": "ulysses", "pp": 2, "num_microbatches": 2}, UnsupportedLayout, "sp"),
+        (
+            {"tp": 2, "sp_mode": "megatron", "pp": 2, "num_microbatches": 2, "schedule": "zero_bubble_h1"},
+            UnsupportedLayout,
+            "schedule",
+        ),
         ({"schedule": "interleaved_1f1b", "pp": 2, "num_microbatches": 2}, LayoutError, "num_model_chunks"),
     ],
 )
