@@ -333,6 +333,10 @@ from .serve import serve as _serve  # noqa: E402  (colo serve: an OpenAI-compati
 
 app.command(name="serve")(_serve)
 
+from .plan import plan as _plan  # noqa: E402  (colo plan: the layout planner, in its own module)
+
+app.command(name="plan")(_plan)
+
 
 def main(argv: list[str] | None = None) -> None:
     """The ``colo`` entry point."""

@@ -1,0 +1,513 @@
+"""Memory of one training step per rank, term by term, for a Llama config and a `Layout`.
+
+Static memory (model states) is not re-derived from a formula: the planner builds this rank's parameter list (the
+shapes the tensor-parallel plan and the pipeline cut leave it, in registration order), packs it with colo.zero's
+own `plan_chunks` (the padding search included), and counts the buffers `ZeroOptimizer` / `GeminiOptimizer` keep
+per chunk, as their `memory_report()` counts them (storages counted once, fp32 masters aliased without mixed
+precision, stage 1's gradient shard inside its full buffer, AdamW's ``step`` scalar per master).
+
+Activations are counted per decoder layer from what the layer saves for backward (the saved tensors of colo's
+Llama, read off `torch.autograd.graph.saved_tensors_hooks`: the layer's input, both norms' outputs and fp32
+``rstd``, the fused q/k/v output, the rotated q and k, the attention output and its fp32 log-sum-exp, the residual,
+the SwiGLU inputs and output), scaled by what tensor and sequence parallelism shard and what checkpointing keeps.
+The same counts hold on GPU: colo's flash attention saves ``(out, lse)``, never the ``S x S`` scores.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from ..models.llama import LlamaConfig
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter as this rank holds it."""
+
+    name: str
+    numel: int
+    group: int = 0
+
+
+def _check_tp(config: LlamaConfig, tp: int) -> None:
+    from ..models.llama.parallelize import check_tp_size
+
+    check_tp_size(config, tp)
+
+
+def stage_layers(config: LlamaConfig, layout: Layout, pp_rank: int) -> list[tuple[list[int], bool, bool]]:
+    """The model chunks of pipeline rank ``pp_rank``: ``(layer ids, holds the embedding, holds the head)`` each
+    (colo.pipeline's uniform split into ``pp * num_model_chunks`` stages; rank r holds stages r, r + pp, ...)."""
+    from colo.pipeline import partition_uniform
+
+    num_stages = layout.pp * layout.num_model_chunks
+    ranges = partition_uniform(config.num_hidden_layers, num_stages)
+    stages = range(pp_rank, num_stages, layout.pp)
+    return [(list(ranges[s]), s == 0, s == num_stages - 1) for s in stages]
+
+
+def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no_decay_vectors: bool = False):
+    """This rank's parameters in registration order, with their tensor-parallel shapes.
+
+    Args:
+        config: the model's shape.
+        layout: the layout (``tp`` shards heads, the MLP width and the vocabulary; ``pp`` cuts the layers).
+        pp_rank: the pipeline rank.
+        no_decay_vectors: the trainer's optimizer groups (`colo.apps.train.optim.param_groups`): 1-D parameters
+            in group 0 (no decay), matrices in group 1; ``False``: one group.
+
+    Returns:
+        ``list[ParamEntry]``.
+    """
+    tp = layout.tp
+    if tp > 1:
+        _check_tp(config, tp)
+    h, hd = config.hidden_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    vector = 0
+    matrix = 1 if no_decay_vectors else 0
+    entries: list[ParamEntry] = []
+    for layers, first, last in stage_layers(config, layout, pp_rank):
+        if first:
+            entries.append(ParamEntry("embed_tokens.weight", config.vocab_size // tp * h, matrix))
+        for i in layers:
+            p = f"layers.{i}."
+            entries.append(ParamEntry(p + "input_layernorm.weight", h, vector))
+            if tp == 1:
+                entries.append(ParamEntry(p + "self_attn.qkv_proj.weight", (heads + 2 * kv) * hd * h, matrix))
+            else:
+                kv_rows = kv * hd if kv % tp else kv // tp * hd  # fewer kv heads than ranks: replicated
+                entries.append(ParamEntry(p + "self_attn.qkv_proj.q_weight", heads // tp * hd * h, matrix))
+                entries.append(ParamEntry(p + "self_attn.qkv_proj.k_weight", kv_rows * h, matrix))
+                entries.append(ParamEntry(p + "self_attn.qkv_proj.v_weight", kv_rows * h, matrix))
+            entries.append(ParamEntry(p + "self_attn.o_proj.weight", heads // tp * hd * h, matrix))
+            entries.append(ParamEntry(p + "post_attention_layernorm.weight", h, vector))
+            inter = config.intermediate_size // tp
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                entries.append(ParamEntry(p + f"mlp.{name}.weight", inter * h, matrix))
+        if last:
+            entries.append(ParamEntry("norm.weight", h, vector))
+            if not (config.tie_word_embeddings and first):
+                entries.append(ParamEntry("lm_head.weight", config.vocab_size // tp * h, matrix))
+    return entries
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Model-state bytes on one rank, named as `colo.zero.MemoryReport` names them (``workspace``: an upper bound of
+    the pooled full-chunk buffers; ``host``: the part of the others on the host)."""
+
+    params: int
+    grads: int
+    masters: int
+    optimizer_states: int
+    padding: int
+    host: int = 0
+    workspace: int = 0
+    num_chunks: int = 0
+    chunk_bytes: list[int] = field(default_factory=list, repr=False)
+    """Full-chunk sizes in compute-dtype bytes (the units of the data-parallel collectives)."""
+    chunk_numels: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.masters + self.optimizer_states
+
+    @property
+    def device(self) -> int:
+        """Model-state bytes on the device (everything but the host part), pooled buffers included."""
+        return self.total - self.host + self.workspace
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """One chunk of a packing: its capacity and the elements its parameters use."""
+
+    capacity: int
+    used: int
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_plans(entries: tuple[ParamEntry, ...], num_shards: int, chunk_numel: int | None, gemini: bool):
+    return plan_rank_chunks(list(entries), num_shards=num_shards, chunk_numel=chunk_numel, gemini=gemini)
+
+
+def plan_rank_chunks(
+    entries: list[ParamEntry], *, num_shards: int, chunk_numel: int | None, gemini: bool = False
+) -> list[ChunkShape]:
+    """The chunks `colo.zero.plan_chunks` packs these parameters into, with the largest capacity the optimizer's
+    config searches to (`ZeroConfig`'s or `GeminiConfig`'s default).
+
+    The same greedy packing and padding search as `plan_chunks` (test_plan_search checks they agree), on plain
+    integers: a 70B model's packing search (256 candidate capacities) runs for every structure the planner
+    considers, and there `plan_chunks`' per-parameter tensors dominate the search's time."""
+    from colo.gemini.config import GeminiConfig
+    from colo.zero.chunk import round_up
+    from colo.zero.config import ZeroConfig
+
+    if not entries:
+        raise ValueError("the rank holds no parameters to pack into chunks")
+    largest_capacity = (GeminiConfig if gemini else ZeroConfig)().max_chunk_numel
+    items = [(e.group, e.numel) for e in entries]
+    if chunk_numel is not None:
+        return [ChunkShape(capacity, used) for capacity, used in _pack_shapes(items, num_shards, chunk_numel)]
+    num_candidates, tolerance = 256, 0.01  # plan_chunks' defaults
+    largest = round_up(max(n for _, n in items), num_shards)
+    totals: dict[int, int] = {}
+    for group, numel in items:
+        totals[group] = totals.get(group, 0) + numel
+    ceiling = max(round_up(largest_capacity, num_shards), 2 * largest)
+    high = max(largest, min(round_up(max(totals.values()), num_shards), ceiling))
+    step = max(num_shards, round_up((high - largest) // max(num_candidates, 1), num_shards))
+    candidates = [_pack_shapes(items, num_shards, c) for c in list(range(largest, high, step)) + [high]]
+    paddings = [sum(capacity - used for capacity, used in shapes) for shapes in candidates]
+    allowed = min(paddings) + tolerance * sum(totals.values())
+    chosen = next(shapes for shapes, padding in zip(candidates, paddings) if padding <= allowed)
+    return [ChunkShape(capacity, used) for capacity, used in chosen]
+
+
+def _pack_shapes(items: list[tuple[int, int]], num_shards: int, capacity: int) -> list[list[int]]:
+    """`colo.zero.chunk._pack` on ``(group, numel)`` pairs (one dtype, all trainable): ``[capacity, used]`` per
+    chunk."""
+    capacity = -(-capacity // num_shards) * num_shards
+    chunks: list[list[int]] = []  # [capacity, used] in packing order
+    open_chunk: dict[int, list[int]] = {}
+    for group, numel in items:
+        if numel > capacity:  # an oversized parameter gets a chunk of its own
+            chunks.append([-(-numel // num_shards) * num_shards, numel])
+            continue
+        chunk = open_chunk.get(group)
+        if chunk is None or chunk[1] + numel > capacity:
+            chunk = [capacity, 0]
+            open_chunk[group] = chunk
+            chunks.append(chunk)
+        chunk[1] += numel
+    return chunks
+
+
+_STATIC_CACHE: dict[tuple, StaticMemory] = {}
+
+
+def static_memory(
+    config: LlamaConfig,
+    layout: Layout,
+    *,
+    pp_rank: int = 0,
+    data_rank: int = 0,
+    no_decay_vectors: bool = False,
+    max_reductions_in_flight: int = 2,
+) -> StaticMemory:
+    """Parameters, gradients, masters, optimizer state (AdamW), padding and pooled buffers of one rank after a step
+    (see `_static_memory`); cached on what it depends on (not checkpointing or microbatches), since the chunk
+    packing search is the planner's most expensive step."""
+    key = (
+        config,
+        *(getattr(layout, f) for f in ("plugin", "dp", "tp", "pp", "sp", "stage", "precision", "chunk_numel")),
+        layout.offload_optimizer,
+        layout.num_model_chunks,
+        pp_rank,
+        data_rank,
+        no_decay_vectors,
+        max_reductions_in_flight,
+    )
+    if key not in _STATIC_CACHE:
+        if len(_STATIC_CACHE) > 4096:
+            _STATIC_CACHE.clear()
+        _STATIC_CACHE[key] = _static_memory(
+            config,
+            layout,
+            pp_rank=pp_rank,
+            data_rank=data_rank,
+            no_decay_vectors=no_decay_vectors,
+            max_reductions_in_flight=max_reductions_in_flight,
+        )
+    return _STATIC_CACHE[key]
+
+
+def _static_memory(
+    config: LlamaConfig,
+    layout: Layout,
+    *,
+    pp_rank: int,
+    data_rank: int,
+    no_decay_vectors: bool,
+    max_reductions_in_flight: int,
+) -> StaticMemory:
+    """Parameters, gradients, masters, optimizer state (AdamW), padding and pooled buffers of one rank after a step.
+
+    ``data_rank`` is the rank's index among the ZeRO shards (padding sits at the end of each chunk, so the last
+    shards hold it). DDP (torch DDP, no chunks): parameters, gradients (DDP's buckets are views of them) and AdamW's
+    moments and ``step``, all in the parameters' dtype (fp32; the run's autocast does not change them).
+    """
+    entries = rank_parameters(config, layout, pp_rank=pp_rank, no_decay_vectors=no_decay_vectors)
+    if layout.plugin == "ddp":
+        numel = sum(e.numel for e in entries)
+        return StaticMemory(numel * 4, numel * 4, 0, 2 * numel * 4 + 4 * len(entries), 0)
+    stage = layout.stage
+    sharded = stage != 0
+    shards = layout.data_ranks if sharded else 1
+    rank = data_rank if sharded else 0
+    gemini = layout.plugin == "gemini"
+    plans = _cached_plans(tuple(entries), shards, layout.chunk_numel, gemini)  # ZeRO stages 1-3 pack alike
+    ec = layout.compute_bytes
+    mixed = layout.precision != "fp32"
+    er = ec if mixed else 4  # gradients are reduced in the compute dtype (fp32 without mixed precision)
+    offload = layout.offload_optimizer and not gemini
+    totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
+    padding = host = 0
+
+    def block(numel: int, size: int) -> int:  # colo.gemini's DeviceArena.block_bytes
+        from colo.gemini.tiers import ALIGNMENT
+
+        return -(-max(numel, 1) * size // ALIGNMENT) * ALIGNMENT
+
+    for plan in plans:
+        numel, used = plan.capacity, plan.used
+        shard = numel // shards
+        start = rank * shard
+        shard_pad = max(0, start + shard - max(start, used))
+        full_pad = numel - used
+        if gemini:  # every chunk homed on the device, in arena blocks (Gemini's own accounting)
+            fp32 = block(shard, 4)
+            buffers = [("params", block(shard, ec), 1, 0, False), ("masters", fp32, 1, 0, False)]
+            buffers += [("grads", fp32, 1, 0, False), ("optimizer_states", 2 * fp32, 1, 0, False)]
+        else:
+            buffers = _zero_buffers(
+                stage, numel, shard, full_pad, shard_pad, ec=ec, er=er, mixed=mixed, offload=offload
+            )
+        for kind, elements, size, pad, on_host in buffers:
+            totals[kind] += elements * size
+            padding += pad * size
+            host += elements * size if on_host else 0
+        totals["optimizer_states"] += 4  # AdamW's fp32 `step`
+        host += 4 if offload else 0
+    chunk_bytes = [plan.capacity * ec for plan in plans]
+    pooled = _pooled_buffers(stage, chunk_bytes, er / ec, max_reductions_in_flight, gemini)
+    return StaticMemory(
+        padding=padding,
+        host=host,
+        workspace=pooled,
+        num_chunks=len(plans),
+        chunk_bytes=chunk_bytes,
+        chunk_numels=[plan.capacity for plan in plans],
+        **totals,
+    )
+
+
+def _zero_buffers(stage, numel, shard, full_pad, shard_pad, *, ec, er, mixed, offload) -> list[tuple]:
+    """The buffers `ZeroOptimizer._build_buffers` gives a chunk, and AdamW's moments after a step:
+    ``(kind, elements, bytes per element, padding elements, on the host)``."""
+    buffers = []
+    if stage == 3:  # the compute copy: this rank's shard (stage 3) or the full chunk
+        buffers.append(("params", shard, ec, shard_pad, False))
+    else:
+        buffers.append(("params", numel, ec, full_pad, False))
+    if mixed or offload:  # fp32 without offload: the master is the compute shard itself
+        buffers.append(("masters", shard, 4, shard_pad, offload))
+    if stage == 1:  # the persistent full gradient; the shard is its own region unless the dtypes differ
+        buffers.append(("grads", numel, ec, full_pad, False))
+        if not (ec == er and not offload):
+            buffers.append(("grads", shard, er, shard_pad, offload))
+    else:
+        buffers.append(("grads", shard, er, shard_pad, offload))
+    if shard > 1:  # registered only for more than one element
+        buffers += [("optimizer_states", shard, 4, shard_pad, offload)] * 2  # exp_avg, exp_avg_sq
+    return buffers
+
+
+def _pooled_buffers(stage: int, chunk_bytes: list[int], reduce_ratio: float, in_flight: int, gemini: bool) -> int:
+    """An upper bound of `BufferPool`'s bytes: stages 0/2/3 keep up to ``in_flight + 1`` gradient buckets, stage 3
+    also the gathered chunks in use at once (the chunk in use, the prefetched one and the root kept for backward)."""
+    if stage == 1 or gemini or not chunk_bytes:
+        return 0
+    largest = sorted(chunk_bytes, reverse=True)
+    buckets = int(sum(largest[: in_flight + 1]) * max(reduce_ratio, 1.0) * 2)  # up to fp32 buckets
+    gathers = sum(largest[:3]) if stage == 3 else 0
+    return buckets + gathers
+
+
+# --- activations ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes saved for backward on one rank for one microbatch, and how many microbatches are alive at once."""
+
+    per_layer: int
+    """One decoder layer's saved bytes on the device."""
+    head: int
+    """Embedding ids, final norm and the output projection + loss."""
+    num_layers: int
+    """Decoder layers on this rank."""
+    in_flight: int
+    """Microbatches whose activations are alive at the peak (pipeline warm-up; 1 without a pipeline)."""
+    host_per_layer: int = 0
+    """Offloaded checkpointing: bytes per layer kept in host memory."""
+
+    @property
+    def per_microbatch(self) -> int:
+        return self.per_layer * self.num_layers + self.head
+
+    @property
+    def peak(self) -> int:
+        return self.per_microbatch * self.in_flight
+
+
+def _local_heads(config: LlamaConfig, tp: int) -> tuple[int, int]:
+    """(query heads, kv heads) a tensor-parallel rank computes (kv replicated when tp does not divide them)."""
+    kv = config.num_key_value_heads
+    if tp == 1:
+        return config.num_attention_heads, kv
+    return config.num_attention_heads // tp, 1 if kv % tp else kv // tp
+
+
+def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: int, seq: int) -> int:
+    """Bytes one decoder layer saves for backward without checkpointing, on one rank.
+
+    ``tokens = batch * seq`` are the microbatch's tokens on the rank before sequence sharding. The saved tensors
+    (colo's Llama layer, read off ``saved_tensors_hooks``): the layer input and fp32 ``rstd`` of both norms, both
+    norms' outputs (the q/k/v and gate/up matmul inputs), what attention saves (q and k after RoPE, v, which is a
+    view of the fused q/k/v output and keeps all of it, the output and the fp32 log-sum-exp), the residual sum, the
+    SwiGLU inputs and output. Tensor parallelism shards the heads and the MLP width and, through `FusedQKV`,
+    saves the concatenated q/k/v weight shard of the matmul; Megatron-SP keeps the norms, residuals and matmul
+    inputs as sequence shards (the inputs are gathered again in backward); Ulysses saves q, k, v and the output
+    after the all-to-all (whole sequence, heads / sp) and the projections' tensors on the sequence shard; ring
+    attention runs everything on the sequence shard.
+    """
+    ea = layout.compute_bytes
+    h, hd = config.hidden_size, config.head_dim
+    tp, sp = layout.tp, layout.sp
+    heads, kv = _local_heads(config, tp)
+    inter = config.intermediate_size // tp
+    local = tokens // sp  # Ulysses / ring: the projections run on the sequence shard
+    shard = tokens // tp if layout.sp_mode == "megatron" else local  # norms, residuals (and Megatron-SP's inputs)
+    width = (heads + 2 * kv) * hd
+    elements = 4 * shard * h  # layer input, residual sum, both norms' outputs
+    elements += 3 * local * inter  # gate, up, SwiGLU output
+    if tp > 1:
+        elements += width * h  # FusedQKV's concatenated weight shard
+    if layout.sp_mode == "ulysses":
+        heads_sp, kv_sp = heads // sp, max(1, kv // sp)
+        elements += tokens * (2 * heads_sp + 2 * kv_sp) * hd  # q, k, v, out after the all-to-all
+        elements += local * heads * hd  # o_proj's input after the reverse all-to-all
+        lse = batch * heads_sp * seq
+    else:
+        elements += local * width  # the fused q/k/v output (v is a view of it)
+        elements += local * (heads + kv) * hd + local * heads * hd  # q, k after RoPE, the attention output
+        lse = batch * heads * (seq // sp)
+    return elements * ea + (2 * shard + lse) * 4
+
+
+def head_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, *, first: bool, last: bool) -> int:
+    """Bytes saved outside the decoder layers: the token ids (embedding); the final norm's input, ``rstd`` and
+    output; the loss: the fused output projection + cross-entropy computes ``lm_head``'s weight gradient in the
+    forward and keeps it, the vocabulary-parallel loss (tp > 1) keeps the fp32 local logits, the targets and two
+    masks; sequence parallelism's per-position rotary tables (one copy shared by the layers)."""
+    ea = layout.compute_bytes
+    h = config.hidden_size
+    local = tokens // layout.sp
+    total = local * 8 if first else 0
+    if layout.sp > 1:
+        total += 2 * (local // layout.micro_batch_size) * config.head_dim * 4
+    if last:
+        shard = tokens // layout.tp if layout.sp_mode == "megatron" else local
+        total += 2 * shard * h * ea + shard * 4  # final norm's input and output, rstd
+        if layout.tp > 1 and layout.pp == 1:
+            total += local * (config.vocab_size // layout.tp) * 4 + local * (8 + 2) + 8
+        else:
+            total += config.vocab_size * h * ea
+    return total
+
+
+def activation_memory(config: LlamaConfig, layout: Layout, seq_len: int, *, pp_rank: int = 0) -> ActivationMemory:
+    """Activation bytes of one microbatch on one rank, and the pipeline's microbatches in flight."""
+    batch = layout.micro_batch_size
+    tokens = batch * seq_len
+    chunks = stage_layers(config, layout, pp_rank)
+    num_layers = sum(len(layers) for layers, _, _ in chunks)
+    first = any(f for _, f, _ in chunks)
+    last = any(la for _, _, la in chunks)
+    full = layer_saved_bytes(config, layout, tokens, batch, seq_len)
+    mode = layout.activation_checkpointing
+    host = 0
+    t_in = tokens // layout.tp if layout.sp_mode == "megatron" else tokens // layout.sp
+    if mode == "full":
+        per_layer = t_in * config.hidden_size * layout.compute_bytes  # the block's input
+    elif mode == "selective":
+        per_layer = _selective_bytes(config, layout, tokens, batch, seq_len)
+    elif mode == "offload":
+        per_layer, host = 0, full
+    else:
+        per_layer = full
+    head = head_saved_bytes(config, layout, tokens, first=first, last=last)
+    return ActivationMemory(per_layer, head, num_layers, _in_flight(layout, pp_rank), host)
+
+
+def _selective_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: int, seq: int) -> int:
+    """Selective checkpointing keeps the matmul outputs and the attention's (out, lse), plus the block's input."""
+    ea = layout.compute_bytes
+    h, hd, tp = config.hidden_size, config.head_dim, layout.tp
+    heads, kv = _local_heads(config, tp)
+    t = tokens // layout.sp
+    inter = config.intermediate_size // tp
+    matmuls = t * ((heads + 2 * kv) * hd + h + 2 * inter + h)  # qkv, o_proj, gate, up, down outputs
+    attention = t * heads * hd * ea + batch * heads * (seq // layout.sp) * 4
+    return (t * h + matmuls) * ea + attention
+
+
+def _in_flight(layout: Layout, pp_rank: int) -> int:
+    """Microbatches alive at once on ``pp_rank``, from colo.pipeline's simulator (1 without a pipeline)."""
+    if layout.pp == 1:
+        return 1
+    from .schedule import peak_live_activations
+
+    live = peak_live_activations(layout, pp_rank)
+    return -(-live // layout.num_model_chunks)  # (microbatch, chunk) pairs; a chunk holds 1/v of the layers
+
+
+def kv_cache_bytes(config: LlamaConfig, layout: Layout, *, batch: int, max_len: int, dtype_bytes: int = 2) -> int:
+    """KV cache of generation on one rank: keys and values of every layer on the rank, ``batch x max_len``."""
+    _, kv_local = _local_heads(config, layout.tp)
+    layers = config.num_hidden_layers // layout.pp
+    return 2 * layers * batch * max_len * kv_local * config.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Device bytes of one rank at the step's peak, by term."""
+
+    static: StaticMemory
+    activations: ActivationMemory
+
+    @property
+    def device_total(self) -> int:
+        """Model states on the device, pooled buffers (buckets, ZeRO-3's gathered chunks) and peak activations."""
+        return self.static.device + self.activations.peak
+
+    def terms(self) -> dict[str, int]:
+        s = self.static
+        return {
+            "params": s.params,
+            "grads": s.grads,
+            "masters": s.masters,
+            "optimizer": s.optimizer_states,
+            "host": s.host,
+            "pooled buffers": s.workspace,
+            "activations": self.activations.peak,
+        }
+
+
+def memory_breakdown(config: LlamaConfig, layout: Layout, seq_len: int, *, no_decay_vectors: bool = True):
+    """The peak device memory of the most loaded rank (the first pipeline stage holds the most microbatches)."""
+    worst = None
+    for pp_rank in sorted({0, layout.pp - 1}):
+        static = static_memory(
+            config, layout, pp_rank=pp_rank, data_rank=layout.data_ranks - 1, no_decay_vectors=no_decay_vectors
+        )
+        activations = activation_memory(config, layout, seq_len, pp_rank=pp_rank)
+        candidate = MemoryBreakdown(static, activations)
+        if worst is None or candidate.device_total > worst.device_total:
+            worst = candidate
+    return worst
