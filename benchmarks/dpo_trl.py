@@ -21,6 +21,9 @@ order rotating each repeat, medians reported:
   policy over every pair the run trains on, shared between the ranks), timed separately: steps/s is reported both
   without it and with it amortized over the run's steps (``step time + precompute / (warmup + steps)``: the
   precompute covers exactly the pairs of those steps, as it covers one epoch in a real run).
+- ``trl_single_precompute``: ``trl_single`` with ``precompute_ref_log_probs=True`` (the like-for-like row: TRL's
+  reference pass over the dataset, run in ``DPOTrainer.__init__``, timed around its ``_precompute_ref_logps``) and
+  amortized the same way as colo's.
 - ``trl_single`` / ``trl_ddp``: ``trl.DPOTrainer`` with TRL's defaults for what a user passes here:
   ``precompute_ref_log_probs=False`` (TRL's default: the reference model runs forward on every step) and
   ``ref_model=`` a copy of the initial model (with a model built in memory there is no checkpoint path from which
@@ -78,6 +81,7 @@ MODEL_CONFIG = {
 IMPLS = {
     "colo_single": ("colo Booster(DDP), 1 process", 1),
     "trl_single": ("TRL DPOTrainer, 1 process", 1),
+    "trl_single_precompute": ("TRL DPOTrainer, precompute_ref_log_probs=True, 1 process", 1),
     "colo_ddp": ("colo Booster(DDP), 2 processes", 2),
     "colo_zero2": ("colo Booster(Zero(stage=2)), 2 processes", 2),
     "trl_ddp": ("TRL DPOTrainer + accelerate (MULTI_CPU, gloo), 2 processes", 2),
@@ -230,9 +234,11 @@ def trl_rank(args) -> dict:
         max_length=128,
         loss_type=["sigmoid"],
         beta=BETA,
-        precompute_ref_log_probs=False,  # TRL's default: the reference model runs forward every step
+        # TRL's default False: the reference model runs forward every step; True (the trl_*_precompute rows): one
+        # pass over the dataset before the first step, as colo's rows do
+        precompute_ref_log_probs=args.trl_precompute,
     )
-    marks = {"begin": [], "end": []}
+    marks = {"begin": [], "end": [], "precompute": []}
     losses = []
 
     class Clock(transformers.TrainerCallback):
@@ -243,6 +249,12 @@ def trl_rank(args) -> dict:
             marks["end"].append(time.perf_counter())
 
     class Recording(trl.DPOTrainer):
+        def _precompute_ref_logps(self, *a, **k):  # TRL runs it in __init__ (precompute_ref_log_probs=True)
+            begin = time.perf_counter()
+            dataset = super()._precompute_ref_logps(*a, **k)
+            marks["precompute"].append(time.perf_counter() - begin)
+            return dataset
+
         def compute_loss(self, *a, **k):
             loss = super().compute_loss(*a, **k)
             losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
@@ -258,7 +270,11 @@ def trl_rank(args) -> dict:
     )
     trainer.train()
     ends = marks["end"]
+    if args.trl_precompute and not marks["precompute"]:
+        raise RuntimeError("TRL did not precompute the reference log-probs (DPOTrainer._precompute_ref_logps unused)")
+    extra = {"precompute_s": sum(marks["precompute"])} if args.trl_precompute else {}
     return {
+        **extra,
         "rank": int(os.environ.get("RANK", "0")),
         "world": world,
         "distributed_type": str(trainer.accelerator.distributed_type),
@@ -276,6 +292,7 @@ def measure_trl(impl: str, args, tokenizer_dir: str) -> list[dict]:
             "--pairs", str(args.pairs), "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--seed", str(args.seed), "--tokenizer-dir", tokenizer_dir,
             "--trl-output-dir", os.path.join(scratch, "trl"), "--out", os.path.join(scratch, f"rank{rank}.json"),
+            *(["--trl-precompute"] if impl.endswith("_precompute") else []),
         ]  # fmt: skip
 
     return run_rank_processes(impl, IMPLS[impl][1], command, env=RANK_ENV, timeout=args.row_timeout)
@@ -332,6 +349,7 @@ def main() -> int:
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
     parser.add_argument("--trl-output-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-precompute", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         Path(args.out).write_text(json.dumps(trl_rank(args)))
@@ -375,9 +393,12 @@ def main() -> int:
 
     ratios = {}
     for colo, trl in (("colo_single", "trl_single"), ("colo_ddp", "trl_ddp"), ("colo_zero2", "trl_ddp"),
-                      ("colo_ddp", "trl_single"), ("colo_zero2", "trl_single")):  # fmt: skip
+                      ("colo_ddp", "trl_single"), ("colo_zero2", "trl_single"),
+                      ("colo_single", "trl_single_precompute")):  # fmt: skip
         for label, key in (("throughput", "pairs_per_s"), ("throughput_amortized", "pairs_per_s_amortized")):
-            value = ratio(colo, trl, key, "pairs_per_s")
+            # like for like: amortized against amortized where both precompute, else against TRL's step rate
+            key_b = key if key in summary.get(trl, {}) else "pairs_per_s"
+            value = ratio(colo, trl, key, key_b)
             if value is not None:
                 ratios[f"{colo} / {trl} {label}"] = value
         value = ratio(colo, trl, "steps_per_s_median_step")
