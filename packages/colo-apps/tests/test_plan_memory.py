@@ -60,6 +60,27 @@ LAYOUTS = [
         4,
     ),
     ("bench25m-tp2-zero1", "bench-25m", {"plugin": "hybrid", "tp": 2, "zero_stage": 1, "precision": "fp32"}, 1),
+    ("tp2-ckpt-full", "tiny", {"plugin": "hybrid", "tp": 2, "zero_stage": 1, "activation_checkpointing": "full"}, 1),
+    ("bench25m-zero2", "bench-25m", {"plugin": "zero", "zero_stage": 2, "precision": "fp32"}, 1),
+    ("ddp-ckpt-full", "tiny", {"plugin": "ddp", "precision": "fp32", "activation_checkpointing": "full"}, 1),
+    (
+        "tp2-bf16-ckpt-offload",
+        "tiny",
+        {"plugin": "hybrid", "tp": 2, "zero_stage": 0, "precision": "bf16", "activation_checkpointing": "offload"},
+        1,
+    ),
+    (
+        "ulysses-ckpt-full",
+        "tiny",
+        {"plugin": "hybrid", "sp": 2, "sp_mode": "ulysses", "activation_checkpointing": "full"},
+        1,
+    ),
+    (
+        "zero1-ckpt-offload-bf16",
+        "tiny",
+        {"plugin": "zero", "zero_stage": 1, "activation_checkpointing": "offload", "precision": "bf16"},
+        1,
+    ),
 ]
 
 

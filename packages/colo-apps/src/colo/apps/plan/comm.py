@@ -14,6 +14,9 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
   all-reduces of the vocabulary-parallel cross-entropy; with Megatron-SP the all-reduces become all-gathers /
   reduce-scatters of the sequence shards and the norms' weight gradients are all-reduced;
 - ``sp``: Ulysses' four all-to-alls per layer each way; ring attention's k/v blocks passed round the ring;
+- full activation checkpointing reruns each layer's forward collectives in backward up to the last saved tensor
+  (tp: the o_proj all-reduce; Ulysses: its four all-to-alls); not modelled for Megatron-SP and ring attention,
+  whose recomputed traffic is not checked (ring's measured extra is 3 k/v blocks per layer at sp=2, unexplained);
 - ``pp``: activations sent forward and gradients back per microbatch, the loss broadcast from the last stage;
 - scalars: the loss mean over the data ranks and the gradient norm (fp64) over the data and model-parallel axes.
 """
@@ -94,6 +97,10 @@ def step_communication(
             for numel in static.chunk_numels[:backward]:
                 add("all_gather", data_axes, numel * ec, microbatches)
 
+    # layers whose forward full activation checkpointing reruns in backward, with its collectives (tp plain and
+    # Ulysses are checked against CommTracker; Megatron-SP and ring attention under it are not modelled)
+    recomputed = num_layers if layout.activation_checkpointing == "full" else 0
+
     # --- tensor parallelism ---------------------------------------------------------------------------------
     if layout.tp > 1:
         act = tokens * h * ec
@@ -108,6 +115,9 @@ def step_communication(
                 add("all_reduce", ("tp",), act, microbatches)  # lm_head's input gradient
         else:
             calls = 5 * num_layers + (1 if first else 0) + (1 if last else 0)
+            # full checkpointing reruns each layer's forward in backward: its o_proj all-reduce again, not down_proj's
+            # (torch's checkpoint stops recomputing once the saved tensors are back, before the layer's last op)
+            calls += recomputed
             add("all_reduce", ("tp",), act, microbatches * calls)
         if last and layout.pp == 1:  # vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
             add("all_reduce", ("tp",), tokens * 4, microbatches)
@@ -121,8 +131,10 @@ def step_communication(
         if layout.sp_mode == "ulysses":
             q = local * heads * hd * ec
             kvb = local * kv * hd * ec
-            # forward q, k, v in and the output back; backward the same four in reverse
+            # forward q, k, v in and the output back; backward the same four in reverse; full checkpointing reruns
+            # the forward four
             add("all_to_all", ("sp",), 2 * (2 * q + 2 * kvb), microbatches * num_layers)
+            add("all_to_all", ("sp",), 2 * q + 2 * kvb, microbatches * recomputed)
         elif layout.sp_mode == "ring":
             block = 2 * local * kv * hd * ec  # k and v of one sequence shard
             steps = layout.sp - 1
