@@ -40,7 +40,8 @@ def model_tensors(*modules: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def _comm_device(group: Group) -> torch.device:
+def comm_device(group: Group) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must live: the current CUDA device under NCCL."""
     return torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
 
 
@@ -75,7 +76,7 @@ def broadcast_model_state(tensors: Iterable[torch.Tensor], *, group: Group, buck
     tensors = list(tensors)
     if group.size == 1 or not tensors:
         return
-    device = _comm_device(group)
+    device = comm_device(group)
     source = group.rank == 0
     for bucket in _buckets(tensors, bucket_bytes):
         sizes = [t.numel() * t.element_size() for t in bucket]

@@ -155,10 +155,8 @@ class RolloutEngine:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        optimizer = self._chunk_optimizer
-        context = self._gathered(optimizer) if optimizer is not None else self._in_place()
         stats: dict = {}
-        with context as (module, sync):
+        with self._rollout_layout() as (module, sync):
             if cuda:
                 torch.cuda.synchronize(device)
             synced = time.perf_counter()
@@ -192,12 +190,16 @@ class RolloutEngine:
         shards under ``tp``): in place, a clone of the module's own; under ZeRO-3 / Gemini, read from the rollout
         copy assembled chunk by chunk as for `generate` (then freed). E.g. a frozen reference of the policy.
         Every rank must call it (the gathered layouts run collectives)."""
-        optimizer = self._chunk_optimizer
-        context = self._gathered(optimizer) if optimizer is not None else self._in_place()
-        with context as (module, _sync), torch.no_grad():
+        with self._rollout_layout() as (module, _sync), torch.no_grad():
             return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
     # --- layouts ----------------------------------------------------------------------------------------------
+
+    def _rollout_layout(self):
+        """The context holding the weights in the rollout layout: gathered chunk by chunk under ZeRO-3 / Gemini,
+        else the trained module in place."""
+        optimizer = self._chunk_optimizer
+        return self._gathered(optimizer) if optimizer is not None else self._in_place()
 
     @contextlib.contextmanager
     def _in_place(self) -> Iterator[tuple[nn.Module, dict]]:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.llama.kv_cache import check_positive_ints
+
 
 def _cache_shape(model: nn.Module) -> tuple[int, int, int, torch.dtype, torch.device]:
     """``(num_layers, num_kv_heads, head_dim, dtype, device)`` of a native Llama (this rank's kv heads under tp)."""
@@ -68,15 +70,14 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PagedKVCache: {name}={value!r} must be a positive int")
+        check_positive_ints(
+            "PagedKVCache",
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -15,7 +15,8 @@ from colo.tensor.checkpoint import save_checkpoint
 from ...checkpointing import MODES as CHECKPOINTING_MODES
 from ...checkpointing import apply_activation_checkpointing
 from ..precision import check_precision
-from .runner import MicrobatchRunner, comm_device
+from ..replicas import comm_device
+from .runner import MicrobatchRunner
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 from colo.comm import all_reduce
 
 from ..microbatch import loss_of, split_batch
+from ..replicas import comm_device
 
 IGNORE_INDEX = -100
 """The label of tokens without a loss (Hugging Face's and colo's Llama convention)."""
@@ -118,8 +119,3 @@ class PipelineRunner:
         (`PipelineExecutor.evaluate`); every rank of the pipeline gets it."""
         inputs, targets = self.plan.prepare_pipeline_batch(batch, mesh=self.mesh, plugin=self.plugin)
         return self.executor.evaluate(inputs, targets)
-
-
-def comm_device(group) -> torch.device:
-    """Where a small tensor for a collective over ``group`` must live: the current CUDA device under NCCL."""
-    return torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")

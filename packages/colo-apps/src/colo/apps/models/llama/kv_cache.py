@@ -22,6 +22,13 @@ import torch
 from torch import nn
 
 
+def check_positive_ints(owner: str, **values) -> None:
+    """Raise a `ValueError` naming the first of ``values`` that is not a positive int (a cache's sizes)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
+
+
 class KVCache:
     """Preallocated keys and values of every decoder layer, with the number of tokens cached so far.
 
@@ -52,15 +59,14 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("max_len", max_len),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KVCache: {name}={value!r} must be a positive int")
+        check_positive_ints(
+            "KVCache",
+            num_layers=num_layers,
+            batch_size=batch_size,
+            max_len=max_len,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
         shape = (batch_size, max_len, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
