@@ -142,12 +142,36 @@ def make_reward_model(model: Llama, *, seed: int = 0) -> Llama:
     device = model.embed_tokens.weight.device
     head = nn.Linear(config.hidden_size, 1, bias=False, device=device, dtype=model.embed_tokens.weight.dtype)
     if device.type != "meta":
-        with torch.no_grad():
-            generator = torch.Generator().manual_seed(seed)
-            head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * config.initializer_range)
+        _init_reward_head(head, config, seed)
+    else:  # a model the plugin materializes shard by shard: the head is drawn from the seed there too
+        from ..booster.llama_plan import materialize_fn_of, set_materialize_fn
+
+        if materialize_fn_of(model) is not None:
+            set_materialize_fn(model, _RewardHeadThen(materialize_fn_of(model), config, seed))
     model.lm_head = head
     model._colo_reward_model = True
     return model
+
+
+@torch.no_grad()
+def _init_reward_head(head: nn.Linear, config, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * config.initializer_range)
+
+
+class _RewardHeadThen:
+    """A meta-device model's ``init_fn`` (`colo.apps.booster.llama_plan.set_materialize_fn`) for a reward model:
+    the scalar head drawn from the seed as `make_reward_model` draws it, every other module by ``init_fn`` (e.g.
+    the pretrained weights of ``model.init_from``, whose ``lm_head`` is a vocabulary's, not a scalar head)."""
+
+    def __init__(self, init_fn, config, seed: int) -> None:
+        self.init_fn, self.config, self.seed = init_fn, config, seed
+
+    def __call__(self, name: str, module: nn.Module) -> None:
+        if name == "lm_head":
+            _init_reward_head(module, self.config, self.seed)
+        else:
+            self.init_fn(name, module)
 
 
 def save_reward_model_as_hf(model: Llama, directory: str | os.PathLike, *, pad_token_id: int) -> None:

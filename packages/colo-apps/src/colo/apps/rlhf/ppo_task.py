@@ -299,15 +299,23 @@ def check_reward_model(path: str, config) -> dict:
     from ..train.generate import RUN_KEY
 
     try:
-        run = read_index(path).metadata.get(RUN_KEY)
+        index = read_index(path)
     except (CheckpointError, OSError) as error:
         raise ValueError(f"ppo.reward_model={path!r} is not a committed colo checkpoint: {error}") from None
+    run = index.metadata.get(RUN_KEY)
     if not isinstance(run, dict) or "llama_config" not in run:
         raise ValueError(f"ppo.reward_model={path!r} was not written by colo's trainer (no run metadata)")
     task = ((run.get("config") or {}).get("data") or {}).get("task")
     if task != "rm":
         raise ValueError(
             f"ppo.reward_model={path!r} is a checkpoint of a data.task={task!r} run; give a data.task='rm' checkpoint"
+        )
+    head = index.tensors.get("lm_head.weight")
+    if head is not None and tuple(head.shape)[0] != 1:
+        raise ValueError(
+            f"ppo.reward_model={path!r} is a checkpoint of the SFT warm-up of a reward-model run (step "
+            f"{run.get('step')} <= preference.sft_steps; its lm_head is the policy's): give a checkpoint saved after "
+            "the warm-up"
         )
     theirs, ours = run.get("tokenizer"), config.data.tokenizer
     if not _same_tokenizer(theirs, ours):

@@ -1,12 +1,22 @@
 """``data.task: rm | dpo`` inside the one trainer (`colo.apps.train.Trainer`): what those tasks add to it.
 
 `PreferenceTask` turns the run's model into a reward model or a policy with the pair forward, gives the Booster its
-criterion, runs the SFT warm-up of a DPO recipe (``preference.sft_steps``), precomputes the reference log-probs at
+criterion, runs the SFT warm-up of the recipe (``preference.sft_steps``), precomputes the reference log-probs at
 the first DPO step (from the policy then: the frozen reference, with no second model), keeps that table in the
 checkpoints (so a resumed run has the same reference), logs the pair metrics and evaluates held-out accuracy.
+
+A reward model with an SFT warm-up is trained in two stages of one run, as DeepSpeed-Chat and ColossalChat start their
+reward models from the SFT'd policy: the policy first trains ``sft_steps`` of next-token loss on the chosen
+responses; then it is saved (``output_dir/sft-policy``, a trainer checkpoint any layout loads, e.g. as a later
+run's ``model.init_from``) and the reward model is built from it (its weights, a fresh scalar head in place of
+``lm_head``) and boosted again under the same plugin with an optimizer and learning-rate schedule of its own (warmup,
+then cosine over the remaining steps). Checkpoints of the second stage hold the reward model; resuming from one
+builds that structure before loading it.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,6 +26,7 @@ from .objectives import PreferenceCriterion, RewardCriterion
 from .reference import WithReferenceLogps, precompute_reference_logps
 
 STATE_KEY = "preference"
+SFT_POLICY_DIR = "sft-policy"
 
 
 class PreferenceTask:
@@ -31,16 +42,18 @@ class PreferenceTask:
         self.kind = config.data.task
         self.pad_id = tokenizer.pad_id
         preference = config.preference
-        if self.kind == "rm":
+        self.sft_steps = preference.sft_steps
+        self.reward_model_built = self.kind == "rm" and self.sft_steps == 0
+        """rm: whether the model is the reward model yet (after the SFT warm-up, or from the start without one)."""
+        if self.reward_model_built:
             self.criterion = RewardCriterion(margin=preference.margin)
-        else:
+        else:  # dpo, and the SFT warm-up of a reward model (the sft flag set by before_step)
             self.criterion = PreferenceCriterion(
                 preference.loss_type,
                 beta=preference.beta,
                 label_smoothing=preference.label_smoothing,
                 simpo_gamma=preference.simpo_gamma,
             )
-        self.sft_steps = preference.sft_steps if self.kind == "dpo" else 0
         self.table: torch.Tensor | None = None
 
     @property
@@ -48,18 +61,67 @@ class PreferenceTask:
         return self.kind == "dpo" and self.criterion.needs_reference
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Before the optimizer is built: the scalar head (rm) and the pair forward."""
-        if self.kind == "rm":
+        """Before the optimizer is built: the scalar head (a reward model) and the pair forward."""
+        if self.reward_model_built:
             make_reward_model(model, seed=self.config.seed)
-        attach_pair_forward(model, head="reward" if self.kind == "rm" else "logps", pad_id=self.pad_id)
+        attach_pair_forward(model, head="reward" if self.reward_model_built else "logps", pad_id=self.pad_id)
+
+    def in_sft_warmup(self, step: int) -> bool:
+        """Whether the model after ``step`` steps is still the policy of the SFT warm-up (a reward model is built
+        just before step ``sft_steps + 1``)."""
+        return not self.reward_model_built if self.kind == "rm" else step < self.sft_steps
 
     def before_step(self, trainer, step: int) -> None:
-        """Before the step after ``step``: SFT mode during the warm-up; the reference table at the first DPO step."""
-        if self.kind != "dpo":
+        """Before the step after ``step``: SFT mode during the warm-up; then the reference table at the first DPO
+        step, or the reward model built from the SFT'd policy."""
+        if self.kind == "rm":
+            if step < self.sft_steps:
+                self.criterion.sft = True
+            elif not self.reward_model_built:
+                self._build_reward_model(trainer, from_policy_at=step)
             return
         self.criterion.sft = step < self.sft_steps
         if not self.criterion.sft and self.needs_reference and self.table is None:
             self._compute_reference(trainer)
+
+    def before_resume(self, trainer, step: int) -> None:
+        """Before a checkpoint saved after ``step`` loads: a reward model's second stage saved the reward model, so
+        build that structure first (its weights come from the checkpoint)."""
+        if self.kind == "rm" and step > self.sft_steps and not self.reward_model_built:
+            self._build_reward_model(trainer, from_policy_at=None)
+
+    def _build_reward_model(self, trainer, *, from_policy_at: int | None) -> None:
+        """The second stage of a reward model with an SFT warm-up (see the module docstring): save the policy (when
+        ``from_policy_at`` is its step), build the reward model from it, boost it under a fresh plugin of the same
+        layout with its own optimizer and schedule, and make it the trainer's model."""
+        from ..booster import Booster
+        from ..train.optim import build_optimizer, build_scheduler
+
+        config = self.config
+        init_from = None
+        if from_policy_at is not None:
+            init_from = os.path.join(config.output_dir, SFT_POLICY_DIR)  # not a step of the run to resume from
+            _save_replacing(trainer, from_policy_at, init_from)
+        trainer.booster.wait_for_saves()
+        with torch.random.fork_rng(devices=[]):  # building draws from the RNG: keep the run's stream
+            model = trainer._build_model(init_from=init_from)
+        self.reward_model_built = True
+        self.criterion = RewardCriterion(margin=config.preference.margin)
+        self.prepare_model(model)
+        optimizer = build_optimizer(model, config.optimizer, num_layers=model.config.num_hidden_layers)
+        remaining = config.schedule.model_copy(update={"total_steps": config.schedule.total_steps - self.sft_steps})
+        scheduler = build_scheduler(optimizer, remaining, peak_lr=config.optimizer.lr)
+        plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
+        booster = Booster(plugin)
+        trainer.model, trainer.optimizer, *_ = booster.boost(
+            model, optimizer, criterion=self.criterion, lr_scheduler=scheduler
+        )
+        trainer.plugin, trainer.booster = plugin, booster
+        if from_policy_at is not None:
+            trainer.log.print(
+                f"reward model: the policy after {from_policy_at} SFT steps (saved to {init_from}) with a fresh "
+                f"scalar head, its own optimizer and a {remaining.total_steps}-step schedule"
+            )
 
     def _compute_reference(self, trainer) -> None:
         data = trainer.data
@@ -110,7 +172,7 @@ class PreferenceTask:
     @torch.no_grad()
     def evaluate(self, trainer, step: int) -> float:
         """Held-out loss and pair metrics (accuracy, margin, ...) over this rank's share, averaged over the ranks."""
-        sft_phase = self.kind == "dpo" and step < self.sft_steps
+        sft_phase = self.in_sft_warmup(step)
         if self.needs_reference and self.table is None and not sft_phase:
             self._compute_reference(trainer)
         group, evaluation = trainer.sample_group, trainer.data.eval
@@ -118,13 +180,13 @@ class PreferenceTask:
         size = self.config.eval.batch_size
         self.criterion.take_metrics()  # drop this rank's unlogged training statistics (no collective)
         was_sft = getattr(self.criterion, "sft", False)
-        if self.kind == "dpo":
+        if isinstance(self.criterion, PreferenceCriterion):
             self.criterion.sft = sft_phase  # before the reference exists: the held-out SFT loss only
         for first in range(0, per_rank, size):
             indices = [group.rank + group.size * i for i in range(first, min(first + size, per_rank))]
             micro = {k: v.to(trainer.device) for k, v in collate([evaluation[i] for i in indices]).items()}
             self.criterion(trainer.booster.forward(micro), micro)
-        if self.kind == "dpo":
+        if isinstance(self.criterion, PreferenceCriterion):
             self.criterion.sft = was_sft
         metrics = self.criterion.take_metrics(group)
         prefix = "rm" if self.kind == "rm" else "dpo"
@@ -143,3 +205,20 @@ class PreferenceTask:
         )
         self.last_eval = metrics
         return metrics["loss"]
+
+
+def _save_replacing(trainer, step: int, path: str) -> None:
+    """``trainer.save(step, path=path)``; an older checkpoint at ``path`` (an earlier attempt of this run) is moved
+    aside first and deleted only once the new one has committed."""
+    import shutil
+
+    from colo.comm import barrier
+
+    aside = f"{path}.replaced"
+    if trainer.rank == 0 and os.path.exists(path):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+    barrier()
+    trainer.save(step, path=path)
+    if trainer.rank == 0:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -413,7 +413,7 @@ class LoraSection(_Section):
 
 class PreferenceSection(_Section):
     """Preference training (``data.task: rm | dpo``, colo.apps.rlhf): the loss, its temperature, the prompt budget,
-    the SFT warm-up of a DPO policy and the embedded synthetic data of the tiny presets."""
+    the SFT warm-up of a DPO policy or a reward model and the embedded synthetic data of the tiny presets."""
 
     loss_type: Literal["sigmoid", "ipo", "simpo"] = Field(
         default="sigmoid",
@@ -433,8 +433,10 @@ class PreferenceSection(_Section):
     sft_steps: int = Field(
         default=0,
         ge=0,
-        description="task='dpo': first train this many steps of next-token loss on the chosen responses (the SFT "
-        "the DPO policy starts from, same optimizer); the reference is the policy after them.",
+        description="First train this many steps of next-token loss on the chosen responses: task='dpo': the SFT "
+        "the DPO policy starts from (same optimizer), the reference is the policy after them; task='rm': the reward "
+        "model then starts from that policy (saved to output_dir/sft-policy) with a fresh scalar head and its own "
+        "optimizer.",
     )
     synthetic_records: int = Field(
         default=0,
@@ -562,7 +564,7 @@ class RunConfig(_Section):
             )
         if task == "rm":
             default = PreferenceSection()
-            names = ("loss_type", "beta", "label_smoothing", "simpo_gamma", "sft_steps")
+            names = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
             dpo_only = [name for name in names if getattr(preference, name) != getattr(default, name)]
             if dpo_only:
                 raise ValueError(f"preference.{sorted(dpo_only)[0]} is a DPO setting; data.task='rm' does not read it")
@@ -570,7 +572,7 @@ class RunConfig(_Section):
             raise ValueError("preference.margin is a reward-model setting; data.task='dpo' does not read it")
         if preference.sft_steps >= self.schedule.total_steps:
             raise ValueError(
-                f"preference.sft_steps={preference.sft_steps} leaves no DPO step of schedule.total_steps="
+                f"preference.sft_steps={preference.sft_steps} leaves no {task.upper()} step of schedule.total_steps="
                 f"{self.schedule.total_steps}; lower it"
             )
         if self.plugin.name == "hybrid" and (self.plugin.pp > 1 or self.plugin.sp > 1 or self.plugin.sp_mode):
@@ -581,6 +583,12 @@ class RunConfig(_Section):
             )
         if self.plugin.loss_weighting != "microbatch":
             raise ValueError(f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'")
+        if task == "rm" and preference.sft_steps and _same_path(self.checkpoint_dir, self.output_dir):
+            raise ValueError(
+                f"checkpoint.dir={self.checkpoint.dir!r} is output_dir itself: a reward model with "
+                "preference.sft_steps saves its SFT'd policy to output_dir/sft-policy, which resume=auto would take "
+                "for a checkpoint; use a subdirectory (or leave checkpoint.dir unset)"
+            )
         if self.lora.enabled and task == "rm":
             raise ValueError("data.task='rm' with LoRA is not supported: the scalar head must train")
 
@@ -685,3 +693,9 @@ class RunConfig(_Section):
         import os
 
         return self.checkpoint.dir or os.path.join(self.output_dir, "checkpoints")
+
+
+def _same_path(first: str, second: str) -> bool:
+    import os
+
+    return os.path.realpath(first) == os.path.realpath(second)

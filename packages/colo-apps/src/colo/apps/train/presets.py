@@ -77,7 +77,9 @@ RUN_PRESETS: dict[str, dict] = {
         "sample": {"prompt": "def ", "max_new_tokens": 80},
     },
     # Reward model on CPU (2 processes): the embedded preference set (a standard-library Python line chosen, its words
-    # shuffled rejected, after the previous line), generated at run time; a scalar head on the tiny Llama.
+    # shuffled rejected, after the previous line), generated at run time. The recipe first SFTs the policy on the
+    # chosen answers (preference.sft_steps, tiny-dpo's warm-up), saves it (runs/tiny-rm/sft-policy), then trains the
+    # reward model from it: the policy's weights with a scalar head in place of lm_head, its own optimizer.
     "tiny-rm": {
         "name": "tiny-rm",
         "output_dir": "runs/tiny-rm",
@@ -85,9 +87,9 @@ RUN_PRESETS: dict[str, dict] = {
         "model": {"preset": "tiny", "num_hidden_layers": 4},
         "plugin": {"name": "ddp", "precision": "fp32", "max_grad_norm": 1.0},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
-        "schedule": {"total_steps": 300, "warmup_steps": 20, "min_lr": 3e-4},
+        "schedule": {"total_steps": 500, "warmup_steps": 20, "min_lr": 3e-4},
         "data": {"task": "rm", "seq_len": 80, "global_batch_size": 32},
-        "preference": {"synthetic_records": 4000},
+        "preference": {"synthetic_records": 4000, "sft_steps": 200},
         "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
         "logging": {"every_steps": 20},
         "eval": {"every_steps": 100, "num_sequences": 256, "batch_size": 32},

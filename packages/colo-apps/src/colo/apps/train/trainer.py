@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from colo.comm import all_gather_object, barrier, init_distributed
+from colo.tensor.checkpoint import read_index
 from colo.tensor.moe import moe_aux_loss, moe_blocks
 
 from ..booster import Booster
@@ -149,10 +150,11 @@ class Trainer:
             )
         return llama
 
-    def _build_model(self) -> Llama:
-        """The run's model: pretrained (``model.init_from``) or fresh from the seed, with LoRA adapters when asked;
-        a fresh `MoELlama` for a mixture-of-experts preset."""
+    def _build_model(self, init_from: str | None = None) -> Llama:
+        """The run's model: pretrained (``init_from``, by default ``model.init_from``) or fresh from the seed, with
+        LoRA adapters when asked; a fresh `MoELlama` for a mixture-of-experts preset."""
         config = self.config
+        init_from = config.model.init_from if init_from is None else init_from
         if isinstance(self.llama_config, MoELlamaConfig):  # (the config allows it only under the expert plugin)
             with torch.device(self.device):
                 model = MoELlama(self.llama_config)
@@ -161,10 +163,10 @@ class Trainer:
         if self.plugin.materializes_meta_models:
             with torch.device("meta"):  # each rank materializes only its shards: from the seed or init_from
                 model = Llama(self.llama_config)
-            if config.model.init_from is not None:
-                set_materialize_fn(model, PretrainedLlamaWeights(config.model.init_from, self.llama_config))
-        elif config.model.init_from is not None:
-            model = load_pretrained_llama(config.model.init_from, device=self.device)
+            if init_from is not None:
+                set_materialize_fn(model, PretrainedLlamaWeights(init_from, self.llama_config))
+        elif init_from is not None:
+            model = load_pretrained_llama(init_from, device=self.device)
         else:
             with torch.device(self.device):
                 model = Llama(self.llama_config)
@@ -216,13 +218,29 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
-    def save(self, step: int) -> str:
-        """Checkpoint after ``step`` (every rank): Booster state plus the run's metadata (JSON; no pickle)."""
+    def save(self, step: int, path: str | None = None) -> str:
+        """Checkpoint after ``step`` (every rank): Booster state plus the run's metadata (JSON; no pickle). With
+        ``path``, a checkpoint of the model at that step kept apart from the run's (not pruned, not resumed from;
+        e.g. a reward model's SFT'd policy), written synchronously."""
+        if path is not None:
+            self.booster.save(path, metadata={"step": step, RUN_KEY: self._run_metadata(step)})
+            return path
         path = checkpoint_path(self.config.checkpoint_dir, step)
         if hasattr(self.task, "save_models"):  # ppo: the separate critic's checkpoint, before the actor's commits
             self.task.save_models(self, step)
+        run = self._run_metadata(step)
+        # asynchronous: returns once the state is copied; the pruning keeps keep_last *committed* checkpoints, so the
+        # newest one stays until this one has committed too
+        self.booster.save(path, metadata={"step": step, RUN_KEY: run}, asynchronous=self.config.checkpoint.async_save)
+        if self.rank == 0:
+            prune_checkpoints(self.config.checkpoint_dir, self.config.checkpoint.keep_last)
+        return path
+
+    def _run_metadata(self, step: int) -> dict:
+        """The run's part of a checkpoint's metadata: step, config, model shape, tokenizer, layout, every rank's RNG
+        and the sampler's position, the task's state (collective: every rank calls it)."""
         per_rank = all_gather_object({"rng": rng_state(), "sampler": self.data.sampler.state_dict()})
-        run = {
+        return {
             "step": step,
             "config": self.config.model_dump(mode="json"),
             "llama_config": dataclasses.asdict(self.llama_config),
@@ -232,18 +250,14 @@ class Trainer:
             "sampler": per_rank[0]["sampler"],
             **({getattr(self.task, "state_key", PREFERENCE_KEY): self.task.state()} if self.task is not None else {}),
         }
-        # asynchronous: returns once the state is copied; the pruning keeps keep_last *committed* checkpoints, so the
-        # newest one stays until this one has committed too
-        self.booster.save(path, metadata={"step": step, RUN_KEY: run}, asynchronous=self.config.checkpoint.async_save)
-        if self.rank == 0:
-            prune_checkpoints(self.config.checkpoint_dir, self.config.checkpoint.keep_last)
-        return path
 
     def resume(self) -> tuple[int, str | None]:
         """Load the checkpoint ``checkpoint.resume`` selects, if any; returns ``(its step, its path)``."""
         path = resolve_resume(self.config.checkpoint.resume, self.config.checkpoint_dir)
         if path is None:
             return 0, None
+        if hasattr(self.task, "before_resume"):  # rm: a checkpoint of the second stage holds the reward model
+            self.task.before_resume(self, int(read_index(path).metadata.get("step", 0)))
         metadata = self.booster.load(path)
         run = metadata.get(RUN_KEY, {})
         step = int(metadata.get("step", self.booster.step_count))
