@@ -43,7 +43,8 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float) -> nn.Module
     model (a frozen reference) computes with the copy's weights.
 
     Args:
-        model (nn.Module): colo's `Llama` (tp = 1: full-vocabulary logits) or a ``transformers`` causal LM.
+        model (nn.Module): colo's `Llama` (its objective's log-probs and entropies: under tensor parallelism from
+            this rank's vocabulary columns, never gathered) or a ``transformers`` causal LM.
         temperature (float): the sampling temperature the log-probs are taken at (0, greedy, is taken as 1).
 
     Returns:
@@ -65,13 +66,16 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float) -> nn.Module
                 f"a rollout batch holds (R, P + T) input_ids with P >= 1 prompt columns before the {length} response "
                 f"columns of response_mask, got input_ids {tuple(input_ids.shape)}"
             )
-        if native:
+        if native:  # the objective's form: under tensor parallelism from the vocabulary-parallel logit columns
             inputs.pop("attention_mask", None)
-            logits = class_forward(self, input_ids, return_logits=True, **inputs).logits[:, prompt - 1 : -1]
-        else:
-            inputs.pop("document_ids", None)
-            output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
-            logits = output.logits[:, :-1]
+            hidden = self.hidden_states(input_ids, inputs.get("position_ids"), document_ids=inputs.get("document_ids"))
+            logps, entropy = self.objective.token_logprobs_and_entropy(
+                hidden[:, prompt - 1 : -1], self.lm_head, input_ids[:, prompt:], temperature=temperature
+            )
+            return {"logps": logps, "entropy": entropy}
+        inputs.pop("document_ids", None)
+        output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
+        logits = output.logits[:, :-1]
         logps = token_logprobs(logits, input_ids[:, prompt:], temperature)
         return {"logps": logps, "entropy": token_entropy(logits, temperature)}
 

@@ -14,8 +14,9 @@ Each step on each data-parallel rank (`GRPOTask.train_step`):
    the global token / sequence counts of each minibatch (`colo.apps.rlhf.policy_loss.global_counts`).
 
 The reference is a frozen copy of the policy taken when the GRPO steps begin (after ``grpo.sft_steps`` of SFT on
-the prompts' answers), replicated on every rank (the plugins GRPO supports keep full weights on every rank too) and
-written once to ``checkpoint_dir/grpo-reference.safetensors``, so a resumed run scores against the same reference.
+the prompts' answers), replicated on every rank (under HybridParallel tp: laid out as the policy, each rank its
+tensor-parallel shards) and written once to ``checkpoint_dir/grpo-reference.safetensors`` (under tp one
+``grpo-reference-tp{rank}-of-{tp}.safetensors`` per tp rank), so a resumed run scores against the same reference.
 A checkpointed, same-layout resume reproduces the uninterrupted run bit for bit (fp32).
 """
 
@@ -169,7 +170,7 @@ class GRPOTask:
         if step is not None:
             from safetensors.torch import load_file
 
-            path = os.path.join(self.config.checkpoint_dir, REFERENCE_FILE)
+            path = _reference_path(trainer)
             if not os.path.exists(path):
                 raise FileNotFoundError(
                     f"the checkpoint's GRPO reference (taken after step {step}) is missing: {path}; resume from a "
@@ -360,11 +361,11 @@ class GRPOTask:
         self.reference = self._build_reference(trainer, state)
         self.reference_step = step
         if self.config.checkpoint.enabled:
-            if trainer.rank == 0:
+            if trainer.sample_group.rank == 0:  # rank 0, or under tensor parallelism each tp rank its shards
                 from safetensors.torch import save_file
 
                 os.makedirs(self.config.checkpoint_dir, exist_ok=True)
-                path = os.path.join(self.config.checkpoint_dir, REFERENCE_FILE)
+                path = _reference_path(trainer)
                 temporary = path + ".tmp"
                 save_file({k: v.contiguous().cpu() for k, v in state.items()}, temporary)
                 os.replace(temporary, path)
@@ -372,11 +373,14 @@ class GRPOTask:
 
             barrier()
         name = self.metric_prefix.upper()
-        trainer.log.print(f"{name} reference: the policy after step {step}, frozen (a replicated copy on every rank)")
+        trainer.log.print(f"{name} reference: the policy after step {step}, frozen (a copy on every rank)")
 
     def _build_reference(self, trainer, state: dict) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream
             model = trainer._build_model()
+            if any(p.is_meta for p in model.parameters()):  # HybridParallel: laid out as the policy (tp shards)
+                engine = trainer.booster.engine
+                engine.plan.apply(model, mesh=engine.mesh, plugin=trainer.plugin)
         model.load_state_dict(state)
         model.requires_grad_(False)
         model.eval()
@@ -391,6 +395,15 @@ class GRPOTask:
     def _peak(self, **values: float) -> None:
         for name, value in values.items():
             self._window_max[name] = max(self._window_max.get(name, 0.0), value)
+
+
+def _reference_path(trainer) -> str:
+    """The frozen reference's file: one per tensor-parallel rank (its shards) under tp > 1."""
+    mesh = trainer.booster.mesh
+    path = os.path.join(trainer.config.checkpoint_dir, REFERENCE_FILE)
+    if "tp" in mesh.shape and mesh.size("tp") > 1:
+        return path.replace(".safetensors", f"-tp{mesh.rank('tp')}-of-{mesh.size('tp')}.safetensors")
+    return path
 
 
 def _forever(sampler):

@@ -623,12 +623,26 @@ class RunConfig(_Section):
                 "the embedded arithmetic prompts"
             )
         plugin = self.plugin
-        if plugin.name not in ("ddp", "zero", "gemini"):
+        supported = ("ddp", "zero", "gemini", "hybrid") if task == "grpo" else ("ddp", "zero", "gemini")
+        if plugin.name not in supported:
             raise ValueError(
-                f"data.task='{task}' runs the policy under plugin.name='ddp', 'zero' (stages 0-3) or 'gemini' in the "
-                f"trainer (its frozen reference is a replicated copy of the policy); plugin.name={plugin.name!r} is "
-                "not supported yet"
+                f"data.task='{task}' runs the policy under plugin.name={', '.join(repr(n) for n in supported)} in the "
+                f"trainer; plugin.name={plugin.name!r} is not supported yet"
+                + (" (the critic and value head are not wired for HybridParallel)" if plugin.name == "hybrid" else "")
             )
+        if plugin.name == "hybrid":  # grpo: tensor (x data) parallelism, the log-probs from vocabulary-parallel logits
+            for field, value, allowed, fix, why in (
+                ("plugin.pp", plugin.pp, 1, "1", "generation does not run across pipeline stages"),
+                ("plugin.sp", plugin.sp, 1, "1", "rollout rows are not split along the sequence"),
+                ("plugin.sp_mode", plugin.sp_mode, None, "null", "rollout rows are not split along the sequence"),
+                ("plugin.tp_mode", plugin.tp_mode, "1d", "'1d'", "the grid layouts have no rollout path"),
+                ("lora.enabled", self.lora.enabled, False, "false", "the tp reference is built without adapters"),
+            ):
+                if value != allowed or type(value) is not type(allowed):
+                    raise ValueError(
+                        f"data.task='{task}' under plugin.name='hybrid' supports tp x dp only: {field}={value!r} is "
+                        f"not supported ({why}); set {field}={fix}"
+                    )
         if plugin.loss_weighting != "microbatch":
             raise ValueError(
                 f"data.task='{task}' aggregates its losses itself ({task}.loss_aggregation): set "

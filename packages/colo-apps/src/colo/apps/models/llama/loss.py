@@ -14,6 +14,8 @@ from torch import nn
 
 from colo.kernels import cross_entropy, fused_linear_cross_entropy
 
+from .token_stats import scale_logits, token_logprobs_and_entropy
+
 IGNORE_INDEX = -100
 """The label value of tokens that add no loss (Hugging Face's and PyTorch's default)."""
 
@@ -170,6 +172,32 @@ class CausalLMObjective(nn.Module):
         log_probs = torch.log_softmax(lm_head(hidden).float(), dim=-1)
         picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return picked.masked_fill(targets == self.ignore_index, 0.0)
+
+    def token_logprobs_and_entropy(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        tokens: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-prob of each position's given token and the entropy there, under ``softmax(logits / temperature)``
+        (temperature 0, greedy, taken as 1), in fp32: an online-RL policy forward (GRPO, PPO's actor). ``hidden``
+        holds the positions that predict ``tokens`` (no shift here).
+
+        Args:
+            hidden (torch.Tensor): ``(batch, seq, hidden)`` final hidden states of the predicting positions.
+            lm_head (nn.Module): the output projection ``hidden -> vocab``.
+            tokens (torch.Tensor): ``(batch, seq)`` the tokens whose log-probs are taken.
+            temperature (float): the sampling temperature. Default: ``1.0``.
+            entropy_grad (bool): keep the entropy differentiable (an entropy bonus); else it is detached. Default:
+                ``False``.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: ``(logps, entropy)``, each ``(batch, seq)``; ``logps`` differentiable.
+        """
+        return token_logprobs_and_entropy(scale_logits(lm_head(hidden), temperature), tokens, entropy_grad=entropy_grad)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, fused={self.fused}"

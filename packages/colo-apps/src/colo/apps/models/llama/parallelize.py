@@ -46,6 +46,7 @@ from colo.tensor import (
 from .config import LlamaConfig
 from .loss import IGNORE_INDEX, CausalLMObjective, LMHead
 from .model import init_llama_module
+from .token_stats import scale_logits, vocab_parallel_token_stats
 
 
 class VocabParallelCausalLMObjective(CausalLMObjective):
@@ -104,6 +105,25 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
             reduction="none",
         )
         return -losses
+
+    def token_logprobs_and_entropy(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        tokens: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `CausalLMObjective.token_logprobs_and_entropy`, from this rank's logit columns without gathering them
+        (`vocab_parallel_token_stats`: two small all-reduces per token row, none in the backward)."""
+        return vocab_parallel_token_stats(
+            scale_logits(lm_head(hidden), temperature),
+            tokens,
+            group=self.group,
+            vocab_size=self.vocab_size,
+            entropy_grad=entropy_grad,
+        )
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, vocab_size={self.vocab_size}, tp={self.group.size}"
