@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -70,6 +70,7 @@ class ChunkOptimizer:
         param_order: list[str] | None = None,
         checkpoint_names: CheckpointNames | None = None,
         param_filter: Callable[[str], bool] | None = None,
+        norm_replicas: Collection[torch.Tensor] = (),
         **config_fields,
     ) -> None:
         if config is not None and config_fields:
@@ -80,6 +81,8 @@ class ChunkOptimizer:
         self.mesh = mesh
         self.config = config
         self.checkpoint_names = checkpoint_names
+        self._norm_replicas = {id(param) for param in norm_replicas}
+        """Parameters of this rank another rank holds too and counts in the gradient norm (see the subclass)."""
         model_parallel_axes = getattr(config, "model_parallel_axes", ())
         unknown = [axis for axis in config.data_axes + model_parallel_axes if axis not in mesh.axis_names]
         if unknown:

@@ -63,6 +63,9 @@ class ZeroOptimizer(ChunkOptimizer):
             names a parameter is saved under (a fused q/k/v weight as q, k and v rows); default its own name.
         param_filter: ``fn(name) -> bool``: manage only the parameters it accepts (another optimizer has the rest,
             as in `ExpertParallelZero`); default all of the model's.
+        norm_replicas: parameters whose gradient another rank holds too and counts in the global norm, left out of
+            it here: e.g. the last pipeline stage's copy of an embedding tied to the first stage's (the executor
+            sums their gradients, so both stages hold the same one); default none.
 
     Example::
 
@@ -190,12 +193,12 @@ class ZeroOptimizer(ChunkOptimizer):
     def _counted_ranges(self) -> dict[int, list[tuple[int, int]]]:
         """Per chunk, the ranges of this rank's shard whose squares the global gradient norm counts here: all of
         them without tensor parallelism; with it, a parameter replicated over a tensor-parallel axis counts only
-        at coordinate 0 of that axis (so it is counted once), a sharded one everywhere."""
+        at coordinate 0 of that axis (so it is counted once), a sharded one everywhere; never ``norm_replicas``."""
         ranges: dict[int, list[tuple[int, int]]] = {}
         for chunk in self.chunks:
             counted = []
             for slot in chunk.slots:
-                if self.is_tensor_parallel_replica(slot.param):
+                if self.is_tensor_parallel_replica(slot.param) or id(slot.param) in self._norm_replicas:
                     continue
                 begin = max(slot.offset, chunk.shard_offset)
                 end = min(slot.offset + slot.numel, chunk.shard_offset + chunk.shard_numel)

@@ -159,6 +159,7 @@ class HybridParallel(Plugin):
             self.maybe_checkpoint_activations(module)
             self.maybe_compile(module)
         optimizer = _repoint_optimizer(optimizer, target, original_names)
+        tied_here = [p for name, p in target.named_parameters() if name in aliases] if part is not None else []
         zero = ZeroOptimizer(
             target,
             optimizer,
@@ -170,6 +171,7 @@ class HybridParallel(Plugin):
             tensor_parallel_axes=self.tensor_parallel_axes(),
             pipeline_axis="pp" if self.pp > 1 else None,
             checkpoint_names=checkpoint_names,
+            norm_replicas=tied_here,  # another stage's parameter: its gradient is counted there
         )
         if part is None:
             return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
