@@ -1,15 +1,17 @@
 """`colo.apps.plan`'s memory and communication model against what colo actually does, layout by layout.
 
-For each layout a 2-rank run of the tiny / bench-25m Llama through the Booster takes two steps; the model's
-predictions are compared with:
+For each layout a 2-rank run of the tiny / bench-25m Llama (or the tiny MoE Llama under the expert plugin) through
+the Booster takes two steps; the model's predictions for the second are compared with:
 
 - static memory: `memory_report()` of the chunk optimizer (params, grads, masters, optimizer states, padding),
   exactly, on every rank; the pooled buffers (`workspace`) against the model's upper bound. torch DDP has no
   report: its parameters, gradients and AdamW state are counted from their storages;
-- activations: the bytes of the distinct non-parameter storages the step's forward saves for backward, read with
-  `torch.autograd.graph.saved_tensors_hooks` (one microbatch), within 2% (the model counts the Llama layer's saved
-  tensors; small saved tensors outside the layers, such as an empty placeholder, make the difference);
-- communication: `CommTracker`'s bytes of the second step per (collective, axis), exactly.
+- activations: the peak bytes of the distinct non-parameter storages autograd holds for backward during the step
+  (`_HeldActivations`: an outer ``saved_tensors_hooks``, ZeRO-3 / Gemini's own pack hook, selective checkpointing's
+  cached outputs; pipelines' microbatches in flight), within 2% for every layout (the model counts the layers'
+  saved tensors; small saved tensors outside the layers, such as an empty placeholder, make the difference);
+- communication: `CommTracker`'s bytes of the second step per (collective, axis), exactly (MoE: the all-to-all
+  volumes computed from the step's own routing, gathered from every rank's tokens per expert).
 
 Many layouts run in one spawn of the warm 2-rank pool (each boost costs a few hundred milliseconds).
 """
@@ -22,7 +24,7 @@ import torch
 from colo.comm.testing import run_distributed
 
 SEQ, ROWS = 32, 4
-SHAPES = {"tiny": (ROWS, SEQ), "bench-25m": (2, 8)}
+SHAPES = {"tiny": (ROWS, SEQ), "bench-25m": (2, 8), "tiny-moe": (ROWS, SEQ), "tiny-moe-cf1": (ROWS, SEQ)}
 """(rows per step, tokens per row) per model: bench-25m's steps are kept short (its memory does not depend on them)."""
 
 # (name, preset, plugin fields, Layout fields, microbatches)
@@ -81,6 +83,48 @@ LAYOUTS = [
         {"plugin": "zero", "zero_stage": 1, "activation_checkpointing": "offload", "precision": "bf16"},
         1,
     ),
+    ("ckpt-selective", "tiny", {"plugin": "zero", "zero_stage": 2, "activation_checkpointing": "selective"}, 1),
+    (
+        "tp2-ckpt-selective",
+        "tiny",
+        {"plugin": "hybrid", "tp": 2, "zero_stage": 1, "precision": "fp32", "activation_checkpointing": "selective"},
+        1,
+    ),
+    (
+        "ring-ckpt-full",
+        "tiny",
+        {"plugin": "hybrid", "sp": 2, "sp_mode": "ring", "zero_stage": 1, "activation_checkpointing": "full"},
+        1,
+    ),
+    (
+        "megatron-sp-ckpt-full",
+        "tiny",
+        {"plugin": "hybrid", "tp": 2, "sp_mode": "megatron", "zero_stage": 1, "activation_checkpointing": "full"},
+        1,
+    ),
+    (
+        "ulysses-ckpt-selective",
+        "tiny",
+        {"plugin": "hybrid", "sp": 2, "sp_mode": "ulysses", "zero_stage": 2, "activation_checkpointing": "selective"},
+        1,
+    ),
+    # mixture of experts (tiny-moe: 4 experts top-2 on both layers) under the expert plugin, mesh (dp, ep)
+    ("moe-ep2-zero2", "tiny-moe", {"plugin": "expert", "ep": 2, "zero_stage": 2, "precision": "fp32"}, 1),
+    ("moe-ep2-zero1-bf16", "tiny-moe", {"plugin": "expert", "ep": 2, "zero_stage": 1, "precision": "bf16"}, 1),
+    (
+        "moe-ep2-ckpt-selective",
+        "tiny-moe",
+        {"plugin": "expert", "ep": 2, "zero_stage": 2, "precision": "fp32", "activation_checkpointing": "selective"},
+        1,
+    ),
+    ("moe-ep1-zero2", "tiny-moe", {"plugin": "expert", "ep": 1, "zero_stage": 2, "precision": "fp32"}, 1),
+    ("moe-ep2-capacity1-bf16", "tiny-moe-cf1", {"plugin": "expert", "ep": 2, "zero_stage": 2, "precision": "bf16"}, 1),
+    (
+        "moe-ep2-zero0-ckpt-full",
+        "tiny-moe",
+        {"plugin": "expert", "ep": 2, "zero_stage": 0, "precision": "fp32", "activation_checkpointing": "full"},
+        1,
+    ),
 ]
 
 
@@ -88,33 +132,147 @@ def _layout(fields: dict, microbatches: int, preset: str = "tiny"):
     from colo.apps.plan import Layout
 
     rows = SHAPES[preset][0]
-    rows_per_data_rank = rows // fields.get(
-        "dp", 2 // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("sp", 1))
-    )
     fields = dict(fields)
-    dp = fields.pop("dp", 2 // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("sp", 1)))
+    model_parallel = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("sp", 1) * fields.get("ep", 1)
+    dp = fields.pop("dp", 2 // model_parallel)
+    rows_per_data_rank = rows // (dp * fields.get("ep", 1))  # the expert plugin's data ranks are dp x ep
     return Layout(dp=dp, micro_batch_size=rows_per_data_rank // microbatches, num_microbatches=microbatches, **fields)
 
 
-def _saved_bytes(model_state, step, batch):
-    """Run ``fn`` with a saved-tensor hook; returns the bytes of distinct saved storages that are not model state
-    (parameters, and buffers such as the rotary tables)."""
-    seen: dict[int, int] = {}
+def _config(preset: str):
+    from colo.apps import get_preset
+    from colo.apps.models.moe_llama import MOE_PRESETS, get_moe_preset
 
-    def pack(tensor):
+    if preset == "tiny-moe-cf1":  # capacity factor 1: assignments over an expert's even share are dropped
+        return get_moe_preset("tiny-moe", capacity_factor=1.0)
+    return get_moe_preset(preset) if preset in MOE_PRESETS else get_preset(preset)
+
+
+def _routing(model, mesh) -> list[tuple[int, int, int]]:
+    """Per MoE block of the last forward: (assignments this rank kept, rows it sent to the other ep ranks, rows it
+    received from them), from every rank's tokens per expert (gathered outside the tracker)."""
+    import torch.distributed as dist
+
+    from colo.tensor.moe import moe_blocks
+
+    counts = [block.stats["tokens_per_expert"].tolist() for _, block in moe_blocks(model)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, counts)
+    ep = mesh.size("ep") if "ep" in mesh.axis_names else 1
+    me = mesh.rank("ep") if ep > 1 else 0
+    first = dist.get_rank() - me  # the ep group: neighbouring ranks
+    result = []
+    for layer, mine in enumerate(counts):
+        local = len(mine) // ep
+        own = slice(me * local, (me + 1) * local)
+        received = sum(sum(everyone[first + r][layer][own]) for r in range(ep) if r != me)
+        result.append((sum(mine), sum(mine) - sum(mine[own]), received))
+    return result
+
+
+def _memory_report(optimizer):
+    """`memory_report()` of the chunk optimizer; `ExpertParallelZero`'s two parts counted together with colo.zero's
+    own accounting (its storages once: both parts share one torch optimizer)."""
+    from types import SimpleNamespace
+
+    from colo.zero.memory import memory_report
+
+    parts = getattr(optimizer, "parts", None)
+    if parts is None:
+        return optimizer.memory_report()
+    both = SimpleNamespace(
+        chunks=[c for part in parts for c in part.chunks],
+        optimizer=optimizer.optimizer,
+        offload=False,
+        pool=SimpleNamespace(nbytes=sum(part.pool.nbytes for part in parts)),
+        gatherer=None,
+    )
+    return memory_report(both)
+
+
+class _HeldActivations:
+    """The bytes of distinct non-model-state storages autograd holds for backward, live, and their peak over a step.
+
+    Counted where they are kept: an outer ``saved_tensors_hooks`` (the plain graph, a checkpointed block's inputs),
+    the inner pack hook ZeRO-3 and Gemini install around the model's forward (which an outer hook does not see:
+    only the innermost hooks run), and the op outputs selective checkpointing caches (`selective_policy`'s
+    ``MUST_SAVE``, whose checkpoint hides their saves). A saved tensor counts until autograd drops it (a weak
+    reference on the packed tensor), so pipelines show their microbatches in flight; the cached outputs of
+    selective checkpointing count until the step ends."""
+
+    def __init__(self, model_state) -> None:
+        self.model_state = model_state
+        self.live: dict[int, list[int]] = {}
+        self.current = self.peak = 0
+
+    def track(self, tensor, *, sticky: bool = False) -> None:
+        import weakref
+
         storage = tensor.untyped_storage()
-        params = {t.untyped_storage().data_ptr() for t in model_state}  # where they are now (stage 3 gathers)
-        if storage.data_ptr() not in params and storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        ptr = storage.data_ptr()
+        params = {t.untyped_storage().data_ptr() for t in self.model_state}  # where they are now (stage 3 gathers)
+        if ptr in params or not storage.nbytes():
+            return
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        if not sticky:
+            weakref.finalize(tensor, self._release, ptr, entry)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        step(batch)
-    return sum(seen.values())
+    def _release(self, ptr: int, entry: list[int]) -> None:
+        entry[1] -= 1
+        if entry[1] == 0 and self.live.get(ptr) is entry:
+            del self.live[ptr]
+            self.current -= entry[0]
+
+    def run(self, step, batch, optimizer) -> int:
+        """Run ``step(batch)`` while counting; returns the peak bytes."""
+        import colo.apps.checkpointing as checkpointing
+        from colo.zero.stage3 import SavedChunkView
+
+        def pack(tensor):
+            self.track(tensor)
+            return tensor
+
+        gatherer = getattr(optimizer, "gatherer", None)
+        if gatherer is not None:  # ZeRO-3 / Gemini: their own pack hook; gathered weights become chunk positions
+            inner = gatherer.pack_saved
+
+            def pack_saved(tensor):
+                packed = inner(tensor)
+                if not isinstance(packed, SavedChunkView):
+                    self.track(packed)
+                return packed
+
+            gatherer.pack_saved = pack_saved
+        policy = checkpointing.selective_policy
+
+        def counted_policy(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+                for out in outputs:
+                    if isinstance(out, torch.Tensor):
+                        self.track(out, sticky=True)
+            return decision
+
+        checkpointing.selective_policy = counted_policy
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                step(batch)
+        finally:
+            checkpointing.selective_policy = policy
+            if gatherer is not None:
+                del gatherer.pack_saved
+        return self.peak
 
 
 def _measure(cases):
-    from colo.apps import Booster, Llama, get_preset
+    from colo.apps import Booster, Llama
+    from colo.apps.models.moe_llama import MoELlama, MoELlamaConfig
     from colo.comm import CommTracker
 
     results = []
@@ -125,32 +283,35 @@ def _measure(cases):
         layout = _layout(fields, microbatches, preset)
         num_rows, seq = SHAPES[preset]
         torch.manual_seed(0)
-        config = get_preset(preset)
-        model = Llama(config)
+        config = _config(preset)
+        model = MoELlama(config) if isinstance(config, MoELlamaConfig) else Llama(config)
         booster = Booster(layout.plugin_object())
         booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         engine = booster.engine
         mesh = engine.mesh
-        rows = num_rows // mesh.size("dp")
+        data_ranks, data_rank = mesh.size("dp"), mesh.rank("dp")
+        if "ep" in mesh.axis_names:  # every rank of the expert plugin's (dp, ep) mesh has its own rows
+            data_ranks, data_rank = data_ranks * mesh.size("ep"), data_rank * mesh.size("ep") + mesh.rank("ep")
+        rows = num_rows // data_ranks
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(0, config.vocab_size, (num_rows, seq), generator=generator)
-        start = mesh.rank("dp") * rows
+        start = data_rank * rows
         batch = {"input_ids": ids[start : start + rows], "labels": ids[start : start + rows].clone()}
         booster.train_step(batch)
-        measured_activations = None
-        if layout.pp == 1 and microbatches == 1:
-            model_state = [*engine.model.parameters(), *engine.model.buffers()]
-            measured_activations = _saved_bytes(model_state, booster.train_step, batch)
+        # one step measured both ways: what autograd holds (hooks, no communication) and the collectives
+        moe = isinstance(config, MoELlamaConfig)
+        model_state = [*engine.model.parameters(), *engine.model.buffers()]
         with CommTracker() as tracker:
-            booster.train_step(batch)
+            measured_activations = _HeldActivations(model_state).run(booster.train_step, batch, engine.optimizer)
+        routing = _routing(engine.model, mesh) if moe and microbatches == 1 else None
         comm: dict = {}
         for record in tracker.records:
             if record.group_size > 1:
                 comm[(record.op, record.axis)] = comm.get((record.op, record.axis), 0.0) + record.bytes
         optimizer = engine.optimizer
         report = None
-        if hasattr(optimizer, "memory_report"):
-            report = optimizer.memory_report()
+        if hasattr(optimizer, "memory_report") or hasattr(optimizer, "parts"):
+            report = _memory_report(optimizer)
             if layout.plugin == "gemini":
                 report = {tier: (t.params, t.optimizer) for tier, t in report.tiers.items()}
             else:
@@ -170,7 +331,8 @@ def _measure(cases):
                         storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
             report = {"total": sum(storages.values())}
         coord = {axis: mesh.rank(axis) for axis in mesh.axis_names}
-        results.append((name, report, measured_activations, comm, coord, time.perf_counter() - began))
+        routings = (routing, routing)
+        results.append((name, report, measured_activations, comm, coord, time.perf_counter() - began, routings))
     return results
 
 
@@ -182,17 +344,16 @@ def measured():
 
 
 def _data_rank(layout, coord):
-    return coord.get("dp", 0) * layout.sp + coord.get("sp", 0)
+    return coord.get("dp", 0) * layout.sp * layout.ep + coord.get("sp", 0) + coord.get("ep", 0)
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[case[0] for case in LAYOUTS])
 def test_static_memory_equals_memory_report(case, measured):
-    from colo.apps import get_preset
     from colo.apps.plan import static_memory
 
     name, preset, fields, microbatches = case
     layout = _layout(fields, microbatches, preset)
-    config = get_preset(preset)
+    config = _config(preset)
     for rank_results in measured:
         report, coord = next((r[1], r[4]) for r in rank_results if r[0] == name)
         predicted = static_memory(config, layout, pp_rank=coord.get("pp", 0), data_rank=_data_rank(layout, coord))
@@ -209,38 +370,37 @@ def test_static_memory_equals_memory_report(case, measured):
             assert report["workspace"] <= predicted.workspace
 
 
-# stage 3 and Gemini install saved-tensor hooks of their own (a gathered weight is not kept), which hide the saves
-# from an outer hook; pipelines save per microbatch in their own executor
-ACTIVATION_CASES = [
-    c for c in LAYOUTS if c[3] == 1 and "pp" not in c[2] and c[2].get("zero_stage") != 3 and c[2]["plugin"] != "gemini"
-]
+# every layout: ZeRO-3 / Gemini counted in their own pack hook, selective checkpointing's cached outputs, pipelines'
+# microbatches in flight (the peak of what autograd holds over the step), gradient accumulation one microbatch at once
+ACTIVATION_CASES = LAYOUTS
 
 
 @pytest.mark.parametrize("case", ACTIVATION_CASES, ids=[c[0] for c in ACTIVATION_CASES])
 def test_activation_bytes_match_saved_tensors(case, measured):
-    from colo.apps import get_preset
     from colo.apps.plan import activation_memory
 
     name, preset, fields, microbatches = case
     layout = _layout(fields, microbatches, preset)
-    predicted = activation_memory(get_preset(preset), layout, SHAPES[preset][1])
     for rank_results in measured:
-        value = next(r[2] for r in rank_results if r[0] == name)
-        expected = predicted.per_microbatch
+        value, routings, coord = next((r[2], r[6], r[4]) for r in rank_results if r[0] == name)
+        predicted = activation_memory(
+            _config(preset), layout, SHAPES[preset][1], pp_rank=coord.get("pp", 0), routing=routings[0]
+        )
+        expected = predicted.peak
         # 2%: the model counts the layers' saved tensors; the loss's empty placeholder and the like are left out
         assert value == pytest.approx(expected, rel=0.02), (name, value, expected, value - expected)
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[case[0] for case in LAYOUTS])
 def test_communication_bytes_equal_comm_tracker(case, measured):
-    from colo.apps import get_preset
     from colo.apps.plan import step_communication
 
     name, preset, fields, microbatches = case
     layout = _layout(fields, microbatches, preset)
-    config = get_preset(preset)
+    config = _config(preset)
     for rank_results in measured:
-        comm, coord = next((r[3], r[4]) for r in rank_results if r[0] == name)
-        predicted = step_communication(config, layout, SHAPES[preset][1], pp_rank=coord.get("pp", 0))
+        comm, coord, routings = next((r[3], r[4], r[6]) for r in rank_results if r[0] == name)
+        routing = routings[1] if layout.ep > 1 else None  # the all-to-all bytes follow the step's own routing
+        predicted = step_communication(config, layout, SHAPES[preset][1], pp_rank=coord.get("pp", 0), routing=routing)
         measured_nonzero = {k: v for k, v in comm.items() if v}
         assert {k: v for k, v in predicted.items() if v} == measured_nonzero

@@ -210,3 +210,163 @@ def test_colo_plan_reads_a_hugging_face_llama_config(tmp_path):
 
     run = load_config(str(output))  # the HF shape travels as the model section's field overrides
     assert (run.model.hidden_size, run.model.num_hidden_layers, run.model.num_key_value_heads) == (64, 2, 2)
+
+
+# --- mixture of experts ----------------------------------------------------------------------------------------
+
+
+def _moe_workload(*, seq: int = 256, batch: int = 16):
+    from colo.apps.models.moe_llama import get_moe_preset
+    from colo.apps.plan import Workload
+
+    return Workload(get_moe_preset("tiny-mixtral", moe_layer_interval=1), seq, batch, model_name="moe")
+
+
+def test_moe_search_spans_expert_parallelism_and_equals_brute_force():
+    """A mixture-of-experts model is searched under the expert plugin over every ep dividing its experts and the
+    world (ZeRO 0-2), the pruned search equals brute force, and ep shrinks the experts' states per device."""
+    from colo.apps.plan.search import brute_force, candidate_structures, search
+
+    workload, cluster = _moe_workload(), _small_cluster(0.1, devices=4)  # some layouts do not fit
+    structures = candidate_structures(workload, cluster)
+    assert {(s.plugin, s.ep, s.dp, s.zero_stage) for s in structures} == {
+        ("expert", ep, 4 // ep, stage) for ep in (1, 2, 4) for stage in (0, 1, 2)
+    }
+    pruned = search(workload, cluster, top=1000)
+    everything = brute_force(workload, cluster, top=1000)
+    assert [r.layout for r in pruned] == [r.layout for r in everything]
+    assert all(r.fits for r in pruned) and len(pruned) > 3
+    states = {s.ep: _states(workload, s) for s in structures if s.zero_stage == 1}
+    assert states[4] < states[2] < states[1]
+
+
+def _states(workload, layout):
+    from colo.apps.plan import static_memory
+
+    return static_memory(workload.config, layout, data_rank=layout.data_ranks - 1).total
+
+
+def test_moe_step_counts_the_all_to_alls_and_the_active_flops():
+    """Expert parallelism adds the dispatch / combine all-to-alls (even routing: (ep - 1) / ep of the kept rows each
+    way, forward and backward) and the MFU counts the active parameters only, as the trainer does."""
+    from colo.apps.plan import Layout, get_cluster, step_communication, step_time
+
+    workload = _moe_workload()
+    config, seq = workload.config, workload.seq_len
+    layout = Layout(plugin="expert", dp=1, ep=2, zero_stage=1, precision="bf16")
+    volumes = step_communication(config, layout, seq)
+    tokens, h = seq, config.hidden_size
+    rows = tokens * config.num_experts_per_tok / 2  # half the kept assignments go to the other rank
+    counts = config.num_local_experts * 8 / 2
+    moe_layers = config.num_hidden_layers
+    assert volumes[("all_to_all", "ep")] == pytest.approx(moe_layers * (2 * rows * h * 2 * 2 + counts))
+    assert ("all_to_all", "ep") not in step_communication(config, layout.replace(dp=2, ep=1), seq)
+    time = step_time(config, layout, get_cluster("8xh100"), seq)
+    dense_flops = time.flops_per_token + 6 * (config.num_parameters() - config.num_active_parameters())
+    from colo.apps.models.llama import flops_per_token
+
+    assert dense_flops == flops_per_token(config, seq)
+
+
+def test_moe_layouts_are_checked_against_the_model():
+    from colo.apps.models.llama import get_preset
+    from colo.apps.models.moe_llama import get_moe_preset
+    from colo.apps.plan import Layout, static_memory
+
+    with pytest.raises(ValueError, match="ep=2 needs plugin='expert'"):
+        Layout(plugin="zero", ep=2)
+    with pytest.raises(ValueError, match="expert parallelism composes with data parallelism only"):
+        Layout(plugin="expert", tp=2)
+    moe = get_moe_preset("tiny-moe")
+    with pytest.raises(ValueError, match=r"Layout.ep=3 does not divide num_local_experts=4; choose ep in \[1, 2, 4\]"):
+        static_memory(moe, Layout(plugin="expert", dp=1, ep=3, zero_stage=2))
+    with pytest.raises(ValueError, match="dense Llama"):
+        static_memory(get_preset("tiny"), Layout(plugin="expert", dp=1, ep=2, zero_stage=2))
+    with pytest.raises(ValueError, match="Layout.tp=2: mixture-of-experts models compose with data and expert"):
+        static_memory(moe, Layout(plugin="hybrid", tp=2, zero_stage=1))
+
+
+@pytest.mark.parametrize(
+    ("preset", "cluster", "expected_model"),
+    [
+        (["--preset", "tiny-moe", "--cluster", "cpu", "--global-batch", "16", "--seq", "128"], "cpu", "tiny-moe"),
+        (
+            [
+                "--preset",
+                "mixtral-8x7b",
+                "--cluster",
+                "8xh100",
+                "--nodes",
+                "2",
+                "--global-batch",
+                "256",
+                "--seq",
+                "4096",
+            ],
+            "8xh100",
+            "mixtral-8x7b",
+        ),
+    ],
+    ids=["tiny-moe-cpu", "mixtral-8x7b-16xh100"],
+)
+def test_colo_plan_plans_moe_presets_and_writes_an_expert_run_config(tmp_path, preset, cluster, expected_model):
+    from colo.apps.train import load_config
+
+    output = tmp_path / "plan.yaml"
+    result = _run_cli(*preset, "-o", str(output))
+    assert result.exit_code == 0, result.output
+    assert "best layout: expert" in result.output
+    run = load_config(str(output))  # the trainer's own loader: an MoE preset under plugin.name='expert'
+    assert run.model.preset == expected_model
+    assert run.plugin.name == "expert" and run.plugin.stage in (0, 1, 2)
+    assert run.model.preset_config.num_local_experts % run.plugin.ep == 0
+
+
+def test_colo_plan_reads_a_hugging_face_mixtral_config(tmp_path):
+    from colo.apps.train import load_config
+
+    hf = tmp_path / "config.json"
+    fields = {
+        "model_type": "mixtral",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    }
+    hf.write_text(json.dumps(fields))
+    output = tmp_path / "plan.yaml"
+    args = ["--hf-config", str(hf), "--cluster", "cpu", "--global-batch", "4", "--seq", "64", "--precision", "fp32"]
+    result = _run_cli(*args, "-o", str(output))
+    assert result.exit_code == 0, result.output
+    assert "best layout: expert" in result.output
+    run = load_config(str(output))  # an MoE shape of its own: the tiny-moe preset with every field overridden
+    assert run.plugin.name == "expert"
+    assert (run.model.preset, run.model.num_local_experts, run.model.intermediate_size) == ("tiny-moe", 4, 96)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_rank_parameters_follow_the_model_registration_order(ep):
+    """The planner's parameter list of an MoE Llama with dense and MoE layers (tiny-mixtral: every second layer) is
+    the model's own, name by name and size by size; ep splits each expert tensor's leading (expert) dimension."""
+    import torch
+
+    from colo.apps.models.moe_llama import MoELlama, get_moe_preset
+    from colo.apps.plan import Layout
+    from colo.apps.plan.memory import rank_parameters
+
+    config = get_moe_preset("tiny-mixtral")
+    with torch.device("meta"):
+        model = MoELlama(config)
+    expected = [
+        (name, p.numel() // (ep if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") else 1), p.dim() >= 2)
+        for name, p in model.named_parameters()
+    ]
+    entries = rank_parameters(config, Layout(plugin="expert", dp=1, ep=ep, zero_stage=2), no_decay_vectors=True)
+    assert [(e.name, e.numel, e.group == 1) for e in entries] == expected
+    assert [e.name for e in entries if e.expert] == [n for n, *_ in expected if ".experts." in n]

@@ -12,15 +12,12 @@ import typer
 
 def load_model(preset: str | None, hf_config: str | None):
     """``(LlamaConfig, name)`` from a planner model preset or a Hugging Face ``config.json`` (exactly one)."""
-    from ..models.llama import get_preset
-    from ..plan.report import MODEL_PRESETS
+    from ..plan.report import model_preset
 
     if (preset is None) == (hf_config is None):
         raise ValueError("give the model as --preset NAME or --hf-config PATH (one of them)")
     if preset is not None:
-        if preset not in MODEL_PRESETS:
-            raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(MODEL_PRESETS)} or --hf-config")
-        return get_preset(MODEL_PRESETS[preset]), preset
+        return model_preset(preset), preset
     path = Path(hf_config)
     if path.is_dir():
         path = path / "config.json"
@@ -28,18 +25,28 @@ def load_model(preset: str | None, hf_config: str | None):
         fields = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"--hf-config {hf_config}: cannot read a JSON config ({error})") from None
-    if fields.get("model_type") not in (None, "llama"):
-        raise ValueError(f"--hf-config {hf_config}: model_type={fields.get('model_type')!r}; the planner models Llama")
+    model_type = fields.get("model_type")
+    if model_type not in (None, "llama", "mixtral"):
+        raise ValueError(
+            f"--hf-config {hf_config}: model_type={model_type!r}; the planner models Llama and Mixtral (mixture of "
+            "experts)"
+        )
     try:
         from transformers import LlamaConfig as HFLlamaConfig
+        from transformers import MixtralConfig as HFMixtralConfig
     except ImportError:
         raise ValueError(
             "--hf-config reads the config with transformers; install it (pip install transformers)"
         ) from None
+    name = path.parent.name or "hf"
+    if model_type == "mixtral":
+        from ..models.moe_llama.hf import mixtral_config_from_hf
+
+        return mixtral_config_from_hf(HFMixtralConfig(**fields)), name
 
     from ..models.llama.hf import llama_config_from_hf
 
-    return llama_config_from_hf(HFLlamaConfig(**fields)), path.parent.name or "hf"
+    return llama_config_from_hf(HFLlamaConfig(**fields)), name
 
 
 def load_cluster(name: str, cluster_file: str | None, nodes: int):
@@ -66,9 +73,16 @@ def load_cluster(name: str, cluster_file: str | None, nodes: int):
 
 def plan(
     preset: Annotated[
-        str | None, typer.Option("--preset", "-p", help="Model: llama-1b, llama-7b, llama-70b, ...")
+        str | None,
+        typer.Option(
+            "--preset",
+            "-p",
+            help="Model: llama-1b, llama-7b, llama-70b, ...; mixture of experts: tiny-moe, mixtral-8x7b",
+        ),
     ] = None,
-    hf_config: Annotated[str | None, typer.Option(help="A Hugging Face Llama config.json (or its directory).")] = None,
+    hf_config: Annotated[
+        str | None, typer.Option(help="A Hugging Face Llama or Mixtral config.json (or its directory).")
+    ] = None,
     cluster: Annotated[str, typer.Option(help="Hardware preset: 8xh100, h100-96gb-500w, a100, cpu.")] = "8xh100",
     cluster_file: Annotated[str | None, typer.Option(help="A JSON file of Cluster fields instead of a preset.")] = None,
     nodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,

@@ -13,10 +13,16 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
   parallel embedding, backward all-reduces of the inputs of q/k/v, gate, up and ``lm_head``, and the two fp32
   all-reduces of the vocabulary-parallel cross-entropy; with Megatron-SP the all-reduces become all-gathers /
   reduce-scatters of the sequence shards and the norms' weight gradients are all-reduced;
-- ``sp``: Ulysses' four all-to-alls per layer each way; ring attention's k/v blocks passed round the ring;
-- full activation checkpointing reruns each layer's forward collectives in backward up to the last saved tensor
-  (tp: the o_proj all-reduce; Ulysses: its four all-to-alls); not modelled for Megatron-SP and ring attention,
-  whose recomputed traffic is not checked (ring's measured extra is 3 k/v blocks per layer at sp=2, unexplained);
+- ``sp``: Ulysses' four all-to-alls per layer each way; ring attention's k/v blocks passed round the ring (forward
+  ``n - 1`` blocks; backward ``n - 1`` blocks and ``n`` fp32 dK/dV accumulators);
+- ``ep`` (mixture of experts, the ``expert`` plugin): per MoE layer and microbatch the int64 token counts, then the
+  routed rows to the experts' ranks and back (uneven all-to-alls: the rows sent to other ranks), again in backward;
+  the volumes follow the routing (even routing unless a run's own is given); dense chunks sync over ``dp+ep``,
+  expert chunks over ``dp``;
+- full and selective activation checkpointing rerun each layer's forward collectives in backward up to the last
+  saved tensor (selective keeps matmul and attention outputs only, so collectives are recomputed too): tp the
+  o_proj all-reduce (Megatron-SP: the layer's three input gathers and o_proj's reduce-scatter), Ulysses its four
+  all-to-alls, ring attention its ``n - 1`` forward blocks, expert parallelism its three forward all-to-alls;
 - ``pp``: activations sent forward and gradients back per microbatch, the loss broadcast from the last stage;
 - scalars: the loss mean over the data ranks and the gradient norm (fp64) over the data and model-parallel axes.
 """
@@ -27,9 +33,9 @@ from collections import defaultdict
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
-from .memory import stage_layers, static_memory
+from .memory import expected_routing_kept, moe_layers, stage_layers, static_memory
 
-MESH_ORDER = ("pp", "dp", "sp", "tp")
+MESH_ORDER = ("pp", "dp", "ep", "sp", "tp")
 
 
 def axis_name(layout: Layout, *axes: str) -> str:
@@ -45,8 +51,25 @@ def group_size(layout: Layout, *axes: str) -> int:
     return size
 
 
+def expected_routing(config: LlamaConfig, layout: Layout, tokens: int) -> tuple[float, float, float]:
+    """``(assignments kept, rows sent to the other ep ranks, rows received from them)`` of one MoE block's dispatch
+    on one rank, when the router spreads the ``tokens * k`` assignments evenly over the experts (the load-balancing
+    loss's target): each expert keeps ``tokens * k / E`` of them, or the capacity
+    ``ceil(capacity_factor * tokens * k / E)`` when that is smaller (`colo.tensor.moe.permute`), and
+    ``(ep - 1) / ep`` of the experts live on other ranks."""
+    kept = expected_routing_kept(config, tokens)
+    others = kept * (layout.ep - 1) / layout.ep
+    return kept, others, others
+
+
 def step_communication(
-    config: LlamaConfig, layout: Layout, seq_len: int, *, pp_rank: int = 0, no_decay_vectors: bool = False
+    config: LlamaConfig,
+    layout: Layout,
+    seq_len: int,
+    *,
+    pp_rank: int = 0,
+    no_decay_vectors: bool = False,
+    routing: list[tuple[float, float, float]] | None = None,
 ) -> dict:
     """Bytes per rank of one step, ``{(op, axis): bytes}`` (groups of one rank move nothing and are left out).
 
@@ -57,6 +80,10 @@ def step_communication(
         pp_rank: the pipeline rank whose traffic is counted.
         no_decay_vectors: the optimizer's param groups (`colo.apps.plan.memory.rank_parameters`), which the chunks
             follow.
+        routing: mixture of experts under ``ep > 1``: ``(assignments kept, rows sent to other ranks, rows received
+            from them)`` of each MoE block's dispatch in each microbatch (``num_microbatches`` x MoE layers, any
+            order), as a run routed them; ``None``: `expected_routing` (even routing). The all-to-all volumes
+            depend on the routing, so only a run's own routing reproduces CommTracker's bytes exactly.
     """
     volumes: dict[tuple[str, str], float] = defaultdict(float)
 
@@ -71,6 +98,9 @@ def step_communication(
     ec = layout.compute_bytes
     er = ec  # gradients are reduced in the compute dtype
     data_axes = ("dp", "sp") if layout.sp > 1 else ("dp",)
+    expert = layout.plugin == "expert"
+    if expert:  # the mesh (dp, ep): dense chunks over both, expert chunks over dp
+        data_axes = ("dp", "ep")
     tokens = layout.micro_batch_size * seq_len
     h = config.hidden_size
     chunks = stage_layers(config, layout, pp_rank)
@@ -83,13 +113,15 @@ def step_communication(
         static = static_memory(config, layout, pp_rank=pp_rank, no_decay_vectors=no_decay_vectors)
         stage = layout.stage
         syncs = 1 if (stage == 1 or layout.pp > 1) else microbatches
-        for numel in static.chunk_numels:
+        dense_chunks = static.num_chunks - static.expert_chunks
+        for index, numel in enumerate(static.chunk_numels):
+            axes = data_axes if index < dense_chunks else ("dp",)
             if stage == 0:
-                add("all_reduce", data_axes, numel * er, syncs)
+                add("all_reduce", axes, numel * er, syncs)
                 continue
-            add("reduce_scatter", data_axes, numel * er, syncs)
+            add("reduce_scatter", axes, numel * er, syncs)
             if stage in (1, 2):
-                add("all_gather", data_axes, numel * ec)
+                add("all_gather", axes, numel * ec)
         if stage == 3:
             backward = static.num_chunks if layout.plugin == "gemini" else static.num_chunks - 1
             for numel in static.chunk_numels:
@@ -97,9 +129,8 @@ def step_communication(
             for numel in static.chunk_numels[:backward]:
                 add("all_gather", data_axes, numel * ec, microbatches)
 
-    # layers whose forward full activation checkpointing reruns in backward, with its collectives (tp plain and
-    # Ulysses are checked against CommTracker; Megatron-SP and ring attention under it are not modelled)
-    recomputed = num_layers if layout.activation_checkpointing == "full" else 0
+    # layers whose forward full / selective activation checkpointing reruns in backward, with its collectives
+    recomputed = num_layers if layout.activation_checkpointing in ("full", "selective") else 0
 
     # --- tensor parallelism ---------------------------------------------------------------------------------
     if layout.tp > 1:
@@ -107,10 +138,12 @@ def step_communication(
         if layout.sp_mode == "megatron":
             gathers = 3 * num_layers + (1 if last else 0)  # q/k/v, gate, up, lm_head inputs
             scatters = 2 * num_layers + (1 if first else 0)  # o_proj, down_proj outputs, embedding
-            add("all_gather", ("tp",), act, microbatches * (2 * gathers + scatters))  # forward, re-gather, grads
-            add("reduce_scatter", ("tp",), act, microbatches * (scatters + gathers - (1 if last else 0)))
+            # forward, re-gather, grads; checkpointing's recomputed forward gathers a layer's three inputs again and
+            # reduce-scatters o_proj's output (it stops before down_proj, as in plain tp)
+            add("all_gather", ("tp",), act, microbatches * (2 * gathers + scatters + 3 * recomputed))
+            add("reduce_scatter", ("tp",), act, microbatches * (scatters + gathers - (1 if last else 0) + recomputed))
             norms = 2 * num_layers + (1 if last else 0)
-            add("all_reduce", ("tp",), h * 4, microbatches * norms)  # sequence-sharded norms' weight gradients
+            add("all_reduce", ("tp",), h * ec, microbatches * norms)  # sequence-sharded norms' weight gradients
             if last:
                 add("all_reduce", ("tp",), act, microbatches)  # lm_head's input gradient
         else:
@@ -138,9 +171,32 @@ def step_communication(
         elif layout.sp_mode == "ring":
             block = 2 * local * kv * hd * ec  # k and v of one sequence shard
             steps = layout.sp - 1
-            per_layer = steps + steps + 2 * steps  # forward k/v, backward k/v and their gradients
-            add("send", ("sp",), block, microbatches * num_layers * per_layer)
-            add("recv", ("sp",), block, microbatches * num_layers * per_layer)
+            # forward: n - 1 k/v blocks; backward: n - 1 blocks and n fp32 dK/dV accumulators (4 / ec times a
+            # block); full / selective checkpointing reruns the forward's n - 1
+            per_layer = steps + steps + layout.sp * 4 / ec
+            add("send", ("sp",), block, microbatches * (num_layers * per_layer + recomputed * steps))
+            add("recv", ("sp",), block, microbatches * (num_layers * per_layer + recomputed * steps))
+
+    # --- expert parallelism: per MoE block and microbatch, the (ep, E / ep) int64 counts, then the rows to the
+    # experts' ranks (dispatch) and back (combine); backward moves both again the other way; full checkpointing
+    # reruns the forward's three
+    if expert and layout.ep > 1:
+        layers = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+        if routing is None:
+            routing = [expected_routing(config, layout, tokens)] * (microbatches * layers)
+        elif len(routing) != microbatches * layers:
+            raise ValueError(
+                f"routing has {len(routing)} entries; give one (kept, sent, received) per microbatch and MoE layer "
+                f"({microbatches} x {layers})"
+            )
+        row = h * ec
+        # forward, backward, and recomputed in backward under full and selective checkpointing (the selective
+        # policy keeps matmul outputs only: collectives are recomputed)
+        passes = 2 + (1 if layout.activation_checkpointing in ("full", "selective") else 0)
+        counts = layout.ep * (config.num_local_experts // layout.ep) * 8
+        add("all_to_all", ("ep",), counts, len(routing) * (passes - 1))
+        for _, sent, received in routing:
+            volumes[("all_to_all", "ep")] += (sent + received) * row * passes
 
     # --- pipeline -------------------------------------------------------------------------------------------
     if layout.pp > 1:
@@ -156,6 +212,13 @@ def step_communication(
 
     # --- scalars --------------------------------------------------------------------------------------------
     add("all_reduce", data_axes, 8)  # the step's mean loss over the data ranks (fp64)
+    if expert:  # the expert part of the squared norm over dp (sharded), then summed over ep; the biases' counts
+        if layout.stage != 0:
+            add("all_reduce", ("dp",), 8)
+        add("all_reduce", ("ep",), 8)
+        if config.expert_bias:
+            blocks = moe_layers(config, range(config.num_hidden_layers))
+            add("all_reduce", data_axes, 4 * config.num_local_experts, blocks)
     norm_axes = (data_axes if layout.stage not in (0, -1) else ()) + (("tp",) if layout.tp > 1 else ())
     norm_axes += ("pp",) if layout.pp > 1 else ()
     if norm_axes and layout.plugin != "ddp":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-PLUGINS = ("ddp", "zero", "gemini", "hybrid")
+PLUGINS = ("ddp", "zero", "gemini", "hybrid", "expert")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -15,14 +15,19 @@ class Layout:
     """A parallel layout of one training step, per data-parallel replica and per rank.
 
     ``plugin`` says which Booster plugin runs it: ``"ddp"`` (torch DDP), ``"zero"`` (`Zero`, ZeRO over every
-    rank), ``"gemini"`` (`Gemini`, every chunk on the device) or ``"hybrid"`` (`HybridParallel`: tp x pp x sp x dp
-    with ZeRO 0-3). ``zero_stage`` is the ZeRO stage of ``zero`` and ``hybrid`` (3 for ``gemini``, ignored by ``ddp``).
+    rank), ``"gemini"`` (`Gemini`, every chunk on the device), ``"hybrid"`` (`HybridParallel`: tp x pp x sp x dp
+    with ZeRO 0-3) or ``"expert"`` (`ExpertParallel`: a mixture-of-experts model on a ``dp x ep`` mesh, its experts
+    split over ``ep``, ZeRO 0-2 with the dense chunks sharded over ``dp x ep`` and the expert chunks over ``dp``).
+    ``zero_stage`` is the ZeRO stage of ``zero``, ``hybrid`` and ``expert`` (3 for ``gemini``, ignored by ``ddp``).
     """
 
     plugin: str = "hybrid"
-    """``ddp``, ``zero``, ``gemini`` or ``hybrid``."""
+    """``ddp``, ``zero``, ``gemini``, ``hybrid`` or ``expert``."""
     dp: int = 1
-    """Data-parallel degree."""
+    """Data-parallel degree (``expert``: the mesh's ``dp`` axis; the data ranks are ``dp * ep``)."""
+    ep: int = 1
+    """Expert-parallel degree (``expert`` plugin only): each MoE layer's experts split over ``ep`` neighbouring
+    ranks; it must divide the number of experts (checked with the model, `colo.apps.plan.memory.check_layout`)."""
     tp: int = 1
     """Tensor-parallel degree (Megatron 1D; hybrid only)."""
     pp: int = 1
@@ -58,12 +63,17 @@ class Layout:
             raise ValueError(f"Layout.plugin={self.plugin!r} is unknown; use one of {PLUGINS}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Layout.precision={self.precision!r} is unknown; use one of {PRECISIONS}")
-        for name in ("dp", "tp", "pp", "sp", "micro_batch_size", "num_microbatches", "num_model_chunks"):
+        for name in ("dp", "ep", "tp", "pp", "sp", "micro_batch_size", "num_microbatches", "num_model_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{name}={value!r} must be a positive integer")
         if self.plugin != "hybrid" and (self.tp, self.pp, self.sp) != (1, 1, 1):
-            raise ValueError(f"Layout: tp/pp/sp need plugin='hybrid' (got plugin={self.plugin!r})")
+            raise ValueError(
+                f"Layout: tp/pp/sp need plugin='hybrid' (got plugin={self.plugin!r}); expert parallelism composes with "
+                "data parallelism only"
+            )
+        if self.ep > 1 and self.plugin != "expert":
+            raise ValueError(f"Layout.ep={self.ep} needs plugin='expert' (got plugin={self.plugin!r})")
         # the plugin's own checks (sizes, modes, unsupported combinations), naming the field; a pipeline checks its
         # schedule by building it, so a long step is checked at pp microbatches when that is equivalent (every
         # schedule accepts a multiple of pp that is at least pp)
@@ -76,8 +86,8 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout runs on: ``dp * tp * pp * sp``."""
-        return self.dp * self.tp * self.pp * self.sp
+        """Ranks the layout runs on: ``dp * ep * tp * pp * sp``."""
+        return self.dp * self.ep * self.tp * self.pp * self.sp
 
     @property
     def stage(self) -> int:
@@ -86,8 +96,9 @@ class Layout:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks ZeRO shards over: ``dp * sp`` (Ulysses and ring attention replicate the weights over sp)."""
-        return self.dp * self.sp
+        """Ranks ZeRO shards the dense parameters over: ``dp * sp`` (Ulysses and ring attention replicate the weights
+        over sp), ``dp * ep`` under expert parallelism (the experts' chunks are sharded over ``dp`` only)."""
+        return self.dp * self.sp * self.ep
 
     @property
     def compute_bytes(self) -> int:
@@ -111,6 +122,8 @@ class Layout:
             return {"name": "zero", "stage": self.zero_stage, **offload, **chunk, **common}
         if self.plugin == "gemini":
             return {"name": "gemini", **chunk, **common}
+        if self.plugin == "expert":
+            return {"name": "expert", "ep": self.ep, "stage": self.zero_stage, **chunk, **common}
         fields = {"name": "hybrid", "tp": self.tp, "pp": self.pp, "sp": self.sp, "zero_stage": self.zero_stage}
         if self.sp_mode is not None:
             fields["sp_mode"] = self.sp_mode
@@ -120,11 +133,11 @@ class Layout:
 
     def plugin_object(self, *, num_microbatches: int | None = None):
         """The Booster plugin this layout describes (built, so its validation runs; no collective)."""
-        from ..booster import DDP, Gemini, HybridParallel, Zero
+        from ..booster import DDP, ExpertParallel, Gemini, HybridParallel, Zero
 
         fields = self.plugin_fields()
         name = fields.pop("name")
-        cls = {"ddp": DDP, "zero": Zero, "gemini": Gemini, "hybrid": HybridParallel}[name]
+        cls = {"ddp": DDP, "zero": Zero, "gemini": Gemini, "hybrid": HybridParallel, "expert": ExpertParallel}[name]
         if name == "hybrid":
             fields["dp"] = self.dp
         return cls(**fields, num_microbatches=num_microbatches or self.num_microbatches)
@@ -132,10 +145,10 @@ class Layout:
     def describe(self) -> str:
         """A short name: ``hybrid dp4 tp8 pp2 zero1 ckpt=full mb1x8 bf16``."""
         parts = [self.plugin, f"dp{self.dp}"]
-        parts += [f"{axis}{getattr(self, axis)}" for axis in ("tp", "pp", "sp") if getattr(self, axis) > 1]
+        parts += [f"{axis}{getattr(self, axis)}" for axis in ("ep", "tp", "pp", "sp") if getattr(self, axis) > 1]
         if self.sp_mode:
             parts.append(self.sp_mode)
-        if self.plugin in ("zero", "hybrid"):
+        if self.plugin in ("zero", "hybrid", "expert"):
             parts.append(f"zero{self.zero_stage}")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.num_model_chunks}" if self.num_model_chunks > 1 else ""))

@@ -11,6 +11,13 @@ Llama, read off `torch.autograd.graph.saved_tensors_hooks`: the layer's input, b
 ``rstd``, the fused q/k/v output, the rotated q and k, the attention output and its fp32 log-sum-exp, the residual,
 the SwiGLU inputs and output), scaled by what tensor and sequence parallelism shard and what checkpointing keeps.
 The same counts hold on GPU: colo's flash attention saves ``(out, lse)``, never the ``S x S`` scores.
+Selective checkpointing keeps what `colo.apps.checkpointing.selective_policy` caches (every ``mm`` output and the
+attention's ``(out, lse)``) plus the block's input; a pipeline's first stage holds the microbatches in flight that
+colo.pipeline's simulator counts, its last stage the logits its cross-entropy saves.
+
+Mixture of experts (`colo.apps.models.moe_llama`): the router and the experts (split over ``ep`` by the ``expert``
+plugin) in registration order; `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``)
+and the experts (sharded over ``dp``) into separate chunks; an MoE layer's saved tensors are `moe_saved_bytes`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +36,44 @@ class ParamEntry:
     name: str
     numel: int
     group: int = 0
+    expert: bool = False
+    """An expert weight of an MoE block (``...mlp.experts.w1`` / ``w2`` / ``w3``): under the ``expert`` plugin it is
+    packed into chunks of its own, sharded over ``dp`` only (`colo.zero.ExpertParallelZero`)."""
+
+
+def is_moe(config: LlamaConfig) -> bool:
+    """Whether ``config`` is a mixture-of-experts Llama (`colo.apps.models.moe_llama.MoELlamaConfig`)."""
+    from ..models.moe_llama import MoELlamaConfig
+
+    return isinstance(config, MoELlamaConfig)
+
+
+def moe_layers(config: LlamaConfig, layers) -> int:
+    """How many of ``layers`` (layer ids) have an MoE MLP."""
+    return sum(1 for i in layers if is_moe(config) and config.is_moe_layer(i))
+
+
+def check_layout(config: LlamaConfig, layout: Layout) -> None:
+    """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``: the ``expert``
+    plugin needs a mixture-of-experts model and ``ep`` dividing its experts; an MoE model composes with data
+    parallelism only (`HybridParallel` refuses tp / sp / pp for it)."""
+    if layout.plugin == "expert" and not is_moe(config):
+        raise ValueError(
+            "Layout.plugin='expert' splits the experts of a mixture-of-experts model and this model is a dense Llama; "
+            "use plugin 'zero' or 'hybrid'"
+        )
+    if not is_moe(config):
+        return
+    experts = config.num_local_experts
+    if experts % layout.ep:
+        choices = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ValueError(f"Layout.ep={layout.ep} does not divide num_local_experts={experts}; choose ep in {choices}")
+    for name in ("tp", "pp", "sp"):
+        if getattr(layout, name) > 1:
+            raise ValueError(
+                f"Layout.{name}={getattr(layout, name)}: mixture-of-experts models compose with data and expert "
+                f"parallelism only; set {name}=1 and use plugin='expert' with ep > 1"
+            )
 
 
 def _check_tp(config: LlamaConfig, tp: int) -> None:
@@ -64,6 +109,7 @@ def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no
     tp = layout.tp
     if tp > 1:
         _check_tp(config, tp)
+    check_layout(config, layout)
     h, hd = config.hidden_size, config.head_dim
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     vector = 0
@@ -85,6 +131,13 @@ def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no
             entries.append(ParamEntry(p + "self_attn.o_proj.weight", heads // tp * hd * h, matrix))
             entries.append(ParamEntry(p + "post_attention_layernorm.weight", h, vector))
             inter = config.intermediate_size // tp
+            if moe_layers(config, [i]):  # MoEBlock: the router, then the experts (w1, w3, w2), ep-sharded
+                experts = config.num_local_experts
+                entries.append(ParamEntry(p + "mlp.gate.weight", experts * h, matrix))
+                local = experts // layout.ep
+                for name in ("w1", "w3", "w2"):
+                    entries.append(ParamEntry(p + f"mlp.experts.{name}", local * inter * h, matrix, expert=True))
+                continue
             for name in ("gate_proj", "up_proj", "down_proj"):
                 entries.append(ParamEntry(p + f"mlp.{name}.weight", inter * h, matrix))
         if last:
@@ -110,6 +163,8 @@ class StaticMemory:
     chunk_bytes: list[int] = field(default_factory=list, repr=False)
     """Full-chunk sizes in compute-dtype bytes (the units of the data-parallel collectives)."""
     chunk_numels: list[int] = field(default_factory=list, repr=False)
+    expert_chunks: int = 0
+    """The last ``expert_chunks`` of the chunks hold expert weights (``expert`` plugin: synced over ``dp`` only)."""
 
     @property
     def total(self) -> int:
@@ -204,7 +259,7 @@ def static_memory(
     packing search is the planner's most expensive step."""
     key = (
         config,
-        *(getattr(layout, f) for f in ("plugin", "dp", "tp", "pp", "sp", "stage", "precision", "chunk_numel")),
+        *(getattr(layout, f) for f in ("plugin", "dp", "ep", "tp", "pp", "sp", "stage", "precision", "chunk_numel")),
         layout.offload_optimizer,
         layout.num_model_chunks,
         pp_rank,
@@ -247,10 +302,51 @@ def _static_memory(
         return StaticMemory(numel * 4, numel * 4, 0, 2 * numel * 4 + 4 * len(entries), 0)
     stage = layout.stage
     sharded = stage != 0
-    shards = layout.data_ranks if sharded else 1
-    rank = data_rank if sharded else 0
     gemini = layout.plugin == "gemini"
-    plans = _cached_plans(tuple(entries), shards, layout.chunk_numel, gemini)  # ZeRO stages 1-3 pack alike
+    # the parts colo packs apart: the expert plugin's dense parameters sharded over dp x ep and its experts over dp
+    # (rank data_rank // ep there, the mesh being (dp, ep)); every other plugin one part over all its data ranks
+    if layout.plugin == "expert":
+        dense = [e for e in entries if not e.expert]
+        experts = [e for e in entries if e.expert]
+        parts = [(dense, layout.data_ranks, data_rank), (experts, layout.dp, data_rank // layout.ep)]
+    else:
+        parts = [(entries, layout.data_ranks, data_rank)]
+    totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
+    padding = host = pooled = 0
+    chunk_numels: list[int] = []
+    expert_chunks = 0
+    for index, (part, ranks, part_rank) in enumerate(parts):
+        shards = ranks if sharded else 1
+        rank = part_rank if sharded else 0
+        plans = _cached_plans(tuple(part), shards, layout.chunk_numel, gemini)  # ZeRO stages 1-3 pack alike
+        part_totals, part_padding, part_host = _chunk_buffers(layout, plans, shards, rank)
+        for kind, nbytes in part_totals.items():
+            totals[kind] += nbytes
+        padding += part_padding
+        host += part_host
+        numels = [plan.capacity for plan in plans]
+        chunk_numels += numels
+        expert_chunks += len(numels) if index == 1 else 0
+        ec = layout.compute_bytes
+        er = ec if layout.precision != "fp32" else 4
+        pooled += _pooled_buffers(stage, [n * ec for n in numels], er / ec, max_reductions_in_flight, gemini)
+    return StaticMemory(
+        padding=padding,
+        host=host,
+        workspace=pooled,
+        num_chunks=len(chunk_numels),
+        chunk_bytes=[n * layout.compute_bytes for n in chunk_numels],
+        chunk_numels=chunk_numels,
+        expert_chunks=expert_chunks,
+        **totals,
+    )
+
+
+def _chunk_buffers(layout: Layout, plans: list[ChunkShape], shards: int, rank: int) -> tuple[dict, int, int]:
+    """Bytes by kind, padding bytes and host bytes of the buffers the chunk optimizer keeps for ``plans`` on the
+    rank holding shard ``rank`` of ``shards``."""
+    stage = layout.stage
+    gemini = layout.plugin == "gemini"
     ec = layout.compute_bytes
     mixed = layout.precision != "fp32"
     er = ec if mixed else 4  # gradients are reduced in the compute dtype (fp32 without mixed precision)
@@ -283,17 +379,7 @@ def _static_memory(
             host += elements * size if on_host else 0
         totals["optimizer_states"] += 4  # AdamW's fp32 `step`
         host += 4 if offload else 0
-    chunk_bytes = [plan.capacity * ec for plan in plans]
-    pooled = _pooled_buffers(stage, chunk_bytes, er / ec, max_reductions_in_flight, gemini)
-    return StaticMemory(
-        padding=padding,
-        host=host,
-        workspace=pooled,
-        num_chunks=len(plans),
-        chunk_bytes=chunk_bytes,
-        chunk_numels=[plan.capacity for plan in plans],
-        **totals,
-    )
+    return totals, padding, host
 
 
 def _zero_buffers(stage, numel, shard, full_pad, shard_pad, *, ec, er, mixed, offload) -> list[tuple]:
@@ -345,10 +431,14 @@ class ActivationMemory:
     """Microbatches whose activations are alive at the peak (pipeline warm-up; 1 without a pipeline)."""
     host_per_layer: int = 0
     """Offloaded checkpointing: bytes per layer kept in host memory."""
+    moe_layers: int = 0
+    """How many of the layers have a mixture-of-experts MLP."""
+    moe_extra: int = 0
+    """Bytes an MoE layer saves beyond a dense one (`moe_saved_bytes` minus the dense MLP's; may be negative)."""
 
     @property
     def per_microbatch(self) -> int:
-        return self.per_layer * self.num_layers + self.head
+        return self.per_layer * self.num_layers + self.moe_extra * self.moe_layers + self.head
 
     @property
     def peak(self) -> int:
@@ -404,7 +494,9 @@ def head_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, *, first:
     """Bytes saved outside the decoder layers: the token ids (embedding); the final norm's input, ``rstd`` and
     output; the loss: the fused output projection + cross-entropy computes ``lm_head``'s weight gradient in the
     forward and keeps it, the vocabulary-parallel loss (tp > 1) keeps the fp32 local logits, the targets and two
-    masks; sequence parallelism's per-position rotary tables (one copy shared by the layers)."""
+    masks; a pipeline's last stage computes the logits and `colo.kernels.cross_entropy` keeps them (compute dtype),
+    the int64 targets and the fp32 log-sum-exp per token (checked at tp = 1); sequence parallelism's per-position
+    rotary tables (one copy shared by the layers)."""
     ea = layout.compute_bytes
     h = config.hidden_size
     local = tokens // layout.sp
@@ -414,15 +506,28 @@ def head_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, *, first:
     if last:
         shard = tokens // layout.tp if layout.sp_mode == "megatron" else local
         total += 2 * shard * h * ea + shard * 4  # final norm's input and output, rstd
-        if layout.tp > 1 and layout.pp == 1:
+        if layout.pp > 1:
+            total += local * (config.vocab_size // layout.tp) * ea + local * (8 + 4)
+        elif layout.tp > 1:
             total += local * (config.vocab_size // layout.tp) * 4 + local * (8 + 2) + 8
         else:
             total += config.vocab_size * h * ea
     return total
 
 
-def activation_memory(config: LlamaConfig, layout: Layout, seq_len: int, *, pp_rank: int = 0) -> ActivationMemory:
-    """Activation bytes of one microbatch on one rank, and the pipeline's microbatches in flight."""
+def activation_memory(
+    config: LlamaConfig,
+    layout: Layout,
+    seq_len: int,
+    *,
+    pp_rank: int = 0,
+    routing: list[tuple[float, float, float]] | None = None,
+) -> ActivationMemory:
+    """Activation bytes of one microbatch on one rank, and the pipeline's microbatches in flight.
+
+    ``routing``: mixture of experts, per MoE layer of the microbatch, ``(assignments kept, rows sent to other ep
+    ranks, rows received from them)`` as a run routed them (`moe_saved_bytes`); ``None``: even routing.
+    """
     batch = layout.micro_batch_size
     tokens = batch * seq_len
     chunks = stage_layers(config, layout, pp_rank)
@@ -442,7 +547,76 @@ def activation_memory(config: LlamaConfig, layout: Layout, seq_len: int, *, pp_r
     else:
         per_layer = full
     head = head_saved_bytes(config, layout, tokens, first=first, last=last)
-    return ActivationMemory(per_layer, head, num_layers, _in_flight(layout, pp_rank), host)
+    num_moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+    extra = 0.0
+    if num_moe and mode in (None, "selective"):
+        if routing is None or mode == "selective":
+            extra = moe_saved_bytes(config, layout, tokens, batch, selective=mode == "selective")
+        else:  # the mean over the layers of each one's own bytes
+            extra = sum(moe_saved_bytes(config, layout, tokens, batch, routing=r) for r in routing) / len(routing)
+    elif num_moe and mode == "offload":
+        host += moe_saved_bytes(config, layout, tokens, batch)
+    return ActivationMemory(per_layer, head, num_layers, _in_flight(layout, pp_rank), host, num_moe, round(extra))
+
+
+def moe_saved_bytes(
+    config: LlamaConfig,
+    layout: Layout,
+    tokens: int,
+    batch: int,
+    *,
+    selective: bool = False,
+    routing: tuple[float, float, float] | None = None,
+) -> float:
+    """Bytes an MoE layer saves for backward beyond a dense layer (`colo.tensor.moe.MoEBlock`'s saved tensors, read
+    off ``saved_tensors_hooks``).
+
+    Saved: the router's fp32 input and, below fp32, its fp32 weight copy (a bf16 model saves no other copy of the
+    norm's output: the dense MLP's matmuls saved it); the fp32 scores, the top-k indices (int64), weights and their
+    sum; the permutation's token and assignment indices (int64, one per kept assignment ``N``) and the weights'
+    fp32 column; the experts' int32 offsets; for the ``R`` rows this rank's experts take: the rows, ``w1`` / ``w3``
+    outputs, SwiGLU's ``silu`` and product (``R (H + 4 I)``); the expert outputs and the weighted rows
+    ``index_add`` combines (``2 N H``); the loss terms: the z-loss's fp32 logits and log-sum-exp, the balance loss's
+    fraction per expert (per sequence for ``aux_loss_type="sequence"``). Expert parallelism adds the regroup order
+    of the received rows and its inverse (int64, ``R`` each). ``N`` is every assignment when dropless (at most the
+    capacity per expert otherwise, spread evenly) and ``R = N`` when ``routing`` is ``None``; a run's
+    ``routing = (N, rows sent to other ranks, rows received from them)`` gives ``R = N - sent + received``.
+
+    ``selective``: the router's matmul output (fp32 logits) is kept and the experts' grouped matmuls are recomputed
+    (`colo.apps.checkpointing.selective_policy` keeps ``mm`` / ``addmm`` outputs only) in place of the dense MLP's
+    three matmul outputs.
+    """
+    ea = layout.compute_bytes
+    h, inter = config.hidden_size, config.intermediate_size
+    experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    if selective:
+        return tokens * experts * 4 - tokens * (2 * inter + h) * ea
+    n = expected_routing_kept(config, tokens) if routing is None else routing[0]
+    rows = n if routing is None else n - routing[1] + routing[2]
+    total = tokens * h * 4 - tokens * h * ea  # the router's fp32 input in place of the norm output
+    if ea != 4:
+        total += experts * h * 4
+    total += tokens * experts * 4 + tokens * top_k * (8 + 4) + tokens * 4  # scores, indices, weights, their sum
+    total += 2 * n * 8 + n * 4 + (experts // layout.ep) * 4  # token / assignment indices, weights' column, offsets
+    total += rows * (h + 4 * inter) * ea + 2 * n * h * ea
+    groups = batch if config.aux_loss_type == "sequence" else 1
+    total += tokens * experts * 4 + tokens * 4 + groups * experts * 4  # z-loss logits and lse, balance fraction
+    if layout.ep > 1:
+        total += 2 * rows * 8
+    return total - 3 * tokens * inter * ea  # the dense MLP's gate, up and SwiGLU output
+
+
+def expected_routing_kept(config: LlamaConfig, tokens: int) -> float:
+    """Assignments one rank keeps for ``tokens`` tokens with even routing (all of them when dropless; at most the
+    capacity per expert otherwise)."""
+    from colo.tensor.moe import expert_capacity
+
+    experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    per_expert = tokens * top_k / experts
+    if config.capacity_factor is not None:
+        capacity = expert_capacity(tokens, top_k=top_k, num_experts=experts, capacity_factor=config.capacity_factor)
+        per_expert = min(per_expert, capacity)
+    return per_expert * experts
 
 
 def _selective_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: int, seq: int) -> int:

@@ -23,6 +23,30 @@ MODEL_PRESETS = {
 }
 """Planner model names -> `colo.apps.models.llama` presets (the ``llama-*`` names are the trainer's run presets)."""
 
+MOE_MODEL_PRESETS = {
+    "tiny-moe": "tiny-moe",
+    "tiny-mixtral": "tiny-mixtral",
+    "mixtral-8x7b": "mixtral-8x7b",
+    "mixtral-8x22b": "mixtral-8x22b",
+}
+"""Planner model names -> `colo.apps.models.moe_llama.MOE_PRESETS` (mixture of experts, planned under the ``expert``
+plugin; ``tiny-moe`` is also the trainer's MoE run preset, whose optimizer and data settings a written config keeps)."""
+
+
+def model_preset(name: str):
+    """The model config of planner preset ``name`` (`MODEL_PRESETS` or `MOE_MODEL_PRESETS`)."""
+    from ..models.llama import get_preset
+    from ..models.moe_llama import get_moe_preset
+
+    if name in MOE_MODEL_PRESETS:
+        return get_moe_preset(MOE_MODEL_PRESETS[name])
+    if name in MODEL_PRESETS:
+        return get_preset(MODEL_PRESETS[name])
+    raise ValueError(
+        f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)} or a mixture of experts: "
+        f"{sorted(MOE_MODEL_PRESETS)} (or --hf-config)"
+    )
+
 
 def table_rows(results: list[PlanResult], peak: float) -> list[dict]:
     """One dict per result: layout, per-device memory terms (GiB), step time terms (s), tokens/s/device, MFU."""
@@ -91,17 +115,20 @@ def run_config(result: PlanResult, workload: Workload, *, base_preset: str | Non
     trainer's loader (`colo.apps.train.loading.validate_config`); a `ConfigError` means the planner proposed
     something the trainer rejects.
     """
-    from ..models.llama import get_preset
+    from ..plan.memory import is_moe
     from ..train.presets import RUN_PRESETS
 
     layout = result.layout
     data = copy.deepcopy(RUN_PRESETS[base_preset]) if base_preset in RUN_PRESETS else {"name": "planned"}
-    data["name"] = f"{data.get('name', 'planned')}-planned"
-    model = MODEL_PRESETS.get(workload.model_name)
-    if model is not None and get_preset(model) == workload.config:
-        data["model"] = {"preset": model}
+    if base_preset in RUN_PRESETS:
+        data["name"] = f"{data['name']}-planned"
+    name = workload.model_name
+    presets = MOE_MODEL_PRESETS if is_moe(workload.config) else MODEL_PRESETS
+    if name in presets and model_preset(name) == workload.config:
+        data["model"] = {"preset": presets[name]}
     else:  # a shape of its own (a Hugging Face config): every field as an override of a preset
-        data["model"] = {"preset": "tiny", **dataclasses.asdict(workload.config)}
+        base = "tiny-moe" if is_moe(workload.config) else "tiny"
+        data["model"] = {"preset": base, **dataclasses.asdict(workload.config)}
     plugin = layout.plugin_fields()
     plugin.setdefault("max_grad_norm", 1.0)
     data["plugin"] = plugin

@@ -16,7 +16,7 @@ from ..booster.parallel_dims import LayoutError
 from ..models.llama import LlamaConfig
 from .cluster import Cluster
 from .layout import Layout
-from .memory import MemoryBreakdown, memory_breakdown
+from .memory import MemoryBreakdown, is_moe, memory_breakdown
 from .time import StepTime, step_time
 
 CHECKPOINTING = (None, "selective", "full")
@@ -82,13 +82,27 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) -> list[Layout]:
     """Plugins and degrees (microbatch fields left at 1): every split of the world into dp x tp x pp x sp that the
-    model's shape allows (tp within a node), each with the ZeRO stages colo runs with it."""
+    model's shape allows (tp within a node), each with the ZeRO stages colo runs with it. A mixture-of-experts model
+    runs under the ``expert`` plugin only (as the trainer runs it): every ``ep`` dividing its experts and the world,
+    ``dp = world / ep``, ZeRO 0-2."""
     from ..models.llama.parallelize import check_tp_size
 
     config = workload.config
     world = cluster.world_size
     layouts = []
     precision = workload.precision
+    if is_moe(config):
+        result = []
+        for ep in _divisors(world):
+            dp = world // ep
+            if config.num_local_experts % ep or workload.global_batch_size % world:
+                continue
+            for stage in (0, 1, 2):
+                try:
+                    result.append(Layout(plugin="expert", dp=dp, ep=ep, zero_stage=stage, precision=precision))
+                except (LayoutError, ValueError):
+                    continue
+        return result
     for tp in _divisors(min(world, cluster.devices_per_node)):
         try:
             check_tp_size(config, tp)
@@ -131,7 +145,7 @@ def candidate_layouts(workload: Workload, cluster: Cluster, *, micro_batch_sizes
 
 
 def _variants(structure: Layout, workload: Workload, micro_batch_sizes):
-    per_rank = workload.global_batch_size // structure.dp
+    per_rank = workload.global_batch_size // (structure.dp * structure.ep)  # the expert plugin's data ranks: dp x ep
     for mode, mbs in itertools.product(CHECKPOINTING, micro_batch_sizes):
         if per_rank % mbs:
             continue

@@ -26,7 +26,14 @@ from ..models.llama import LlamaConfig
 from .cluster import Cluster
 from .comm import MESH_ORDER, step_communication
 from .layout import Layout
-from .memory import layer_saved_bytes, stage_layers, static_memory
+from .memory import (
+    expected_routing_kept,
+    layer_saved_bytes,
+    moe_layers,
+    moe_saved_bytes,
+    stage_layers,
+    static_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -86,21 +93,35 @@ def _comm_seconds(volumes: dict, layout: Layout, cluster: Cluster, axes_filter) 
     return total
 
 
-def _chunk_compute(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: int, layers: int, last: bool):
-    """(forward, backward) seconds of one microbatch on a model chunk of ``layers`` layers."""
+def _chunk_compute(
+    config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: int, layer_ids: list[int], last: bool
+):
+    """(forward, backward) seconds of one microbatch on a model chunk of the layers ``layer_ids``.
+
+    An MoE layer's MLP costs its router (``E H`` weights per token) and ``k`` experts' SwiGLU per kept assignment
+    (the even routing of `colo.apps.plan.comm.expected_routing`: under expert parallelism a rank's experts take as
+    many rows as it routes)."""
     eff = cluster.efficiency
     peak = cluster.flops(layout.precision)
     h, hd = config.hidden_size, config.head_dim
     tp, sp = layout.tp, layout.sp
+    layers = len(layer_ids)
     tokens = layout.micro_batch_size * seq_len // sp
     layer_params = (config.num_attention_heads + config.num_key_value_heads) * hd * h * 2 // tp
     layer_params += 3 * h * config.intermediate_size // tp
     matmul = layers * layer_params + (config.vocab_size * h // tp if last else 0)
+    moe = moe_layers(config, layer_ids)
+    if moe:  # per token: the router and the kept assignments' experts in place of the dense MLP
+        kept = expected_routing_kept(config, tokens) / tokens
+        moe_params = config.num_local_experts * h + kept * 3 * h * config.intermediate_size
+        matmul += moe * (moe_params - 3 * h * config.intermediate_size)
     heads = config.num_attention_heads // tp
     attention = layers * 2 * layout.micro_batch_size * seq_len * seq_len * heads * hd / sp  # causal half, forward
     saved = layers * layer_saved_bytes(
         config, layout, layout.micro_batch_size * seq_len, layout.micro_batch_size, seq_len
     )
+    if moe:
+        saved += moe * moe_saved_bytes(config, layout, tokens, layout.micro_batch_size)
     elementwise = 2 * saved / (cluster.memory_bandwidth * eff.memory)
     f_matmul = 2 * matmul * tokens / (peak * eff.matmul)
     f_attention = attention / (peak * eff.attention)
@@ -123,8 +144,8 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
     microbatches = layout.num_microbatches
     volumes = step_communication(config, layout, seq_len, pp_rank=0, no_decay_vectors=True)  # the trainer's groups
     model_axes = {"tp", "sp", "pp"}
-    # the tp / sp collectives of the rank's microbatches: critical path
-    mp_comm = _comm_seconds(volumes, layout, cluster, lambda axes: set(axes) <= {"tp"} or axes == ("sp",))
+    # the tp / sp / ep collectives of the rank's microbatches: critical path
+    mp_comm = _comm_seconds(volumes, layout, cluster, lambda axes: set(axes) <= {"tp"} or axes in (("sp",), ("ep",)))
     latency_calls = 0
     chunks = stage_layers(config, layout, 0)
     num_layers = sum(len(layers) for layers, _, _ in chunks)
@@ -133,7 +154,11 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
     if layout.sp > 1:
         latency_calls += microbatches * num_layers * 8
     mp_comm += latency_calls * cluster.link(_span(layout, "tp"))[1]
-    per_chunk = [_chunk_compute(config, layout, cluster, seq_len, len(layers), last) for layers, _, last in chunks]
+    if layout.ep > 1:  # per MoE layer: counts, dispatch and combine forward, two backward (three more recomputed)
+        calls = 5 + (3 if layout.activation_checkpointing == "full" else 0)
+        moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+        mp_comm += microbatches * moe * calls * cluster.link(_span(layout, "ep"), layout.ep)[1]
+    per_chunk = [_chunk_compute(config, layout, cluster, seq_len, layers, last) for layers, _, last in chunks]
     forward = sum(f for f, _ in per_chunk)
     backward = sum(b for _, b in per_chunk)
     compute = microbatches * (forward + backward)
@@ -185,7 +210,10 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
         optimizer = 2 * state_bytes / (20e9) + static.host / cluster.host_bandwidth
     from ..models.llama.flops import flops_per_token
 
-    tokens = layout.dp * layout.micro_batch_size * microbatches * seq_len
+    tokens = layout.dp * layout.ep * layout.micro_batch_size * microbatches * seq_len
+    flops = flops_per_token(config, seq_len)
+    if moe_layers(config, range(config.num_hidden_layers)):  # the active parameters only, as the trainer counts
+        flops -= 6 * (config.num_parameters() - config.num_active_parameters())
     return StepTime(
         compute=compute,
         model_parallel_comm=mp_comm,
@@ -194,7 +222,7 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
         optimizer=optimizer,
         tokens_per_step=tokens,
         world_size=layout.world_size,
-        flops_per_token=flops_per_token(config, seq_len),
+        flops_per_token=flops,
     )
 
 
