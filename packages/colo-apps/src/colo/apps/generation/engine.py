@@ -1,10 +1,11 @@
 """`generate`: batched decoding with a static KV cache for the native Llama and the Hugging Face ``LlamaForCausalLM``.
 
-The prompts (``n`` rows each) are left-padded to the longest and prefilled in one forward into a cache allocated
-once for the call (`colo.apps.models.llama.KVCache`, or transformers' ``StaticCache``); then every step feeds one
-token per row. The left padding is masked out of attention (document ids ``-1`` for the native Llama, a 0 in
-Hugging Face's ``attention_mask``) and positions count from each row's first real token, so a prompt's continuation
-does not depend on what else is in the batch. A row stops at its eos (later steps write ``pad_token_id`` and a mask
+The prompts are left-padded to the longest and prefilled in one forward, each prompt once (not once per sample: its
+``n`` rows then get copies of its keys and values and of its last logits), into a cache allocated once for the call
+(`colo.apps.models.llama.KVCache`, or transformers' ``StaticCache``); then every step feeds one token per row. The
+left padding is masked out of attention (document ids ``-1`` for the native Llama, a 0 in Hugging Face's
+``attention_mask``) and positions count from each row's first real token, so a prompt's continuation does not depend
+on what else is in the batch. A row stops at its eos (later steps write ``pad_token_id`` and a mask
 of 0); the loop ends when every row has stopped or after ``max_new_tokens`` steps, and the response columns are cut
 to the steps run.
 """
@@ -30,16 +31,35 @@ class _NativeDecoder:
     """Prefill and one-token steps of a `colo.apps.models.llama.Llama` over a `KVCache`."""
 
     def __init__(self, model: nn.Module, rows: int, max_len: int):
+        self.model, self.rows, self.max_len = model, rows, max_len
+        self.cache = None
+        self.padded = True
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, repeats: int) -> torch.Tensor:
+        """The logits after the prompts ``ids`` ``(rows / repeats, prompt)``, each prompt's keys and values then
+        repeated ``repeats`` times along the batch (row ``i`` -> rows ``i * repeats ..``); ``(rows, vocab)``."""
         from ..models.llama import KVCache
 
-        self.model = model
-        self.cache = KVCache.for_model(model, batch_size=rows, max_len=max_len)
+        self.padded = bool((keys < 0).any())  # no padding anywhere: plain causal attention at every step
+        self.cache = KVCache.for_model(self.model, batch_size=self.rows, max_len=self.max_len)
+        if repeats == 1:
+            return self(ids, positions, keys)
+        length = ids.shape[1]
+        prompts = KVCache.for_model(self.model, batch_size=ids.shape[0], max_len=length)
+        logits = self._logits(ids, positions, keys, prompts)
+        for full, once in zip((*self.cache.keys, *self.cache.values), (*prompts.keys, *prompts.values), strict=True):
+            full.view(ids.shape[0], repeats, *full.shape[1:])[:, :, :length].copy_(once.unsqueeze(1))
+        self.cache.length = length
+        return logits.repeat_interleave(repeats, dim=0)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """fp32 ``(rows, vocab)`` logits after ``ids`` ``(rows, seq)`` at ``positions``; ``keys``: the document ids
         (or attention mask) of every cached and new token."""
-        document_ids = keys if bool((keys < 0).any()) else None  # no padding: plain causal attention
-        hidden = self.model.hidden_states(ids, positions, kv_cache=self.cache, document_ids=document_ids)
+        return self._logits(ids, positions, keys, self.cache)
+
+    def _logits(self, ids, positions, keys, cache) -> torch.Tensor:
+        document_ids = keys if self.padded else None
+        hidden = self.model.hidden_states(ids, positions, kv_cache=cache, document_ids=document_ids)
         _, logits = self.model.objective(hidden[:, -1:], self.model.lm_head)
         return logits[:, -1].float()
 
@@ -56,6 +76,23 @@ class _HFDecoder:
 
         self.model = model
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, repeats: int) -> torch.Tensor:
+        """As `_NativeDecoder.prefill`: the prompts once into a ``DynamicCache``, whose keys and values are then
+        written ``repeats`` times each into the static cache (its ``update``, which allocates it)."""
+        if repeats == 1:
+            return self(ids, positions, keys)
+        from transformers import DynamicCache
+
+        once = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids, attention_mask=keys, position_ids=positions, cache=once, use_cache=True, logits_to_keep=1
+        )
+        for index, layer in enumerate(once.layers):
+            self.cache.update(
+                layer.keys.repeat_interleave(repeats, dim=0), layer.values.repeat_interleave(repeats, dim=0), index
+            )
+        return out.logits[:, -1].float().repeat_interleave(repeats, dim=0)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         out = self.model(
@@ -202,7 +239,8 @@ def generate(
     decoder_cls = _HFDecoder if hf else _NativeDecoder
     with _eval_mode(model):
         decoder = decoder_cls(model, rows, max(prompt_length, total - 1))  # the last token is never fed back
-        logits = decoder(prompt_ids, positions[:, :prompt_length], keys[:, :prompt_length])
+        # each prompt is prefilled once, not n times: its n rows share the keys and values (copied) and the logits
+        logits = decoder.prefill(prompt_ids[::n], positions[::n, :prompt_length], keys[::n, :prompt_length], repeats=n)
         if stats is not None:
             stats["kv_cache_bytes"] = decoder.cache_bytes()
         run = 0

@@ -197,3 +197,182 @@ def sequence_logprobs(logits: torch.Tensor, rollout: Rollout, temperature: float
     temperature = rollout.temperature if temperature is None else temperature
     logprobs = token_logprobs(logits, rollout.response_ids, temperature)
     return logprobs * rollout.response_mask.to(logprobs.dtype)
+
+
+def shared_prompt_rows(input_ids: torch.Tensor, keys: torch.Tensor, prompt_length: int) -> torch.Tensor | None:
+    """Which rows of a rollout batch repeat the prompt of the row before them (the ``n`` samples of a prompt are
+    contiguous): ``(R,)`` long, each row's index among the distinct prompts, or ``None`` when no two neighbouring
+    rows share their prompt columns.
+
+    Args:
+        input_ids (torch.Tensor): ``(R, P + T)`` ids.
+        keys (torch.Tensor): ``(R, >= P)`` what else tells the prompts apart (the attention mask or positions).
+        prompt_length (int): ``P``.
+    """
+    if input_ids.shape[0] < 2:
+        return None
+    ids, other = input_ids[:, :prompt_length], keys[:, :prompt_length]
+    same = (ids[1:] == ids[:-1]).all(dim=1) & (other[1:] == other[:-1]).all(dim=1)
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=same.device), ~same])
+    inverse = starts.long().cumsum(0) - 1
+    if int(inverse[-1]) + 1 == input_ids.shape[0]:
+        return None
+    return inverse
+
+
+def hf_shared_prompt_logits(forward, inputs: dict, prompt_length: int, inverse: torch.Tensor, config) -> torch.Tensor:
+    """The ``(R, T, vocab)`` logits that predict the response tokens of a rollout batch (positions ``P - 1 ..
+    P + T - 2``) from a Hugging Face causal LM, computing each distinct prompt once.
+
+    The distinct prompts run first with a ``DynamicCache`` (their last logits predict the first response token);
+    the cache is then indexed out to every row (``inverse``) and the responses run over it. Causal attention makes
+    the prompt positions independent of what follows them, so this is the full forward over ``(R, P + T)`` with the
+    repeated prompt work left out; it is differentiable (the gradient of a shared prompt sums over its rows).
+
+    Args:
+        forward: the model's forward (``input_ids``, ``attention_mask``, ``position_ids``, ``cache``,
+            ``use_cache``, ``logits_to_keep``).
+        inputs (dict): ``input_ids``, ``attention_mask`` and ``position_ids``, each ``(R, P + T)``.
+        prompt_length (int): ``P``.
+        inverse (torch.Tensor): `shared_prompt_rows` of the batch.
+        config: the model's config (for the cache).
+    """
+    from transformers import DynamicCache
+
+    ids, mask, positions = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+    firsts = _first_rows(inverse)
+    prompt = slice(0, prompt_length)
+    cache = DynamicCache(config=config)
+    out = forward(
+        input_ids=ids[firsts, prompt], attention_mask=mask[firsts, prompt], position_ids=positions[firsts, prompt],
+        cache=cache, use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    _check_cached(cache, prompt_length)
+    first = out.logits[:, -1:][inverse]
+    length = ids.shape[1] - prompt_length
+    if length == 1:
+        return first
+    cache.batch_select_indices(inverse)
+    response = slice(prompt_length, prompt_length + length - 1)  # the last token predicts nothing
+    out = forward(
+        input_ids=ids[:, response], attention_mask=mask[:, : prompt_length + length - 1],
+        position_ids=positions[:, response], cache=cache, use_cache=True, logits_to_keep=0,
+    )  # fmt: skip
+    _check_cached(cache, prompt_length + length - 1)
+    return torch.cat([first, out.logits], dim=1)
+
+
+def _check_cached(cache, length: int) -> None:
+    """The model wrote every layer's keys and values (a block that drops its cache would make the responses attend
+    to nothing before them)."""
+    if not cache.layers or any(int(layer.get_seq_length()) != length for layer in cache.layers):
+        raise RuntimeError(
+            "shared-prompt forward: the model did not write its keys and values to the cache (a block drops it, e.g. "
+            "under gradient checkpointing); attach the rollout forward with share_prompts=False"
+        )
+
+
+def _first_rows(inverse: torch.Tensor) -> torch.Tensor:
+    """``(R,)`` bool: the first row of each run of rows sharing a prompt."""
+    firsts = torch.ones_like(inverse, dtype=torch.bool)
+    firsts[1:] = inverse[1:] != inverse[:-1]
+    return firsts
+
+
+class _PromptCache:
+    """What `Llama.hidden_states` takes as a ``kv_cache``, kept differentiable: every layer's keys and values of the
+    distinct prompts (their forward), indexed out to the rows (`select`), then each layer's response keys and values
+    appended (the second forward). Not a decoding cache: nothing is preallocated or written in place."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def check_input(self, batch: int, seq: int, *, num_layers: int, device: torch.device) -> None:
+        if num_layers != len(self.keys):
+            raise ValueError(f"shared-prompt forward: {num_layers} layers, but the cache was made for {len(self.keys)}")
+
+    def layer(self, index: int) -> _PromptCacheLayer:
+        return _PromptCacheLayer(self, index)
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+
+class _PromptCacheLayer:
+    def __init__(self, cache: _PromptCache, index: int) -> None:
+        self.cache, self.index = cache, index
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, index = self.cache, self.index
+        if cache.keys[index] is not None:
+            k, v = torch.cat([cache.keys[index], k], dim=1), torch.cat([cache.values[index], v], dim=1)
+        cache.keys[index], cache.values[index] = k, v
+        return k, v
+
+
+def can_share_prompts(model: nn.Module) -> bool:
+    """Whether the shared-prompt forwards (`hf_shared_prompt_logits`, `native_shared_prompt_hidden`) may run on
+    ``model``: nothing is laid over its blocks (no forward hooks, no activation checkpointing, which drops or refuses
+    the cache in training) and, for colo's `Llama`, no tensor or sequence parallel projection or attention core."""
+    from ..models.llama import AttentionCore, Llama
+
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return False
+        if getattr(module, "_colo_activation_checkpointing", None) or getattr(module, "gradient_checkpointing", False):
+            return False
+    if isinstance(model, Llama):
+        for layer in model.layers.values():
+            attention = layer.self_attn
+            if type(attention.qkv_proj) is not nn.Linear or type(attention.core) is not AttentionCore:
+                return False
+    return True
+
+
+def native_shared_prompt_hidden(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    document_ids: torch.Tensor,
+    prompt_length: int,
+    inverse: torch.Tensor,
+) -> torch.Tensor:
+    """colo's Llama (`can_share_prompts`): the ``(R, T, hidden)`` final hidden states that predict the response tokens
+    (positions ``P - 1 .. P + T - 2``) of a rollout batch, each distinct prompt computed once (as
+    `hf_shared_prompt_logits`: the prompts, then the responses over their keys and values indexed out to the rows;
+    differentiable).
+
+    Args:
+        model (nn.Module): the `Llama`.
+        input_ids, position_ids, document_ids (torch.Tensor): ``(R, P + T)``, as `rollout_model_inputs` gives.
+        prompt_length (int): ``P``.
+        inverse (torch.Tensor): `shared_prompt_rows` of the batch.
+    """
+    firsts = _first_rows(inverse)
+    prompt = slice(0, prompt_length)
+    cache = _PromptCache(len(model.layers))
+    hidden = model.hidden_states(
+        input_ids[firsts, prompt],
+        position_ids[firsts, prompt],
+        kv_cache=cache,
+        document_ids=document_ids[firsts, prompt],
+    )
+    first = hidden[:, -1:][inverse]
+    length = input_ids.shape[1] - prompt_length
+    if length == 1:
+        return first
+    cache.select(inverse)
+    response = slice(prompt_length, prompt_length + length - 1)  # the last token predicts nothing
+    hidden = model.hidden_states(
+        input_ids[:, response],
+        position_ids[:, response],
+        kv_cache=cache,
+        document_ids=document_ids[:, : prompt_length + length - 1],
+    )
+    return torch.cat([first, hidden], dim=1)

@@ -11,17 +11,31 @@ sees exactly what generation saw. Called without ``response_mask`` the model beh
 (``(R, T)``) into this microbatch's share of the update batch's loss (`colo.apps.rlhf.policy_loss`): with the global
 counts set by `GRPOCriterion.prepare` the Booster's mean over microbatches and data-parallel ranks gives exactly the
 aggregated loss, whatever the layout.
+
+On-policy updates (the first and only optimizer update on a rollout batch) need no separate forward for the old
+log-probs: the weights that generated the rollout are the weights the update's forward runs with, so the old
+log-probs *are* that forward's log-probs, detached (as TRL and verl do when they make one update per rollout). A
+batch without ``old_logps`` is taken as on-policy: the criterion uses ``logps.detach()`` and keeps them
+(`GRPOCriterion.take_forward_logps`) for the rollout-vs-trainer mismatch metric. With several updates per rollout
+the old log-probs must be recomputed before the first update and passed in ``old_logps``.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from ..generation.rollout import token_logprobs
+from ..generation.rollout import (
+    can_share_prompts,
+    hf_shared_prompt_logits,
+    native_shared_prompt_hidden,
+    shared_prompt_rows,
+    token_logprobs,
+)
 from ..models.llama import Llama
 from .policy_loss import (
     KL_ESTIMATORS,
@@ -35,7 +49,7 @@ from .policy_loss import (
 _MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
 
 
-def attach_rollout_forward(model: nn.Module, *, temperature: float) -> nn.Module:
+def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompts: bool = True) -> nn.Module:
     """Make ``model(input_ids=..., response_mask=..., ...)`` return per-token log-probs and entropies of the
     response (module docstring); every other call is the model's own forward.
 
@@ -46,6 +60,12 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float) -> nn.Module
         model (nn.Module): colo's `Llama` (its objective's log-probs and entropies: under tensor parallelism from
             this rank's vocabulary columns, never gathered) or a ``transformers`` causal LM.
         temperature (float): the sampling temperature the log-probs are taken at (0, greedy, is taken as 1).
+        share_prompts (bool): run each distinct prompt of the batch once and the responses of its rows over its
+            keys and values (`colo.apps.generation.rollout.hf_shared_prompt_logits`, `native_shared_prompt_hidden`)
+            when neighbouring rows share their prompt (a GRPO group): the same log-probs as the full forward up to
+            rounding, with the prompt's repeated work left out. colo's `Llama` takes it only when nothing is laid
+            over its layers; nor does any model with hooks or activation checkpointing (`can_share_prompts`); they,
+            and rows that share nothing, take the full forward. Default: ``True``.
 
     Returns:
         nn.Module: ``model``, changed in place.
@@ -68,14 +88,30 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float) -> nn.Module
             )
         if native:  # the objective's form: under tensor parallelism from the vocabulary-parallel logit columns
             inputs.pop("attention_mask", None)
-            hidden = self.hidden_states(input_ids, inputs.get("position_ids"), document_ids=inputs.get("document_ids"))
+            shared = None
+            if share_prompts and "document_ids" in inputs and "position_ids" in inputs and can_share_prompts(self):
+                shared = shared_prompt_rows(input_ids, inputs["document_ids"], prompt)
+            if shared is not None:  # each distinct prompt's forward once (a GRPO group's rows share it)
+                positions, documents = inputs["position_ids"], inputs["document_ids"]
+                hidden = native_shared_prompt_hidden(self, input_ids, positions, documents, prompt, shared)
+            else:
+                hidden = self.hidden_states(
+                    input_ids, inputs.get("position_ids"), document_ids=inputs.get("document_ids")
+                )[:, prompt - 1 : -1]
             logps, entropy = self.objective.token_logprobs_and_entropy(
-                hidden[:, prompt - 1 : -1], self.lm_head, input_ids[:, prompt:], temperature=temperature
+                hidden, self.lm_head, input_ids[:, prompt:], temperature=temperature
             )
             return {"logps": logps, "entropy": entropy}
         inputs.pop("document_ids", None)
-        output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
-        logits = output.logits[:, :-1]
+        shared = None
+        if share_prompts and "attention_mask" in inputs and "position_ids" in inputs and can_share_prompts(self):
+            shared = shared_prompt_rows(input_ids, inputs["attention_mask"], prompt)
+        if shared is not None:  # each distinct prompt's forward once (a GRPO group's rows share it)
+            forward = functools.partial(class_forward, self)
+            logits = hf_shared_prompt_logits(forward, {"input_ids": input_ids, **inputs}, prompt, shared, self.config)
+        else:
+            output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
+            logits = output.logits[:, :-1]
         logps = token_logprobs(logits, input_ids[:, prompt:], temperature)
         return {"logps": logps, "entropy": token_entropy(logits, temperature)}
 
@@ -117,8 +153,9 @@ class GRPOCriterion(_TokenMetrics):
     """The clipped policy loss with a KL penalty, aggregated over the update batch (`colo.apps.rlhf.policy_loss`).
 
     Called as ``criterion(output, microbatch)`` on the output of the rollout forward (`attach_rollout_forward`);
-    the microbatch holds ``response_mask`` (``(R, T)``), ``advantages`` (``(R,)``), ``old_logps`` (``(R, T)``) and,
-    with a reference, ``ref_logps``. Call `prepare` with the update batch's global counts before each
+    the microbatch holds ``response_mask`` (``(R, T)``), ``advantages`` (``(R,)``), ``old_logps`` (``(R, T)``; left
+    out for an on-policy update: the forward's own log-probs, detached, see the module docstring) and, with a
+    reference, ``ref_logps``. Call `prepare` with the update batch's global counts before each
     ``booster.train_step``. Metrics (means over response tokens): ``kl``, ``clip_fraction``, ``entropy``,
     ``ratio``.
 
@@ -157,6 +194,7 @@ class GRPOCriterion(_TokenMetrics):
         self.kl_ratio_correction = kl_ratio_correction
         self.counts: AggregationCounts | None = None
         self.scale = 1.0
+        self._forward_logps: list[torch.Tensor] = []
         self.sft = False
         """While set, the loss is the model's own next-token loss of the batch's ``labels`` (the SFT warm-up a GRPO
         recipe starts with)."""
@@ -167,6 +205,14 @@ class GRPOCriterion(_TokenMetrics):
         aggregated loss is the *sum* of the microbatch shares."""
         self.counts = counts
         self.scale = float(num_microbatches * num_data_ranks)
+        self._forward_logps = []
+
+    def take_forward_logps(self) -> torch.Tensor | None:
+        """The ``(R, T)`` log-probs (detached, fp32, 0 where masked) the on-policy update's forwards computed for
+        this rank's rows since `prepare` (microbatches in order), or ``None`` when the batch carried ``old_logps``;
+        forgotten after the call."""
+        pieces, self._forward_logps = self._forward_logps, []
+        return torch.cat(pieces) if pieces else None
 
     def __call__(self, output: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.sft:
@@ -174,9 +220,13 @@ class GRPOCriterion(_TokenMetrics):
         if self.counts is None:
             raise RuntimeError("GRPOCriterion: call prepare(global_counts(...), ...) before the update")
         logps, mask = output["logps"], batch["response_mask"]
+        old_logps = batch.get("old_logps")
+        if old_logps is None:  # on-policy: the rollout's weights are this forward's (module docstring)
+            old_logps = logps.detach()
+            self._forward_logps.append(old_logps * mask.to(old_logps.dtype))
         terms = clipped_policy_loss(
             logps,
-            batch["old_logps"],
+            old_logps,
             batch["advantages"],
             eps_low=self.eps_low,
             eps_high=self.eps_high,

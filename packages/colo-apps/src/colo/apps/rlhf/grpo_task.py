@@ -9,7 +9,10 @@ Each step on each data-parallel rank (`GRPOTask.train_step`):
    (`colo.apps.rlhf.advantages`; a group never spans ranks, so this needs no communication);
 3. **log-probs**: the old log-probs recomputed by the training forward over the rollout (as verl does: the loss's
    ratio then compares like with like; their distance to the rollout's own log-probs is logged as
-   ``grpo/logprob_mismatch``), and the frozen reference's;
+   ``grpo/logprob_mismatch``), and the frozen reference's. With one update per step (``grpo.epochs`` x
+   ``grpo.minibatches`` = 1) the update's own forward is that training forward: its log-probs, detached, are the
+   old ones (`GRPOCriterion`'s on-policy path), which saves a forward over the rollout; with several updates they
+   are recomputed by a separate forward before the first;
 4. **update**: ``grpo.epochs`` passes of ``grpo.minibatches`` `Booster.train_step` calls, the loss aggregated with
    the global token / sequence counts of each minibatch (`colo.apps.rlhf.policy_loss.global_counts`).
 
@@ -285,10 +288,11 @@ class GRPOTask:
             "response_mask": mask,
             "advantages": advantages.to(device),
         }
-        batch["old_logps"] = self._logps(booster.forward, batch)
+        on_policy = self.updates_per_step == 1  # the update's own forward gives the old log-probs (grpo.py)
+        if not on_policy:
+            batch["old_logps"] = self._logps(booster.forward, batch)
         batch["ref_logps"] = self._logps(self.reference, batch)
         scored = time.perf_counter()
-        mismatch = (batch["old_logps"] - rollout.logprobs).abs() * mask
         minibatches = self.settings.minibatches
         microbatches = booster.plugin.num_microbatches
         if rollout.num_rows % (minibatches * microbatches):
@@ -304,6 +308,13 @@ class GRPOTask:
                 outcome = booster.train_step(part)
                 losses.append(outcome.loss)
         updated = time.perf_counter()
+        old_logps = self.criterion.take_forward_logps() if on_policy else batch["old_logps"]
+        if old_logps is None or old_logps.shape != mask.shape:
+            raise RuntimeError(
+                f"GRPO: the update's forwards gave log-probs of shape "
+                f"{None if old_logps is None else tuple(old_logps.shape)} for a rollout of {tuple(mask.shape)}"
+            )
+        mismatch = (old_logps - rollout.logprobs).abs() * mask
         response_tokens = float(mask.sum())
         self._add(
             steps=1.0,
