@@ -310,8 +310,13 @@ def _load_llama_in_one_process(path):
 
 @pytest.mark.parametrize(
     "kind, settings, world_size",
-    [("hybrid", {"tp": 2, "zero_stage": 1}, 4), ("zero", {"stage": 3}, 2), ("ddp", {}, 2)],
-    ids=["tp2xdp2-zero1", "zero3-dp2", "ddp-dp2"],
+    [
+        ("hybrid", {"tp": 2, "zero_stage": 1}, 4),
+        ("hybrid", {"tp": 4, "tp_mode": "2d", "zero_stage": 1}, 4),
+        ("zero", {"stage": 3}, 2),
+        ("ddp", {}, 2),
+    ],
+    ids=["tp2xdp2-zero1", "tp4-2d-zero1", "zero3-dp2", "ddp-dp2"],
 )
 def test_a_llama_checkpoint_saved_in_parallel_loads_in_one_process(kind, settings, world_size, tmp_path):
     path = str(tmp_path / "ckpt")
