@@ -144,6 +144,37 @@ class VocabParallelEmbedding(nn.Module):
         )
 
 
+def shifted_vocab_parallel_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, *, group: Group, vocab_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The common first half of a loss over vocabulary-parallel logits: this rank's columns as fp32 rows minus each
+    row's largest logit over every rank (one all-reduce of one number per row), and each row's token there.
+
+    Rank ``r`` holds columns ``[r * V, (r + 1) * V)`` (``V = logits.shape[-1]``); columns from ``vocab_size`` on are
+    padding (``-inf`` before the shift).
+
+    Returns:
+        ``(shifted, local_tokens, owned, token_logit, padding)``: ``shifted`` ``(N, V)``; per row the token's column
+        here (0 where another rank owns it), whether this rank owns it, its shifted logit (0 where not owned); the
+        ``(V,)`` padding mask or ``None``.
+    """
+    local_vocab = logits.shape[-1]
+    start = group.rank * local_vocab
+    rows = logits.reshape(-1, local_vocab).float()
+    tokens = tokens.reshape(-1)
+    padding = None
+    if vocab_size is not None and start + local_vocab > vocab_size:
+        padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
+        rows = rows.masked_fill(padding, float("-inf"))
+    row_max = rows.max(dim=-1).values
+    all_reduce(row_max, "max", group=group)
+    shifted = rows - row_max.unsqueeze(-1)
+    owned = (tokens >= start) & (tokens < start + local_vocab)
+    local_tokens = (tokens - start).masked_fill(~owned, 0)
+    token_logit = shifted.gather(1, local_tokens.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+    return shifted, local_tokens, owned, token_logit, padding
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of vocabulary-parallel logits.
 
@@ -154,19 +185,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group: Group, ignore_index: int, vocab_size: int | None):
-        local_vocab = logits.shape[-1]
-        start = group.rank * local_vocab
-        rows = logits.reshape(-1, local_vocab).float()
+        shifted, local_target, owned, target_logit, _ = shifted_vocab_parallel_rows(
+            logits, target, group=group, vocab_size=vocab_size
+        )
         target = target.reshape(-1)
-        if vocab_size is not None and start + local_vocab > vocab_size:
-            padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
-            rows = rows.masked_fill(padding, float("-inf"))
-        row_max = rows.max(dim=-1).values
-        all_reduce(row_max, "max", group=group)
-        shifted = rows - row_max.unsqueeze(-1)
-        owned = (target >= start) & (target < start + local_vocab)
-        local_target = (target - start).masked_fill(~owned, 0)
-        target_logit = shifted.gather(1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
         exp = shifted.exp()
         stats = torch.stack([target_logit, exp.sum(dim=-1)])
         all_reduce(stats, "sum", group=group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from colo.comm import Group, all_reduce
+from colo.tensor.vocab_parallel import shifted_vocab_parallel_rows
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -55,20 +56,9 @@ class VocabParallelTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tokens, group: Group, vocab_size: int | None, entropy_grad: bool):
-        local_vocab = logits.shape[-1]
-        start = group.rank * local_vocab
-        rows = logits.reshape(-1, local_vocab).float()
-        tokens = tokens.reshape(-1)
-        padding = None
-        if vocab_size is not None and start + local_vocab > vocab_size:
-            padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
-            rows = rows.masked_fill(padding, float("-inf"))
-        row_max = rows.max(dim=-1).values
-        all_reduce(row_max, "max", group=group)
-        shifted = rows - row_max.unsqueeze(-1)
-        owned = (tokens >= start) & (tokens < start + local_vocab)
-        local_tokens = (tokens - start).masked_fill(~owned, 0)
-        token_logit = shifted.gather(1, local_tokens.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        shifted, local_tokens, owned, token_logit, padding = shifted_vocab_parallel_rows(
+            logits, tokens, group=group, vocab_size=vocab_size
+        )
         exp = shifted.exp()
         if padding is not None:  # exp is 0 there; keep 0 * (-inf) out of the weighted sum
             shifted = shifted.masked_fill(padding, 0.0)
