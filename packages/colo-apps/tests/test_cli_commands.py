@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from colo.apps.cli import app
+from colo.apps.cli.app import main
+from colo.apps.train.presets import PRESET_DESCRIPTIONS, RUN_PRESETS
 from colo.apps.cli.launch import torchrun_command
 
 runner = CliRunner()
@@ -150,3 +153,40 @@ def test_train_help_lists_the_fields():
     )
     assert done.returncode == 0
     assert "optimizer.weight_decay" in done.stdout and "checkpoint.keep_last" in done.stdout
+
+
+def _help_of(command: str, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_train_and_config_help_list_every_preset_from_the_registry(capsys, monkeypatch):
+    assert set(PRESET_DESCRIPTIONS) == set(RUN_PRESETS), "every run preset needs its one-line description"
+    for command in ("train", "config"):
+        text = _help_of(command, capsys, monkeypatch)
+        for name in RUN_PRESETS:
+            assert f"{name}: {PRESET_DESCRIPTIONS[name]}" in text, (command, name)
+    listed = runner.invoke(app, ["config", "--list"])
+    assert listed.exit_code == 0
+    rows = [line.split(None, 1) for line in listed.output.splitlines()]
+    assert rows == [[name, PRESET_DESCRIPTIONS[name]] for name in RUN_PRESETS]
+
+
+def test_device_auto_on_a_one_gpu_machine_takes_the_gpu_only_for_one_process(monkeypatch):
+    import torch
+
+    from colo.apps.booster.plans import materialize_device
+    from colo.apps.train.state import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert pick_device("auto") == torch.device("cuda", 0) == materialize_device()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # `make demo` there: both ranks on the CPU, with gloo
+    assert pick_device("auto") == torch.device("cpu") == materialize_device()
+    assert pick_device("cuda") == torch.device("cuda", 0)  # asked for explicitly: the ranks share the GPU

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colo.comm import init_distributed, pick_backend
+from colo.comm import gpus_per_local_rank, init_distributed, launch, pick_backend
 from colo.comm.testing import run_distributed
 
 
@@ -29,6 +29,31 @@ def test_auto_backend_is_gloo_without_cuda_and_can_be_forced(monkeypatch):
 def test_nccl_without_cuda_explains():
     with pytest.raises(ValueError, match="needs CUDA"):
         pick_backend("nccl")
+
+
+def _one_gpu_machine(monkeypatch, local_processes: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_processes))
+    monkeypatch.delenv("COLO_BACKEND", raising=False)
+
+
+def test_auto_backend_takes_nccl_only_when_each_local_process_has_a_gpu(monkeypatch):
+    _one_gpu_machine(monkeypatch, local_processes=1)
+    assert pick_backend("auto") == "nccl"
+    assert gpus_per_local_rank() and not gpus_per_local_rank(2)
+    _one_gpu_machine(monkeypatch, local_processes=2)  # `make demo` on a one-GPU machine: CPU ranks with gloo
+    assert pick_backend("auto") == "gloo"
+    assert not gpus_per_local_rank()
+
+
+def test_nccl_with_more_processes_than_gpus_is_refused_before_any_process_starts(monkeypatch):
+    _one_gpu_machine(monkeypatch, local_processes=2)
+    with pytest.raises(ValueError, match=r"2 processes on this node but 1 GPU\(s\).*--nproc-per-node 1"):
+        pick_backend("nccl")
+    with pytest.raises(ValueError, match=r"3 processes on this node but 1 GPU"):
+        launch(_init_again, 3, backend="nccl")  # refused in the launcher: no rank was started
 
 
 def _init_again():

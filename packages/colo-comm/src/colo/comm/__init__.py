@@ -14,9 +14,16 @@ Example::
 
 from .algorithms import choose_algorithm, force_algorithm, load_algorithm_table
 from .collectives import all_gather, all_reduce, all_to_all, barrier, broadcast, reduce_scatter
-from .distributed import DistributedInfo, destroy_distributed, find_free_port, init_distributed, pick_backend
+from .distributed import (
+    DistributedInfo,
+    destroy_distributed,
+    find_free_port,
+    gpus_per_local_rank,
+    init_distributed,
+    pick_backend,
+)
 from .errors import CommError, CommTimeoutError, RankFailure, RankTimeout
-from .group import Group, as_group, new_group, world_group
+from .group import Group, as_group, create_process_group, new_group, world_group
 from .handle import Handle, last_collective
 from .launch import launch
 from .mesh import Mesh
@@ -51,10 +58,12 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "choose_algorithm",
+    "create_process_group",
     "destroy_distributed",
     "find_free_port",
     "force_algorithm",
     "gather_object",
+    "gpus_per_local_rank",
     "init_distributed",
     "irecv",
     "isend",

@@ -36,17 +36,54 @@ class DistributedInfo:
     timeout: float
 
 
+def local_world_size() -> int:
+    """Processes on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside a launched job)."""
+    return _env_int("LOCAL_WORLD_SIZE", 1)
+
+
+def gpus_per_local_rank(num_local_ranks: int | None = None) -> bool:
+    """Whether CUDA is visible and every one of ``num_local_ranks`` processes on this node (default: this job's
+    `local_world_size`) can have a GPU of its own, which NCCL requires."""
+    if not torch.cuda.is_available():
+        return False
+    count = local_world_size() if num_local_ranks is None else num_local_ranks
+    return count <= torch.cuda.device_count()
+
+
 def pick_backend(backend: str = "auto") -> str:
-    """Resolve ``"auto"`` to NCCL when CUDA is available, else gloo; ``COLO_BACKEND`` overrides ``"auto"``."""
+    """Resolve ``"auto"`` to NCCL when each local process has a GPU of its own, else gloo (so 2 processes on a
+    one-GPU machine run on the CPU rather than fail); ``COLO_BACKEND`` overrides ``"auto"``.
+
+    Raises:
+        ValueError: an unknown backend, or ``"nccl"`` without CUDA or with more local processes than GPUs.
+    """
     if backend == "auto":
         backend = os.environ.get("COLO_BACKEND", "auto")
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        return "nccl" if gpus_per_local_rank() and dist.is_nccl_available() else "gloo"
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; use one of 'auto', 'gloo', 'nccl'")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and no CUDA device is visible; use backend='gloo' on CPU")
+    if backend == "nccl":
+        check_nccl_fits(local_world_size())
     return backend
+
+
+def check_nccl_fits(num_local_ranks: int) -> None:
+    """Refuse NCCL (before any process starts, where the caller knows the count) when CUDA is missing or
+    ``num_local_ranks`` processes would share a GPU.
+
+    Raises:
+        ValueError: naming the process count, the GPU count and the fix.
+    """
+    if not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and no CUDA device is visible; use backend='gloo' on CPU")
+    gpus = torch.cuda.device_count()
+    if num_local_ranks > gpus:
+        raise ValueError(
+            f"backend='nccl' with {num_local_ranks} processes on this node but {gpus} GPU(s): NCCL needs a GPU per "
+            f"process; use --nproc-per-node {gpus} (nprocs={gpus}) or fewer, or backend='gloo' (or 'auto', which "
+            "picks gloo on the CPU then)"
+        )
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -74,7 +111,8 @@ def init_distributed(backend: str = "auto", *, timeout: float | datetime.timedel
     runs unlaunched. Idempotent: a second call returns the current state (and refuses a different backend).
 
     Args:
-        backend: ``"auto"`` (NCCL with CUDA, gloo otherwise; ``COLO_BACKEND`` overrides), ``"gloo"`` or ``"nccl"``.
+        backend: ``"auto"`` (NCCL when each local process has a GPU of its own, gloo otherwise; ``COLO_BACKEND``
+            overrides), ``"gloo"`` or ``"nccl"``.
         timeout: seconds (or a timedelta) after which a collective fails instead of hanging; default
             ``COLO_COMM_TIMEOUT`` or 300 s. Every group created through colo inherits it.
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
+import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,8 +17,8 @@ import torch.distributed as dist
 # Groups created by colo, keyed so that every rank takes the same path through the cache: eager groups are
 # created by every rank of the world (and cached on every rank, members or not), locally synchronised groups
 # only by their members. Keeping the two apart means a rank never skips a `new_group` call its peers make.
-_EAGER_GROUPS: dict[tuple[tuple[int, ...], float], object] = {}
-_LOCAL_GROUPS: dict[tuple[tuple[int, ...], float], object] = {}
+_EAGER_GROUPS: dict[tuple[tuple[int, ...], float], tuple[object, tuple[int, ...]]] = {}
+_LOCAL_GROUPS: dict[tuple[tuple[int, ...], float], tuple[object, tuple[int, ...]]] = {}
 
 
 @dataclass(frozen=True)
@@ -151,15 +153,39 @@ def new_group(ranks, *, name: str, timeout: float | None = None, local_synchroni
         if local_synchronization and dist.get_rank() not in ranks:
             raise ValueError(f"rank {dist.get_rank()} is not in group {list(ranks)}; only members create it")
         with _member_agreed_name(ranks, timeout) if local_synchronization else contextlib.nullcontext():
-            cache[key] = dist.new_group(
-                list(ranks),
-                timeout=datetime.timedelta(seconds=timeout),
-                use_local_synchronization=local_synchronization,
+            cache[key] = create_process_group(
+                ranks, timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=local_synchronization
             )
-    process_group = cache[key]
+    process_group, group_ranks = cache[key]
     if process_group in (None, dist.GroupMember.NON_GROUP_MEMBER):
         process_group = None
-    return Group(name, process_group, ranks, timeout)
+    return Group(name, process_group, group_ranks, timeout)
+
+
+@functools.cache
+def new_group_keeps_rank_order() -> bool:
+    """Whether this torch's ``dist.new_group`` can keep the caller's rank order (its ``sort_ranks`` argument,
+    torch 2.12 and newer); older releases always order a group's ranks ascending."""
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def create_process_group(ranks, **options) -> tuple[object, tuple[int, ...]]:
+    """``dist.new_group(ranks, **options)`` on every torch colo supports, and the members in group-rank order.
+
+    The members keep the order of ``ranks`` where the torch can keep it (`new_group_keeps_rank_order`); on older
+    releases the group's ranks are ascending, and the returned order says so. Either way the returned order is the
+    one the process group numbers its ranks in, which is what `Group.ranks` must hold.
+
+    Returns:
+        ``(process group, the members in group-rank order)``.
+    """
+    ranks = tuple(int(r) for r in ranks)
+    ascending = tuple(sorted(ranks))
+    if ranks == ascending:
+        return dist.new_group(list(ranks), **options), ranks
+    if new_group_keeps_rank_order():
+        return dist.new_group(list(ranks), sort_ranks=False, **options), ranks
+    return dist.new_group(list(ascending), **options), ascending
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._workers import RankGang
+from .distributed import check_nccl_fits
 
 
 def launch(
@@ -29,7 +30,8 @@ def launch(
         fn: a module-level function (lambdas and closures cannot be found by the other processes).
         nprocs: number of ranks.
         *args, **kwargs: passed to ``fn`` on every rank (picklable).
-        backend: ``"auto"``, ``"gloo"`` or ``"nccl"``.
+        backend: ``"auto"`` (NCCL when there are at least ``nprocs`` GPUs, else gloo), ``"gloo"`` or ``"nccl"``
+            (refused before any process starts when ``nprocs`` exceeds the GPUs).
         timeout: seconds for the whole run; ``None`` waits as long as it takes.
         comm_timeout: seconds before a collective fails instead of hanging (when a rank died or hangs).
         threads: torch intra-op threads per rank; default ``cpu_count // nprocs`` (at least 1).
@@ -45,6 +47,8 @@ def launch(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a positive int")
+    if backend == "nccl":
+        check_nccl_fits(nprocs)
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nprocs)
     gang = RankGang(nprocs, backend=backend, pg_timeout=comm_timeout, threads=threads, env=env).start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Annotated
@@ -22,7 +23,7 @@ SetOption = Annotated[
     typer.Option("--set", "-s", help="Override a config field: --set optimizer.lr=1e-3 (repeatable; YAML values)."),
 ]
 PresetOption = Annotated[
-    str | None, typer.Option("--preset", "-p", help="A named run config: tiny-llama, llama-1b, llama-7b, llama-70b.")
+    str | None, typer.Option("--preset", "-p", help="A named run config (listed below; `colo config --list`).")
 ]
 ConfigArgument = Annotated[str | None, typer.Argument(help="A run config file (.yaml, .yml or .toml).")]
 
@@ -48,6 +49,15 @@ def _fields_help() -> str:
             lines.append(f"{prefix}{name} = {default!r}: {info.description}")
 
     walk(RunConfig, "")
+    return "\n\n".join(lines)
+
+
+def _presets_help() -> str:
+    """Every run preset with its one-line description, from the preset registry, for ``--help``."""
+    from ..train.presets import PRESET_DESCRIPTIONS, RUN_PRESETS
+
+    lines = ["Run presets (--preset NAME; `colo config --list` prints them as a table):"]
+    lines += [f"{name}: {PRESET_DESCRIPTIONS[name]}" for name in RUN_PRESETS]
     return "\n\n".join(lines)
 
 
@@ -125,6 +135,8 @@ def launch(
     """
     import torch
 
+    from colo.comm import gpus_per_local_rank
+
     from .launch import launch_environment, launch_outcome, run_forwarding_signals, torchrun_command
 
     try:
@@ -144,7 +156,14 @@ def launch(
     if dry_run:
         typer.echo(" ".join(command))
         return
-    env = launch_environment(nproc_per_node=nproc_per_node, cuda=torch.cuda.is_available())
+    cuda = gpus_per_local_rank(nproc_per_node)
+    if torch.cuda.is_available() and not cuda and "COLO_BACKEND" not in os.environ:
+        typer.echo(
+            f"colo launch: {nproc_per_node} processes but {torch.cuda.device_count()} GPU(s) on this node: the ranks "
+            f"run on the CPU with gloo (--nproc-per-node {torch.cuda.device_count()} trains on the GPUs)",
+            err=True,
+        )
+    env = launch_environment(nproc_per_node=nproc_per_node, cuda=cuda)
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_seconds)  # torchrun's SIGTERM -> SIGKILL grace
     started = time.time()
     code, signalled = run_forwarding_signals(command, env=env)
@@ -178,8 +197,16 @@ def config(
     preset: PresetOption = None,
     set_: SetOption = None,
     schema: Annotated[bool, typer.Option("--schema", help="Print the run config's JSON schema.")] = False,
+    list_presets: Annotated[
+        bool, typer.Option("--list", help="List the run presets with a line on each, and exit.")
+    ] = False,
 ) -> None:
     """Print the resolved run config (YAML) of a file / preset with overrides, or the JSON schema."""
+    if list_presets:
+        from ..train.presets import preset_table
+
+        typer.echo(preset_table())
+        return
     if schema:
         from ..train import RunConfig
 
@@ -189,6 +216,9 @@ def config(
 
     run = _load(config, preset, set_)
     typer.echo(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False).rstrip())
+
+
+config_command = app.registered_commands[-1]  # its epilog (the presets) is filled by `main` for --help
 
 
 @app.command()
@@ -341,6 +371,7 @@ app.command(name="plan")(_plan)
 def main(argv: list[str] | None = None) -> None:
     """The ``colo`` entry point."""
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["train"] and any(a in ("--help", "-h") for a in args):
-        train_command.epilog = _fields_help()
+    if args[:1] in (["train"], ["config"]) and any(a in ("--help", "-h") for a in args):
+        command = train_command if args[0] == "train" else config_command
+        command.epilog = _presets_help() + ("\n\n" + _fields_help() if args[0] == "train" else "")
     app(args=args, prog_name="colo")

@@ -307,3 +307,25 @@ RUN_PRESETS: dict[str, dict] = {
 """``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo), ``tiny-moe`` (mixture of experts, ep2, CPU)
 and ``llama-1b`` / ``llama-7b`` / ``llama-70b`` (GPU recipes: configs that validate; their world sizes are what the
 comments say, set by ``colo launch``)."""
+
+PRESET_DESCRIPTIONS: dict[str, str] = {
+    "tiny-llama": "CPU demo (make demo): a 3M-parameter Llama on the standard library's .py files, DDP, 300 steps",
+    "tiny-moe": "CPU: a Mixtral-style MoE Llama (8 experts, top-2) with experts over ep=2, ZeRO-2; Mixtral export",
+    "tiny-rm": "CPU: a reward model on generated preference pairs, from a policy SFT'd first",
+    "tiny-dpo": "CPU: DPO on the same preference pairs, after an SFT warm-up that becomes the reference",
+    "tiny-grpo": "CPU: GRPO on integer-addition prompts with an exact-answer reward, after an SFT warm-up",
+    "tiny-ppo": "CPU: PPO with a critic (GAE, adaptive KL) on tiny-grpo's addition prompts",
+    "tiny-diffusion": "CPU: text-to-image diffusion (tiny VAE + UNet + CLIP) on generated coloured shapes",
+    "sd15-diffusion": "8 GPUs: Stable Diffusion 1.5's UNet on local images and captions, ZeRO-2 bf16",
+    "llama-1b": "8 GPUs: TinyLlama-1.1B's shape, tp2 x dp4, ZeRO-1, bf16, 2M tokens per step",
+    "llama-7b": "32 GPUs: Llama-2-7B, tp8 x dp4 with sequence parallelism, ZeRO-1, bf16, 4M tokens per step",
+    "llama-70b": "256 GPUs: Llama-2-70B, tp8 x pp8 (interleaved 1F1B) x dp4, ZeRO-1, bf16, 4M tokens per step",
+}
+"""One line per run preset, for ``colo train --help``, ``colo config --help`` and ``colo config --list``."""
+
+
+def preset_table() -> str:
+    """Every run preset with its one-line description, one per line (the registry's order)."""
+    width = max(len(name) for name in RUN_PRESETS)
+    return "\n".join(f"{name:<{width}}  {PRESET_DESCRIPTIONS.get(name, '')}" for name in RUN_PRESETS)
+

@@ -10,6 +10,7 @@ import shutil
 
 import torch
 
+from colo.comm import gpus_per_local_rank
 from colo.tensor.checkpoint import CheckpointError, latest_checkpoint, read_index
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -98,8 +99,12 @@ def resolve_resume(resume: str, root: str) -> str | None:
 
 
 def pick_device(choice: str) -> torch.device:
-    """The run's compute device (the ``device`` field of the run config): CUDA per local rank, or the CPU."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    """The run's compute device (the ``device`` field of the run config): CUDA per local rank, or the CPU.
+
+    ``"auto"`` takes CUDA only when every process on this node has a GPU of its own (as the ``"auto"`` backend
+    takes NCCL only then): 2 processes on a one-GPU machine run on the CPU with gloo instead of failing.
+    """
+    if choice == "cpu" or (choice == "auto" and not gpus_per_local_rank()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available; use device='auto' or 'cpu'")

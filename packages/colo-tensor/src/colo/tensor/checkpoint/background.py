@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from colo.comm import Group
+from colo.comm import Group, create_process_group
 
 from .regions import FlatShard
 from .save import (
@@ -127,8 +127,8 @@ class AsyncCheckpointer:
         if self._saving_group is not None:
             ranks = self._saving_group.ranks
             seconds = float(timeout if timeout is not None else self._saving_group.timeout)
-            process_group = dist.new_group(
-                list(ranks), timeout=datetime.timedelta(seconds=seconds), backend="gloo", sort_ranks=False
+            process_group, ranks = create_process_group(
+                ranks, timeout=datetime.timedelta(seconds=seconds), backend="gloo"
             )
             member = process_group not in (None, dist.GroupMember.NON_GROUP_MEMBER)
             self._io_group = Group("checkpoint", process_group if member else None, ranks, seconds)
