@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from colo.apps.cli import app
 from colo.apps.cli.app import main
-from colo.apps.train.presets import PRESET_DESCRIPTIONS, RUN_PRESETS
 from colo.apps.cli.launch import torchrun_command
+from colo.apps.train.presets import PRESET_DESCRIPTIONS, RUN_PRESETS
 
 runner = CliRunner()
 
