@@ -328,4 +328,3 @@ def preset_table() -> str:
     """Every run preset with its one-line description, one per line (the registry's order)."""
     width = max(len(name) for name in RUN_PRESETS)
     return "\n".join(f"{name:<{width}}  {PRESET_DESCRIPTIONS.get(name, '')}" for name in RUN_PRESETS)
-
