@@ -73,12 +73,13 @@ def make_models(seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return model, copy.deepcopy(model)
 
 
-def batch(step: int, *, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step`` (identical on every rank)."""
+def batch(step: int, *, rows: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (identical on every rank), on ``device``: where the model under test computes
+    (``gemini.device``: a GPU when each rank has one), or the CPU for the single-process reference."""
     generator = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
     targets = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
-    return tokens, targets
+    return tokens.to(device), targets.to(device)
 
 
 def param_bytes(dtype: torch.dtype = torch.float32) -> int:
@@ -122,7 +123,7 @@ def train_steps(model, gemini, steps, *, num_shares, share):
     """Train on ``steps``; this process takes share ``share`` of ``num_shares`` of each global batch."""
     losses = []
     for step in steps:
-        tokens, targets = batch(step, rows=2 * ROWS_PER_RANK)  # the global batch of a 2-rank run
+        tokens, targets = batch(step, rows=2 * ROWS_PER_RANK, device=gemini.device)  # a 2-rank run's global batch
         rows = 2 * ROWS_PER_RANK // num_shares
         mine = slice(share * rows, (share + 1) * rows)
         loss = model(tokens[mine], targets[mine])

@@ -31,7 +31,7 @@ def _budget_run(placement):
         fields.update(param_fractions={"host": 1.0}, optim_fractions={"host": 1.0})
     gemini = GeminiOptimizer(model, torch.optim.AdamW(h.param_groups(model), lr=1e-2), mesh=mesh, **fields)
     for step in range(5):
-        tokens, targets = h.batch(step, rows=n * h.ROWS_PER_RANK)
+        tokens, targets = h.batch(step, rows=n * h.ROWS_PER_RANK, device=gemini.device)
         mine = slice(rank * h.ROWS_PER_RANK, (rank + 1) * h.ROWS_PER_RANK)
         gemini.backward(model(tokens[mine], targets[mine]))
         gemini.step()
@@ -86,7 +86,7 @@ def _auto_everything_fits():
         placement="auto", device_capacity="1MiB", chunk_numel=h.CHUNK_NUMEL,
     )  # fmt: skip
     for step in range(3):
-        tokens, targets = h.batch(step, rows=h.ROWS_PER_RANK)
+        tokens, targets = h.batch(step, rows=h.ROWS_PER_RANK, device=gemini.device)
         gemini.backward(model(tokens, targets))
         gemini.step()
         gemini.zero_grad()
@@ -143,7 +143,7 @@ def _warm_up_too_tight():
         model, torch.optim.AdamW(h.param_groups(model), lr=1e-2), mesh=mesh,
         placement="auto", device_capacity="64KiB", chunk_numel=h.CHUNK_NUMEL,
     )  # fmt: skip
-    tokens, targets = h.batch(0, rows=16)  # activations that crowd out the chunks
+    tokens, targets = h.batch(0, rows=16, device=gemini.device)  # activations that crowd out the chunks
     gemini.backward(model(tokens, targets))
     try:
         gemini.step()

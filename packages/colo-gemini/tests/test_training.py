@@ -54,7 +54,7 @@ def _train_against_reference(budget, *, mixed=False, num_steps=5, num_microsteps
         mine = slice(rank * h.ROWS_PER_RANK, (rank + 1) * h.ROWS_PER_RANK)
         local_loss = 0.0
         for micro_tokens, micro_targets in zip(tokens[mine].chunk(num_microsteps), targets[mine].chunk(num_microsteps)):
-            loss = model(micro_tokens, micro_targets) / num_microsteps
+            loss = model(micro_tokens.to(gemini.device), micro_targets.to(gemini.device)) / num_microsteps
             gemini.backward(loss)
             local_loss += loss.item()
         losses.append(local_loss)
@@ -95,7 +95,7 @@ def _train_against_reference(budget, *, mixed=False, num_steps=5, num_microsteps
     # the compute copies the model runs with after the last step equal the reference's parameters too
     tokens, targets = h.batch(99, rows=h.ROWS_PER_RANK)
     with torch.no_grad():
-        evaluated = model(tokens, targets)
+        evaluated = model(tokens.to(gemini.device), targets.to(gemini.device)).cpu()
         gemini.release_params()
         tolerance = {"rtol": 2e-2, "atol": 2e-2} if mixed else h.FP32
         torch.testing.assert_close(evaluated, reference(tokens, targets), **tolerance)
@@ -167,7 +167,7 @@ def _bf16_against_bf16_reference(budget):
     )
     for step in range(5):
         tokens, targets = h.batch(step, rows=h.ROWS_PER_RANK)
-        loss = model(tokens, targets)
+        loss = model(tokens.to(gemini.device), targets.to(gemini.device))
         gemini.backward(loss)
         gemini.step()
         gemini.zero_grad()
@@ -219,7 +219,7 @@ def _fp16_overflow_on_one_rank():
     gemini = GeminiOptimizer(model, torch.optim.AdamW(h.param_groups(model)), mesh=mesh, config=config)
     skipped, scales, unchanged = [], [], []
     for step in range(3):
-        tokens, targets = h.batch(step, rows=h.ROWS_PER_RANK)
+        tokens, targets = h.batch(step, rows=h.ROWS_PER_RANK, device=gemini.device)
         before = gemini.full_params()
         loss = model(tokens, targets)
         if step == 1 and rank == 0:

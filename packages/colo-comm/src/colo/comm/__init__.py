@@ -16,6 +16,7 @@ from .algorithms import choose_algorithm, force_algorithm, load_algorithm_table
 from .collectives import all_gather, all_reduce, all_to_all, barrier, broadcast, reduce_scatter
 from .distributed import (
     DistributedInfo,
+    default_device,
     destroy_distributed,
     find_free_port,
     gpus_per_local_rank,
@@ -59,6 +60,7 @@ __all__ = [
     "broadcast_object",
     "choose_algorithm",
     "create_process_group",
+    "default_device",
     "destroy_distributed",
     "find_free_port",
     "force_algorithm",

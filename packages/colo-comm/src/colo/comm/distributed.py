@@ -50,6 +50,17 @@ def gpus_per_local_rank(num_local_ranks: int | None = None) -> bool:
     return count <= torch.cuda.device_count()
 
 
+def default_device() -> torch.device:
+    """The device this process computes on unless told otherwise: with ``torch.distributed`` initialised, the
+    current CUDA device when the default group runs NCCL and the CPU otherwise (a gloo job on a GPU machine, such
+    as 2 processes on one GPU, computes on the CPU); before that, what the ``"auto"`` backend would pick."""
+    if dist.is_available() and dist.is_initialized():
+        cuda = str(dist.get_backend()) == "nccl"
+    else:
+        cuda = gpus_per_local_rank()
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
 def pick_backend(backend: str = "auto") -> str:
     """Resolve ``"auto"`` to NCCL when each local process has a GPU of its own, else gloo (so 2 processes on a
     one-GPU machine run on the CPU rather than fail); ``COLO_BACKEND`` overrides ``"auto"``.

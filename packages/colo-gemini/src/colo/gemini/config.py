@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from colo.comm import default_device
 from colo.zero.config import ChunkConfig
 
 from .placement import TIERS
@@ -125,7 +126,8 @@ class GeminiConfig(ChunkConfig, GeminiTiers):
     max_chunk_numel: int = 1 << 24
     """Largest capacity the search tries (smaller chunks move in finer steps)."""
     device: str | torch.device | None = None
-    """The compute device; ``None``: the current CUDA device when there is one, else ``cpu``."""
+    """The compute device; ``None``: `colo.comm.default_device` (the current CUDA device in an NCCL job, the CPU in a
+    gloo one; before ``torch.distributed`` starts, CUDA when every local process has a GPU of its own)."""
     pin_memory: bool | None = None
     """Pin host buffers; ``None``: when CUDA is available (pinning raises without it)."""
     disk_threads: int = 2
@@ -150,4 +152,4 @@ class GeminiConfig(ChunkConfig, GeminiTiers):
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             return device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return default_device()

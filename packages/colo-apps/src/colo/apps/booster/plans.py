@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from colo.comm import Mesh, gpus_per_local_rank
+from colo.comm import Mesh, default_device
 
 
 def materialize_device() -> torch.device:
-    """Where meta-device tensors are materialized: the current CUDA device when each local process has a GPU of
-    its own (where the ``"auto"`` backend and device choose CUDA), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if gpus_per_local_rank() else torch.device("cpu")
+    """Where meta-device tensors are materialized: this rank's compute device (`colo.comm.default_device`: the
+    current CUDA device in an NCCL job, the CPU in a gloo one)."""
+    return default_device()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import shutil
 
 import torch
 
-from colo.comm import gpus_per_local_rank
+from colo.comm import default_device
 from colo.tensor.checkpoint import CheckpointError, latest_checkpoint, read_index
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -101,10 +101,11 @@ def resolve_resume(resume: str, root: str) -> str | None:
 def pick_device(choice: str) -> torch.device:
     """The run's compute device (the ``device`` field of the run config): CUDA per local rank, or the CPU.
 
-    ``"auto"`` takes CUDA only when every process on this node has a GPU of its own (as the ``"auto"`` backend
-    takes NCCL only then): 2 processes on a one-GPU machine run on the CPU with gloo instead of failing.
+    ``"auto"``: `colo.comm.default_device`, CUDA in an NCCL job (which the ``"auto"`` backend picks only when every
+    process on this node has a GPU of its own), else the CPU: 2 processes on a one-GPU machine run on the CPU with
+    gloo instead of failing.
     """
-    if choice == "cpu" or (choice == "auto" and not gpus_per_local_rank()):
+    if choice == "cpu" or (choice == "auto" and default_device().type == "cpu"):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available; use device='auto' or 'cpu'")
