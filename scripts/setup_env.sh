@@ -40,6 +40,36 @@ pip_install() {
 pip_install -c "$CONSTRAINTS" "torch" "hatchling>=1.18" "editables"
 "$PY" -c "import torch" >/dev/null  # fail loudly if the torch install did not work
 
+# Without CUDA colo's Triton kernels run in Triton's interpreter. The interpreter of Triton 3.6 (torch 2.11's) takes
+# int() of one-element arrays, which numpy 2.4 refuses; where a loop over program ids fails that way, hold numpy
+# below 2.4 (compiled kernels on a GPU never use the interpreter).
+if ! "$PY" - >/dev/null 2>&1 <<'PYTHON'
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise SystemExit(0)
+if torch.cuda.is_available():
+    raise SystemExit(0)
+
+
+@triton.jit
+def _strided_loop(out_ptr, n):
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        tl.store(out_ptr + i, i)
+
+
+_strided_loop[(1,)](torch.zeros(2), 2)
+PYTHON
+then
+    echo "[setup] this Triton's interpreter needs numpy<2.4: constraining it"
+    echo "numpy<2.4" >> "$CONSTRAINTS"
+    pip_install -c "$CONSTRAINTS" "numpy<2.4"
+fi
+
 PACKAGES=(comm kernels tensor zero gemini pipeline apps)
 EDITABLES=()
 for name in "${PACKAGES[@]}"; do

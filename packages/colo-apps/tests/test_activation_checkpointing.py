@@ -91,6 +91,18 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 # --- measurement -----------------------------------------------------------------------------------------------------
 
 
+def _policy_outputs(ctx, op, args, kwargs, keep: list) -> tuple:
+    """What ``op`` returned, seen from a selective-checkpointing policy: torch 2.12+ calls the policy after the op
+    (``ctx.op_output``); older releases call it before (and again while recomputing, with ``ctx.is_recompute``), so
+    the op runs once more on the same inputs, its results kept alive in ``keep`` so their storages stay distinct."""
+    if hasattr(ctx, "op_output"):
+        output = ctx.op_output
+    else:
+        keep.append(op(*args, **kwargs))
+        output = keep[-1]
+    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
 class ActivationBytes:
     """Distinct storage bytes held for backward (model parameters and buffers excluded), by where they are kept."""
 
@@ -150,12 +162,12 @@ def measure(model_name: str, mode: str | None, every: int = 1, monkeypatch=None)
 
     if mode == "selective":
         policy = checkpointing.selective_policy
+        kept_outputs: list = []
 
         def counting_policy(ctx, op, *args, **kwargs):
             decision = policy(ctx, op, *args, **kwargs)
-            if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE:
-                outputs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
-                for output in outputs:
+            if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                for output in _policy_outputs(ctx, op, args, kwargs, kept_outputs):
                     bytes_.add(bytes_.kept, output)
             return decision
 

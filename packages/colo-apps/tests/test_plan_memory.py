@@ -190,6 +190,18 @@ def _memory_report(optimizer):
     return memory_report(both)
 
 
+def _policy_outputs(ctx, op, args, kwargs, keep: list) -> tuple:
+    """What ``op`` returned, seen from a selective-checkpointing policy: torch 2.12+ calls the policy after the op
+    (``ctx.op_output``); older releases call it before (and again while recomputing, with ``ctx.is_recompute``), so
+    the op runs once more on the same inputs, its results kept alive in ``keep`` so their storages stay distinct."""
+    if hasattr(ctx, "op_output"):
+        output = ctx.op_output
+    else:
+        keep.append(op(*args, **kwargs))
+        output = keep[-1]
+    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
 class _HeldActivations:
     """The bytes of distinct non-model-state storages autograd holds for backward, live, and their peak over a step.
 
@@ -249,12 +261,12 @@ class _HeldActivations:
 
             gatherer.pack_saved = pack_saved
         policy = checkpointing.selective_policy
+        kept_outputs: list = []
 
         def counted_policy(ctx, op, *args, **kwargs):
             decision = policy(ctx, op, *args, **kwargs)
             if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-                outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
-                for out in outputs:
+                for out in _policy_outputs(ctx, op, args, kwargs, kept_outputs):
                     if isinstance(out, torch.Tensor):
                         self.track(out, sticky=True)
             return decision

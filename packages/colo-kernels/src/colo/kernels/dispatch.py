@@ -71,7 +71,7 @@ def resolve_backend(op: str, *tensors: torch.Tensor, backend: str | None = None)
     Forcing ``triton`` where it cannot run raises `UnsupportedKernelInput` naming the op and the reason.
     """
     requested = _requested(backend)
-    on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+    on_cuda = len(tensors) > 0 and all(t.is_cuda for t in tensors)  # not bool(tuple): torch 2.11's dynamo breaks on it
     if requested == "torch":
         return "torch"
     if requested == "auto":
@@ -93,7 +93,7 @@ def op_backend(backend: str, *tensors: torch.Tensor) -> str:
     ``"torch"`` as given; ``"auto"`` picks Triton when every tensor is on CUDA and triton imports (the device alone,
     not `use_backend` or ``COLO_KERNELS``, so an op and its backward, run later, pick the same)."""
     if backend == "auto":
-        on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+        on_cuda = len(tensors) > 0 and all(t.is_cuda for t in tensors)  # see resolve_backend
         return "triton" if on_cuda and triton_available() else "torch"
     if backend not in ("triton", "torch"):
         raise ValueError(f"kernel backend {backend!r} is unknown; use one of {BACKENDS}")
