@@ -370,3 +370,42 @@ def test_moe_rank_parameters_follow_the_model_registration_order(ep):
     entries = rank_parameters(config, Layout(plugin="expert", dp=1, ep=ep, zero_stage=2), no_decay_vectors=True)
     assert [(e.name, e.numel, e.group == 1) for e in entries] == expected
     assert [e.name for e in entries if e.expert] == [n for n, *_ in expected if ".experts." in n]
+
+
+def test_modelled_mfu_stays_below_100_percent_for_every_preset_and_returned_layout():
+    """MFU above 100% is impossible: the step time must cost every FLOP the MFU counts (the pipeline stage holding
+    lm_head included). Every small preset on every cluster, 1b on every cluster and 70b on one (7b / 70b searches
+    take seconds each)."""
+    from colo.apps.models.llama import PRESETS, get_preset
+    from colo.apps.plan import NothingFits, Workload, get_cluster, search
+    from colo.apps.plan.cluster import CLUSTERS
+
+    cases = [(model, cluster) for model in PRESETS if model not in ("7b", "70b") for cluster in CLUSTERS]
+    cases.append(("70b", "a100"))
+    checked = 0
+    for model, cluster_name in cases:
+        small = model in ("tiny", "tiny-llama", "bench-25m")
+        seq, batch = (128, 16) if small else (2048, 256)
+        cluster = get_cluster(cluster_name, nodes=1 if small else 4)
+        config = get_preset(model, max_position_embeddings=max(seq, 2048))
+        for precision in ("bf16", "fp32") if cluster_name == "cpu" else ("bf16",):
+            try:
+                results = search(Workload(config, seq, batch, precision=precision), cluster, top=20)
+            except NothingFits:
+                continue
+            for result in results:
+                mfu = result.time.mfu(cluster.flops(precision))
+                assert 0 < mfu < 1, (model, cluster_name, precision, result.layout.describe(), mfu)
+                checked += 1
+    assert checked > 100
+
+
+def test_colo_plan_json_prints_only_json_on_stdout(tmp_path):
+    from colo.apps.cli.app import app
+
+    args = ["plan", "--preset", "tiny-llama", "--cluster", "cpu", "--global-batch", "16", "--seq", "128"]
+    result = CliRunner().invoke(app, [*args, "--precision", "fp32", "--json", "-o", str(tmp_path / "p.yaml")])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert rows and all(0 < row["mfu"] < 1 for row in rows)
+    assert "best layout" in result.stderr

@@ -129,4 +129,7 @@ def plan(
         )
         print_table(results, peak, title=title)
     Path(output).write_text(yaml.safe_dump(best, sort_keys=False))
-    typer.echo(f"best layout: {results[0].layout.describe()}; run config written to {output} (colo train {output})")
+    typer.echo(  # with --json, stdout holds the JSON alone
+        f"best layout: {results[0].layout.describe()}; run config written to {output} (colo train {output})",
+        err=as_json,
+    )

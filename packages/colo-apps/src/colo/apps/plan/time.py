@@ -158,9 +158,17 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
         calls = 5 + (3 if layout.activation_checkpointing == "full" else 0)
         moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
         mp_comm += microbatches * moe * calls * cluster.link(_span(layout, "ep"), layout.ep)[1]
-    per_chunk = [_chunk_compute(config, layout, cluster, seq_len, layers, last) for layers, _, last in chunks]
-    forward = sum(f for f, _ in per_chunk)
-    backward = sum(b for _, b in per_chunk)
+    # the slowest pipeline rank's chunks (the last stage also runs lm_head; the first only looks the embedding up)
+    forward, backward = max(
+        (
+            sum(f for f, _ in per_chunk),
+            sum(b for _, b in per_chunk),
+        )
+        for per_chunk in (
+            [_chunk_compute(config, layout, cluster, seq_len, layers, last) for layers, _, last in rank_chunks]
+            for rank_chunks in (stage_layers(config, layout, pp_rank) for pp_rank in range(layout.pp))
+        )
+    )
     compute = microbatches * (forward + backward)
     bubble = 0.0
     if layout.pp > 1:
