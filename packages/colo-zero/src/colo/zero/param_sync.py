@@ -17,6 +17,7 @@ from colo.comm import Group, all_gather
 
 from .buffer_pool import BufferPool
 from .chunk import Chunk
+from .param_reads import wait_on_parameter_reads
 from .stage3 import ChunkGatherer
 
 
@@ -51,16 +52,23 @@ class FullParams:
     def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> list:
         """With ``overlap``: forward and state-dict pre-hooks that wait for the in-flight gather of a module's chunks,
         so a forward, and a ``state_dict()`` of the module or of any module holding it, see the parameters `refresh`
-        wrote. Returns the hook handles."""
+        wrote; and parameter reads outside a forward (``module.parameters()``, ``module.weight``) wait for the
+        chunks they return (`colo.zero.param_reads`). Returns the hook handles."""
         hooks = []
         if not self.overlap:
             return hooks
         for module in model.modules():
-            owned = {chunk_of[id(p)].index for p in module.parameters(recurse=False) if id(p) in chunk_of}
+            owned = sorted({chunk_of[id(p)].index for p in module.parameters(recurse=False) if id(p) in chunk_of})
+            subtree = sorted({chunk_of[id(p)].index for p in module.parameters() if id(p) in chunk_of})
             if owned:
-                wait = functools.partial(self.wait_chunks, sorted(owned))
+                wait = functools.partial(self.wait_chunks, owned)
                 hooks.append(module.register_forward_pre_hook(wait))
                 hooks.append(module.register_state_dict_pre_hook(wait))
+            if subtree:
+                own_wait = functools.partial(self.wait_chunks, owned)
+                hooks.append(
+                    wait_on_parameter_reads(module, own=own_wait, subtree=functools.partial(self.wait_chunks, subtree))
+                )
         return hooks
 
     @torch.no_grad()

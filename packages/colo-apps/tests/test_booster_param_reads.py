@@ -1,0 +1,65 @@
+"""Parameters read through the boosted model right after `train_step` are the updated ones under every plugin that
+overlaps the parameter all-gather with the next forward (ZeRO 1/2, alone or in `HybridParallel`): an EMA over
+``model.parameters()``, a submodule's ``parameters()`` or an attribute such as ``model.lm_head.weight`` must not see the
+previous step's values, while the gather is still left in flight for the next forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo.comm.testing import run_distributed
+
+ROWS, SEQ = 2, 16
+
+
+def _plugin(name: str):
+    from colo.apps.booster import HybridParallel, Zero
+
+    if name == "hybrid-zero2":
+        return HybridParallel(zero_stage=2, precision="fp32", chunk_numel=64)
+    return Zero(stage=int(name[-1]), chunk_numel=64)
+
+
+def _reads_right_after_steps(plugin_name):
+    from colo.apps.booster import Booster
+    from colo.apps.models.llama import Llama, get_preset
+
+    torch.manual_seed(0)
+    config = get_preset("tiny", num_hidden_layers=2)
+    model = Llama(config)
+    booster = Booster(_plugin(plugin_name))
+    model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    outcomes = []
+    for _ in range(3):
+        tokens = torch.randint(0, config.vocab_size, (ROWS, SEQ), generator=generator)
+        batch = {"input_ids": tokens, "labels": tokens}
+        booster.train_step(batch)
+        in_flight = len(booster.engine.optimizer.param_sync.in_flight)  # the gather overlaps the next forward
+        every = [p.detach().clone() for p in model.parameters()]  # what an EMA update or a weight norm reads
+        head = model.lm_head.weight.detach().clone()
+        mlp = [p.detach().clone() for p in model.get_submodule("layers.1.mlp").parameters()]
+        current = dict(booster.unwrap().named_parameters())  # waits for every gather
+        outcomes.append(
+            {
+                "in_flight": in_flight,
+                "parameters": all(torch.equal(a, b) for a, b in zip(every, current.values())),
+                "attribute": torch.equal(head, current["lm_head.weight"]),
+                "submodule": all(
+                    torch.equal(a, current[f"layers.1.mlp.{name}"])
+                    for a, (name, _) in zip(mlp, model.get_submodule("layers.1.mlp").named_parameters())
+                ),
+            }
+        )
+    return outcomes
+
+
+@pytest.mark.parametrize("plugin_name", ["zero1", "zero2", "hybrid-zero2"])
+def test_parameters_read_right_after_a_step_are_the_updated_ones(plugin_name):
+    for outcomes in run_distributed(_reads_right_after_steps, plugin_name, world_size=2):
+        for outcome in outcomes:
+            assert outcome["in_flight"] > 0, "the parameter all-gather no longer overlaps the next forward"
+            assert outcome["parameters"], "model.parameters() right after train_step held the previous step's values"
+            assert outcome["attribute"], "model.lm_head.weight right after train_step held the previous step's values"
+            assert outcome["submodule"], "model.layers[1].mlp.parameters() right after train_step held stale values"
