@@ -283,17 +283,17 @@ class ZeroOptimizer(ChunkOptimizer):
         """Reduce gradients, step the masters, refresh the compute copies. Returns whether the step was skipped.
 
         At stages 1/2 with ``overlap_param_gather`` (the default) the refresh is an all-gather still in flight when
-        `step` returns: it lands before the next forward uses each chunk, and ``model.state_dict()``,
-        `full_params`, `save` and `load` wait for it; read ``model.parameters()`` directly only after
-        `wait_params`.
+        `step` returns: it lands before the next forward uses each chunk, and reads through the model
+        (``model.parameters()``, ``model.lm_head.weight``, ``model.state_dict()``), `full_params`, `save` and
+        `load` wait for it; a parameter reference kept from before the step needs `wait_params`.
         """
         self.wait_params()  # a step without a forward since the last one (the gathers must land first)
         return super().step()
 
     def wait_params(self) -> None:
         """Wait for every parameter all-gather still in flight after `step` (stages 1/2 with
-        ``overlap_param_gather``): call it before reading ``model.parameters()`` outside a forward pass (a forward,
-        ``model.state_dict()``, `full_params`, `save` and `load` wait themselves)."""
+        ``overlap_param_gather``): needed only to read, outside a forward pass, a parameter reference kept from
+        before the step (reads through the model, a forward, `full_params`, `save` and `load` wait themselves)."""
         self.param_sync.wait()
 
     def release_params(self) -> None:
