@@ -298,7 +298,7 @@ def test_bad_requests_get_4xx_and_leave_others_undisturbed(served):
         url = f"{server.url}/v1/completions"
         good = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
         cases = [
-            (b"{not json", 400, None),
+            (b"{not json", 400, "the body is not valid JSON at character 1"),
             ({"model": "tiny"}, 400, "prompt"),
             ({**good, "temperature": -1}, 400, "temperature"),
             ({**good, "max_tokens": 0}, 400, "max_tokens"),
@@ -312,11 +312,16 @@ def test_bad_requests_get_4xx_and_leave_others_undisturbed(served):
             ({**good, "max_tokens": 5000}, 400, "maximum context length is 4096"),
         ]
         for body, status, words in cases:
-            sent = httpx.post(url, content=body, timeout=30) if isinstance(body, bytes) else httpx.post(url, json=body)
+            if isinstance(body, bytes):  # sent as a client sends JSON
+                sent = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+            else:
+                sent = httpx.post(url, json=body)
             assert sent.status_code == status, (body, sent.text)
             error = sent.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
             assert words is None or words in error["message"], (words, error)
+            if isinstance(body, bytes):  # OpenAI's shape: param names a field or is null, never a character offset
+                assert error["param"] is None, error
         chat = f"{server.url}/v1/chat/completions"
         for body, words in [
             ({"model": "tiny", "messages": []}, "messages"),

@@ -239,7 +239,12 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
         problems = []
         param = None
         for item in error.errors():
-            where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+            loc = [part for part in item.get("loc", ()) if part != "body"]
+            if item.get("type") == "json_invalid":  # its loc is a character offset, not a field: no param
+                at = f" at character {loc[0]}" if loc else ""
+                problems.append(f"the body is not valid JSON{at}: {item.get('ctx', {}).get('error', item.get('msg'))}")
+                continue
+            where = ".".join(str(part) for part in loc)
             param = param or where or None
             problems.append(f"{where or 'body'}: {item.get('msg')}")
         return error_response(400, "invalid request: " + "; ".join(problems), param)
