@@ -127,3 +127,18 @@ def test_param_groups_and_schedule():
     import json
 
     json.dumps(lambda_lr.state_dict())  # JSON: no pickle in checkpoints
+
+
+def test_what_the_apps_readme_says_validation_accepts_and_refuses():
+    """packages/colo-apps/README.md: SFT with ``packing: documents`` is accepted; rm / DPO under ``hybrid`` run with
+    tp > 1 and are refused with pp > 1 or sp > 1."""
+    sft = ["data.task=sft", "data.paths=[chats.jsonl]", "data.max_tokens=null", "data.packing=documents"]
+    assert load_config(preset="tiny-llama", overrides=sft).data.packing == "documents"
+    with pytest.raises(ConfigError, match="max_tokens"):
+        load_config(preset="tiny-llama", overrides=[*sft[:2], "data.packing=documents"])
+    for preset in ("tiny-rm", "tiny-dpo"):
+        hybrid = ["plugin.name=hybrid", "plugin.zero_stage=1"]
+        assert load_config(preset=preset, overrides=[*hybrid, "plugin.tp=2"]).plugin.tp == 2
+        for refused in ("plugin.pp=2", "plugin.sp=2"):
+            with pytest.raises(ConfigError):
+                load_config(preset=preset, overrides=[*hybrid, refused])
