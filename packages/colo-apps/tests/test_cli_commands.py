@@ -143,6 +143,21 @@ def test_config_errors_exit_with_the_field_named():
     assert "optimizer.lrr: unknown field" in result.output
 
 
+def test_generate_from_a_checkpoint_whose_index_misses_a_field_exits_2_naming_the_file_tensor_and_field(tmp_path):
+    import torch
+
+    from colo.tensor.checkpoint import save_checkpoint
+
+    checkpoint = tmp_path / "step-00000001"
+    save_checkpoint(checkpoint, {"lm_head.weight": torch.zeros(4, 2)}, metadata={"step": 1})
+    index = json.loads((checkpoint / "index.json").read_text())
+    del index["tensors"]["lm_head.weight"]["shape"]
+    (checkpoint / "index.json").write_text(json.dumps(index))
+    result = runner.invoke(app, ["generate", str(checkpoint)])
+    assert result.exit_code == 2, result.output
+    assert "index.json, tensor 'lm_head.weight': the required field 'shape' is missing" in result.output
+
+
 def test_train_help_lists_the_fields():
     done = subprocess.run(
         [sys.executable, "-m", "colo.apps.cli", "train", "--help"],
@@ -190,3 +205,30 @@ def test_device_auto_on_a_one_gpu_machine_takes_the_gpu_only_for_one_process(mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # `make demo` there: both ranks on the CPU, with gloo
     assert pick_device("auto") == torch.device("cpu") == materialize_device()
     assert pick_device("cuda") == torch.device("cuda", 0)  # asked for explicitly: the ranks share the GPU
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["launch", "--nproc-per-node", "3", "--", "train", "--set", "plugin.name=hybrid", "--set", "plugin.tp=2"],
+         "tp=2 x pp=1 x sp=1 = 2 does not divide the world size 3"),
+        (["train", "--preset", "tiny-moe"], "ep=2 does not divide the world size 1"),
+        (["train", "--set", "plugin.name=hybrid", "--set", "plugin.tp=2"], "does not divide the world size 1"),
+        (["launch", "--nproc-per-node", "2", "--", "train", "--set", "data.global_batch_size=3"],
+         "data.global_batch_size=3 does not split over the 2 data-parallel rank(s)"),
+        (["launch", "--nproc-per-node", "2", "--", "train", "--set", "plugin.name=hybrid", "--set", "plugin.sp=2",
+          "--set", "plugin.sp_mode=ulysses", "--set", "data.seq_len=127"], "data.seq_len=127"),
+        (["launch", "--nproc-per-node", "2", "--", "train", "--set", "plugin.name=hybrid", "--set", "plugin.tp=2",
+          "--set", "plugin.pp=2", "--set", "schedule.num_microbatches=2"], "= 4 does not divide the world size 2"),
+    ],
+)  # fmt: skip
+def test_layouts_the_world_size_rules_out_are_one_line_and_exit_2_before_any_process_starts(args, words, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if args[0] == "train" and "--preset" not in args:
+        args = [*args, "--preset", "tiny-llama"]
+    elif "--preset" not in args:
+        args = [*args[: args.index("train") + 1], "--preset", "tiny-llama", *args[args.index("train") + 1 :]]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colo: invalid run config: ") and words in lines[0], lines

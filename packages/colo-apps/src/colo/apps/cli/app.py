@@ -61,9 +61,17 @@ def _presets_help() -> str:
     return "\n\n".join(lines)
 
 
-def _load(config: str | None, preset: str | None, overrides: list[str] | None, *, preflight: bool = False):
+def _load(
+    config: str | None,
+    preset: str | None,
+    overrides: list[str] | None,
+    *,
+    preflight: bool = False,
+    world_size: int | None = None,
+):
     """The run config, or exit 2 printing ``colo: <the error>``; ``preflight`` adds the checks of the files and the
-    model's shape (`colo.apps.train.preflight`) that training would otherwise fail on inside every rank."""
+    model's shape (`colo.apps.train.preflight`) that training would otherwise fail on inside every rank, and with
+    ``world_size`` the layout over that many processes (`colo.apps.train.world_check`)."""
     from ..train import ConfigError, load_config
 
     try:
@@ -72,6 +80,10 @@ def _load(config: str | None, preset: str | None, overrides: list[str] | None, *
             from ..train.preflight import check_before_start
 
             check_before_start(run)
+        if world_size is not None:
+            from ..train.world_check import check_world_size
+
+            check_world_size(run, world_size)
         return run
     except ConfigError as error:
         typer.echo(f"colo: {error}", err=True)
@@ -87,7 +99,7 @@ def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetO
     Exit codes: 0 done, 2 invalid run config, 75 preempted (SIGTERM: checkpointed; the same command resumes),
     86 a rank hung (resilience.watchdog_seconds; stacks in OUTPUT_DIR/hang/), 1 any other failure.
     """
-    run = _load(config, preset, set_, preflight=True)
+    run = _load(config, preset, set_, preflight=True, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     from ..train import train as run_training
     from ..train.resilience import PREEMPTED_EXIT_CODE
 
@@ -152,7 +164,7 @@ def launch(
     except ValueError as error:
         typer.echo(f"colo: {error}", err=True)
         raise typer.Exit(2) from None
-    run = _check_launched_train(list(ctx.args))
+    run = _check_launched_train(list(ctx.args), world_size=nproc_per_node * nnodes)
     if dry_run:
         typer.echo(" ".join(command))
         return
@@ -170,7 +182,7 @@ def launch(
     raise typer.Exit(launch_outcome(code, signalled, run=run, max_restarts=max_restarts, since=started))
 
 
-def _check_launched_train(args: list[str]):
+def _check_launched_train(args: list[str], *, world_size: int):
     """Validate the run config of ``colo launch -- train [CONFIG] [--preset P] [--set K=V ...]`` in the launcher;
     on an error print it once and exit with code 2 (otherwise every rank would report it). Returns the run config
     (``None`` for other commands, and ``train --help``, which pass through untouched)."""
@@ -179,7 +191,7 @@ def _check_launched_train(args: list[str]):
     command = typer.main.get_command(app).commands["train"]
     with command.make_context("colo train", args[1:]) as parsed:  # a usage error goes up to typer: shown, exit 2
         params = parsed.params
-    return _load(params["config"], params["preset"], params["set_"], preflight=True)
+    return _load(params["config"], params["preset"], params["set_"], preflight=True, world_size=world_size)
 
 
 @app.command()
@@ -248,17 +260,23 @@ def generate(
     """Generate text from a checkpoint in one process (greedy, top-p or top-k, with a KV cache)."""
     import torch
 
+    from colo.tensor.checkpoint import CheckpointError
+
     from ..data import load_tokenizer
     from ..quant import is_quantized_checkpoint, load_quantized
     from ..train import load_llama
     from ..train.generate import chat_template_of, complete
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if is_quantized_checkpoint(checkpoint):  # written by `colo convert --quantize`: the quantized model as stored
-        model, metadata = load_quantized(checkpoint, device=device)
-        run = metadata["run"]
-    else:
-        model, run = load_llama(checkpoint, device=device)
+    try:
+        if is_quantized_checkpoint(checkpoint):  # written by `colo convert --quantize`: the quantized model as stored
+            model, metadata = load_quantized(checkpoint, device=device)
+            run = metadata["run"]
+        else:
+            model, run = load_llama(checkpoint, device=device)
+    except (ValueError, CheckpointError) as error:  # a damaged or malformed checkpoint: the line naming it
+        typer.echo(f"colo: {error}", err=True)
+        raise typer.Exit(2) from None
     tok = load_tokenizer(tokenizer if tokenizer is not None else run.get("tokenizer"))
     template = chat_template_of(run)
     if chat and template is None:
