@@ -249,6 +249,8 @@ class DiffusionTrainer:
         return path
 
     def resume(self) -> int:
+        if self.config.checkpoint.resume == "auto" and self.rank == 0:  # partial saves an earlier run left
+            prune_checkpoints(self.root, None)
         path = resolve_resume(self.config.checkpoint.resume, self.root)
         if path is None:
             return 0

@@ -1,5 +1,5 @@
 """Run state kept in checkpoint metadata as JSON (no pickle): RNG states, and the checkpoint directory's layout
-(``step-NNNNNNNN`` names, keep-last-K pruning, where to resume)."""
+(``step-NNNNNNNN`` names, keep-last-K pruning and removal of crashed saves' leftovers, where to resume)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import shutil
 import torch
 
 from colo.comm import default_device
-from colo.tensor.checkpoint import CheckpointError, latest_checkpoint, read_index
+from colo.tensor.checkpoint import CheckpointError, latest_checkpoint, read_index, remove_partial_saves
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -67,9 +67,12 @@ def committed_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def prune_checkpoints(root: str, keep_last: int | None) -> list[str]:
-    """Delete all but the newest ``keep_last`` committed checkpoints (and stale ``*.tmp-*`` leftovers of saves
-    that died); returns the deleted paths. Call it on one rank, after a save committed."""
-    deleted = []
+    """Delete all but the newest ``keep_last`` committed checkpoints (none when ``keep_last`` is ``None``) and the
+    partial saves (``*.tmp-<id>`` directories) that no live save holds: what a save killed while writing or before
+    its commit's rename left (`colo.tensor.checkpoint.remove_partial_saves`). A save in progress, in this process
+    (a background save) or another, holds its directory's lock and is never touched. Returns the deleted paths.
+    Call it on one rank: after starting a save, and at start-up before anything saves (``resume: auto``)."""
+    deleted = remove_partial_saves(root)
     if keep_last is not None:
         for _, path in committed_checkpoints(root)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)

@@ -252,7 +252,13 @@ class Trainer:
         }
 
     def resume(self) -> tuple[int, str | None]:
-        """Load the checkpoint ``checkpoint.resume`` selects, if any; returns ``(its step, its path)``."""
+        """Load the checkpoint ``checkpoint.resume`` selects, if any; returns ``(its step, its path)``. With
+        ``resume: auto``, rank 0 first removes the partial saves an earlier run left when it died (a preempted run
+        restarted many times would otherwise fill the disk), before anything saves."""
+        if self.config.checkpoint.resume == "auto" and self.rank == 0:
+            removed = prune_checkpoints(self.config.checkpoint_dir, None)
+            if removed:
+                self.log.print(f"removed {len(removed)} partial saves an earlier run left: {', '.join(removed)}")
         path = resolve_resume(self.config.checkpoint.resume, self.config.checkpoint_dir)
         if path is None:
             return 0, None

@@ -2,9 +2,11 @@
 
 Each rank writes the pieces it owns to ``rank-NNNNN.safetensors``; ``index.json`` maps every tensor name to its
 global shape, dtype and pieces (rectangles of the global tensor, optionally narrowed to a flat range, each with
-a CRC-32). Saves are committed by a rename, in the foreground (`save_checkpoint`) or in a background thread
-(`AsyncCheckpointer`); loads read only the parts of the pieces each rank needs, so any layout loads into any
-other; `export_hf` writes consolidated Hugging Face safetensors. No pickle on any load path. The command line
+the CRC-32 of its bytes and of every 1 MiB block of them). Saves are committed by a rename, in the foreground
+(`save_checkpoint`) or in a background thread (`AsyncCheckpointer`); `remove_partial_saves` deletes what a crashed
+save left, never a live one. Loads read only the parts of the pieces each rank needs, so any layout loads into any
+other, and verify every byte they read (the blocks covering it); the index is validated against its schema when
+read. `export_hf` writes consolidated Hugging Face safetensors. No pickle on any load path. The command line
 ``python -m colo.tensor.checkpoint {info,verify,export}`` inspects, checks and exports checkpoints.
 
 Example::
@@ -19,9 +21,10 @@ Example::
 
 from .background import AsyncCheckpointer, SaveHandle
 from .export import ExportReport, export_hf
-from .index import INDEX_FILE, CheckpointError, CheckpointIndex, Piece, TensorEntry, read_index
+from .index import INDEX_FILE, CheckpointError, CheckpointFormatError, CheckpointIndex, Piece, TensorEntry, read_index
 from .integrity import VerifyReport, latest_checkpoint, verify_checkpoint
 from .load import LoadStats, load_checkpoint
+from .partial_saves import remove_partial_saves
 from .regions import FlatShard
 from .save import save_checkpoint
 
@@ -29,6 +32,7 @@ __all__ = [
     "INDEX_FILE",
     "AsyncCheckpointer",
     "CheckpointError",
+    "CheckpointFormatError",
     "CheckpointIndex",
     "ExportReport",
     "FlatShard",
@@ -41,6 +45,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "read_index",
+    "remove_partial_saves",
     "save_checkpoint",
     "verify_checkpoint",
 ]

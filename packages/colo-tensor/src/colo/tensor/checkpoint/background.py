@@ -98,7 +98,9 @@ class AsyncCheckpointer:
     same names and shapes, which saves allocating (and page-faulting) host memory each time, at the cost of
     holding one copy of this rank's share of the state between saves.
 
-    Call `close` (or `wait`) before destroying the process groups. At interpreter exit a save in flight is
+    The save's temporary directory stays locked by rank 0 until the thread has committed (or failed), so pruning
+    (`remove_partial_saves`) during a background save keeps it. Call `close` (or `wait`) before destroying the
+    process groups. At interpreter exit a save in flight is
     finished first (its thread is joined). An active `colo.comm.CommTracker` records the thread's few object
     collectives under the group name ``"checkpoint"``.
 
@@ -208,15 +210,20 @@ class AsyncCheckpointer:
         metadata = check_metadata(metadata)
         expected_names = check_expected_names(expected_names)
         rank = group.rank if group is not None else 0
-        tmp = begin_save(path, group)
+        tmp, lock = begin_save(path, group)  # rank 0 holds the directory's lock until the thread commits
         declared: dict = {}
         try:  # a failure here is reported through the background collectives, so the other ranks do not hang
             declared = declared_tensors(tensors)
             pieces, failure = self._snapshot(tensors, rank), None
         except Exception as error:
             pieces, failure = [], failure_message(rank, error)
-        held = {"declared": declared, "expected_names": expected_names}
-        future = self._executor.submit(_write_and_commit, path, tmp, pieces, failure, rank, metadata, group, held)
+        held = {"declared": declared, "expected_names": expected_names, "lock": lock}
+        try:
+            future = self._executor.submit(_write_and_commit, path, tmp, pieces, failure, rank, metadata, group, held)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         self._pending = SaveHandle(path, future, time.perf_counter() - started)
         return self._pending
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from .export import export_hf
-from .index import CheckpointError, CheckpointIndex, TensorEntry, read_index
+from .index import CheckpointError, CheckpointFormatError, CheckpointIndex, TensorEntry, read_index
 from .integrity import verify_checkpoint
 
 _METADATA_CHARS = 2000
@@ -106,7 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print the tensors, shapes, dtypes, pieces and metadata")
     info.add_argument("checkpoint", help="a committed checkpoint directory")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
-    verify = commands.add_parser("verify", help="re-read every piece, checking sizes, CRCs and coverage")
+    verify = commands.add_parser(
+        "verify",
+        help="re-read every piece, checking the index's schema, sizes, CRCs and coverage (exit 1 if damaged, 2 if "
+        "malformed)",
+    )
     verify.add_argument("checkpoint", help="a committed checkpoint directory")
     export = commands.add_parser("export", help="write Hugging Face-style consolidated safetensors")
     export.add_argument("checkpoint", help="a committed checkpoint directory")
@@ -122,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 1 a failed check or bad checkpoint, 2 bad usage)."""
+    """Run the command line; return the exit status: 0 ok, 1 a failed check or a damaged checkpoint (a CRC, a
+    truncated file, incomplete coverage), 2 bad usage or a checkpoint whose index or file header does not follow the
+    format (a missing or malformed field; the line printed names the file, the tensor and the field)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "info":
@@ -151,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for file in report.files + ((report.index_file,) if report.index_file else ()):
                 print(file)
             print(f"exported {report.num_tensors} tensors ({_size(report.total_bytes)}) to {args.out_dir}")
+    except CheckpointFormatError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except (CheckpointError, FileExistsError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

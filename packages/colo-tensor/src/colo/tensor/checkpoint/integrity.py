@@ -22,8 +22,8 @@ class VerifyReport:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
-    """Read every piece of the checkpoint at ``path`` whole, checking headers, sizes and CRCs, and check that the
-    pieces of every tensor cover it exactly once.
+    """Read every piece of the checkpoint at ``path`` whole, checking the index's schema, headers, sizes and CRCs
+    (every block's, and the piece's), and check that the pieces of every tensor cover it exactly once.
 
     Raises:
         CheckpointError: naming the file and the tensor of the first problem found.

@@ -20,12 +20,15 @@ class LoadStats:
     """What a `load_checkpoint` call read on this rank.
 
     Attributes:
-        elements_read: tensor name -> number of elements read from files (what was allocated for reading).
+        elements_read: tensor name -> number of elements read from the pieces (the parts that overlap the slice).
         pieces_read: tensor name -> number of pieces that overlapped the requested slice.
+        bytes_read: tensor name -> bytes read from files, with what verifying them took (the covering checksummed
+            blocks; a whole piece of an older checkpoint without block CRCs).
     """
 
     elements_read: dict[str, int] = field(default_factory=dict)
     pieces_read: dict[str, int] = field(default_factory=dict)
+    bytes_read: dict[str, int] = field(default_factory=dict)
 
 
 def _target_region(name: str, target: torch.Tensor | FlatShard) -> tuple[Region, torch.Tensor]:
@@ -93,7 +96,7 @@ def _copy_flat_overlap(
 def _fill(reader: PieceReader, name: str, entry, region: Region, out: torch.Tensor, stats: LoadStats) -> None:
     """Fill ``out`` (the tensor of ``region``) from every piece of ``entry`` that overlaps it."""
     written = 0
-    before = reader.elements_read
+    before, bytes_before = reader.elements_read, reader.bytes_read
     want = region.bounding_box()
     for piece in entry.pieces:
         stored = Region(piece.offsets, piece.shape, piece.flat_range)
@@ -125,6 +128,7 @@ def _fill(reader: PieceReader, name: str, entry, region: Region, out: torch.Tens
             out[flat[keep] - start] = values[keep]
             written += int(keep.sum())
     stats.elements_read[name] = reader.elements_read - before
+    stats.bytes_read[name] = reader.bytes_read - bytes_before
     if written != region.numel:
         raise CheckpointError(
             f"{reader.directory}: tensor {name!r}: the pieces cover {written} of the {region.numel} elements this "
@@ -178,9 +182,10 @@ def load_checkpoint(
 ) -> tuple[dict, LoadStats]:
     """Fill ``targets`` in place from the checkpoint at ``path``, whatever layout it was saved with.
 
-    Each rank reads, with safetensors' lazy slicing, only the parts of the pieces that overlap the slice each
-    target needs: a tensor with a colo layout needs its local shard, a plain tensor the whole tensor, a
-    `FlatShard` its flat range. No communication: every rank reads for itself.
+    Each rank reads only the parts of the pieces that overlap the slice each target needs: a tensor with a colo
+    layout needs its local shard, a plain tensor the whole tensor, a `FlatShard` its flat range. Every read is
+    verified: the CRC-32s of the blocks covering it (a piece of an older checkpoint without block CRCs: its whole
+    CRC, once). No communication: every rank reads for itself.
 
     Args:
         path: a committed checkpoint directory (see `latest_checkpoint`).
@@ -192,6 +197,8 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: a tensor is missing, mismatched, or a file is truncated or corrupt (naming both).
+        CheckpointFormatError: the index misses a required field or one is malformed (naming the file, the tensor
+            and the field).
     """
     directory = os.fspath(path)
     index: CheckpointIndex = read_index(directory)

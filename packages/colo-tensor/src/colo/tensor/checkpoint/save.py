@@ -2,8 +2,10 @@
 
 A save has three phases, shared by the foreground `save_checkpoint` and the background `AsyncCheckpointer`:
 
-1. `begin_save` (collective): rank 0 checks the path and creates ``path.tmp-<id>``, every rank learns its name;
-2. `owned_pieces` + `write_pieces` (local): this rank's pieces and their CRCs, written to its safetensors file;
+1. `begin_save` (collective): rank 0 checks the path, creates ``path.tmp-<id>`` and takes its lock (held until the
+   save has committed or failed, so `remove_partial_saves` never deletes a live save), every rank learns its name;
+2. `owned_pieces` + `write_pieces` (local): this rank's pieces and their CRCs (whole and per block), written to its
+   safetensors file;
 3. `finish_save` (collective): rank 0 gathers every rank's piece list (or failure), writes the index and renames
    the temporary directory into place; every rank learns the outcome and raises the same error on failure.
 """
@@ -14,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,8 +27,9 @@ from colo.comm import Group, as_group, broadcast_object, gather_object
 
 from ..layout import layout_of
 from ..placement import Shard
-from .files import fsync_path, rank_file_name, tensor_crc32
+from .files import BLOCK_BYTES, fsync_path, rank_file_name, tensor_checksums
 from .index import INDEX_FILE, CheckpointError, CheckpointIndex, Piece, TensorEntry, dtype_name
+from .partial_saves import SaveLock, create_save_directory, release_committed
 from .regions import FlatShard
 
 
@@ -132,13 +134,16 @@ def write_pieces(directory: str, pieces: list[OwnedPiece], rank: int) -> list[tu
     records, data = [], {}
     for owned in pieces:
         data[owned.name] = owned.data
+        crc32, block_crc32 = tensor_checksums(owned.data, BLOCK_BYTES)
         piece = Piece(
             file=file,
             key=owned.name,
             offsets=owned.offsets,
             shape=owned.shape,
             flat_range=owned.flat_range,
-            crc32=tensor_crc32(owned.data),
+            crc32=crc32,
+            block_bytes=BLOCK_BYTES,
+            block_crc32=block_crc32,
         )
         records.append((owned.name, owned.global_shape, dtype_name(owned.data.dtype), piece.to_json()))
     if data:
@@ -196,8 +201,8 @@ def _build_index(gathered: list, metadata: dict, declared: list[dict], expected_
     return index
 
 
-def _commit(tmp: str, path: str, index: CheckpointIndex) -> None:
-    """Write the index into ``tmp``, flush it, and rename ``tmp`` to ``path`` (the commit point)."""
+def _commit(tmp: str, path: str, index: CheckpointIndex, lock: SaveLock | None) -> None:
+    """Write the index into ``tmp``, flush it, rename ``tmp`` to ``path`` (the commit point), then drop the lock."""
     index_path = os.path.join(tmp, INDEX_FILE)
     with open(index_path, "w", encoding="utf-8") as file:
         file.write(index.to_json())
@@ -205,6 +210,7 @@ def _commit(tmp: str, path: str, index: CheckpointIndex) -> None:
         os.fsync(file.fileno())
     fsync_path(tmp)
     os.rename(tmp, path)
+    release_committed(path, lock)
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
@@ -223,24 +229,29 @@ def saving_group(group) -> Group | None:
     return as_group(group) if dist.is_available() and dist.is_initialized() else None
 
 
-def begin_save(path: str, group: Group | None) -> str:
-    """Phase 1 (collective over ``group``): rank 0 creates the temporary directory; every rank returns its path.
+def begin_save(path: str, group: Group | None) -> tuple[str, SaveLock | None]:
+    """Phase 1 (collective over ``group``): rank 0 creates the temporary directory and takes its lock; every rank
+    returns its path, and rank 0 the `SaveLock` that `finish_save` releases (``None`` on the others).
 
     Raises:
         FileExistsError: on every rank, when ``path`` already exists.
+        OSError: on every rank, when rank 0 cannot create the temporary directory.
     """
     tmp: str | Exception | None = None
+    lock = None
     if group is None or group.rank == 0:
         if os.path.exists(path):
             tmp = FileExistsError(f"save_checkpoint: {path} already exists; save each checkpoint to a new path")
         else:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-            os.makedirs(tmp)
+            try:
+                tmp, lock = create_save_directory(path)
+            except OSError as error:
+                tmp = error
     if group is not None:
         tmp = broadcast_object(tmp, src=0, group=group)
     if isinstance(tmp, Exception):
         raise tmp
-    return tmp
+    return tmp, lock
 
 
 def failure_message(rank: int, error: BaseException) -> str:
@@ -258,9 +269,10 @@ def finish_save(
     *,
     declared: dict,
     expected_names: list[str],
+    lock: SaveLock | None = None,
 ) -> None:
     """Phase 3 (collective over ``group``): gather the records and what each rank holds (``declared``), commit on
-    rank 0, raise the outcome on every rank.
+    rank 0, raise the outcome on every rank. Rank 0 releases ``lock`` (from `begin_save`) whatever happens.
 
     Raises:
         CheckpointError: a rank failed (``failure``), ranks disagree, or the commit failed; nothing was committed
@@ -268,7 +280,12 @@ def finish_save(
     """
     rank = group.rank if group is not None else 0
     mine = (records, declared, failure)
-    gathered = gather_object(mine, dst=0, group=group) if group is not None else [mine]
+    try:
+        gathered = gather_object(mine, dst=0, group=group) if group is not None else [mine]
+    except BaseException:
+        if lock is not None:
+            lock.release()  # the directory stays: a partial save that `remove_partial_saves` may now remove
+        raise
     outcome = None
     if rank == 0:
         failures = [f for _, _, f in gathered if f is not None]
@@ -279,10 +296,14 @@ def finish_save(
                 index = _build_index([r for r, _, _ in gathered], metadata, [d for _, d, _ in gathered], expected_names)
             except CheckpointError as error:
                 raise CheckpointError(f"save_checkpoint({path}) failed; nothing was committed: {error}") from None
-            _commit(tmp, path, index)
+            _commit(tmp, path, index, lock)
         except Exception as error:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
             outcome = error if isinstance(error, CheckpointError) else CheckpointError(f"{path}: {error!r}")
+        finally:
+            if lock is not None:
+                lock.release()
     if group is not None:
         outcome = broadcast_object(None if outcome is None else str(outcome), src=0, group=group)
         outcome = None if outcome is None else CheckpointError(outcome)
@@ -304,7 +325,9 @@ def save_checkpoint(
     its local shard (replicated axes written once, by the rank at coordinate 0 of each), a plain tensor as a
     whole by group rank 0, a `FlatShard` as a flat range. Rank 0 gathers the piece lists and writes
     ``index.json``. Everything goes to ``path.tmp-<id>`` first, is fsynced, and is committed by one rename, so a
-    failed save leaves an older checkpoint at another path (and ``path`` itself) untouched. To keep training
+    failed save leaves an older checkpoint at another path (and ``path`` itself) untouched; rank 0 holds a lock on
+    the temporary directory until then, so `remove_partial_saves` removes what a crashed save left, never a live
+    one. To keep training
     while the files are written, use `AsyncCheckpointer` (same files, same index).
 
     Args:
@@ -331,11 +354,17 @@ def save_checkpoint(
     expected_names = check_expected_names(expected_names)
     group = saving_group(group)
     rank = group.rank if group is not None else 0
-    tmp = begin_save(path, group)
+    tmp, lock = begin_save(path, group)
     declared: dict = {}
     try:
         declared = declared_tensors(tensors)
         records, failure = write_pieces(tmp, owned_pieces(tensors, rank), rank), None
     except Exception as error:  # reported to rank 0, so every rank fails together instead of hanging
         records, failure = [], failure_message(rank, error)
-    finish_save(path, tmp, records, failure, metadata, group, declared=declared, expected_names=expected_names)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    finish_save(
+        path, tmp, records, failure, metadata, group, declared=declared, expected_names=expected_names, lock=lock
+    )
