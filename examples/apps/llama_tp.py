@@ -12,7 +12,7 @@ def step():
         model = Llama(config)  # no memory, no initialization
     parallelize_llama(model, mesh=mesh, materialize="cpu", seed=0)  # each rank builds only its shards
     # every tp rank must see the same tokens: seed them (or broadcast them from one rank); rank-local random ids
-    # would make each rank compute a different, silently wrong loss
+    # are refused on the first step (a ValueError naming the fix; every step with COLO_DEBUG_CHECKS=1)
     ids = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     loss = model(ids, labels=ids).loss  # labels aligned with ids (the model shifts them); -100 marks no loss
     loss.backward()

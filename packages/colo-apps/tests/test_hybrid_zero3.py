@@ -33,7 +33,10 @@ FP32 = {"rtol": 1e-5, "atol": 1e-4}
 
 def make_model(kind: str, lora: bool = False, seed: int = 0) -> torch.nn.Module:
     """The same tiny Llama on every rank (seeded): colo's native one or Hugging Face's; with ``lora``, adapters on
-    every projection with ``B`` drawn at random (peft starts it at zero, leaving ``A`` without a gradient)."""
+    every projection with ``B`` drawn at random (peft starts it at zero, leaving ``A`` without a gradient), and ``A``
+    too (uniform in +-1/sqrt(in), as peft's init): with ``add_lora``'s own ``A`` (seed 0) one AdamW step of the
+    checkpointed HF model lands on a near-zero gradient entry whose sign rounding decides, and the runs part by
+    ~1e-3 (other seeds: < 1e-4, see the tolerances above)."""
     torch.manual_seed(seed)
     if kind == "native":
         from colo.apps import Llama, get_preset
@@ -62,6 +65,9 @@ def make_model(kind: str, lora: bool = False, seed: int = 0) -> torch.nn.Module:
             for _, layer in lora_layers(model):
                 weight = layer.lora_B["default"].weight
                 weight.copy_(torch.randn(weight.shape, generator=generator) * 0.05)
+            for _, layer in lora_layers(model):
+                weight = layer.lora_A["default"].weight
+                weight.copy_((torch.rand(weight.shape, generator=generator) * 2 - 1) / weight.shape[1] ** 0.5)
     return model
 
 

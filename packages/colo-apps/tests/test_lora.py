@@ -18,19 +18,17 @@ pytest.importorskip("peft")
 STEPS, ROWS, SEQ, LR, RANK, ALPHA = 4, 8, 16, 1e-2, 4, 8.0
 
 
-def make_lora_model(seed: int = 0, adapter_seed: int | None = None):
+def make_lora_model(seed: int = 0, adapter_seed: int = 0):
     """The tiny Llama with adapters on every projection; ``B`` drawn at random (peft starts it at zero, which
-    would leave ``A`` without a gradient in the first step and the test weaker). ``adapter_seed``: reseed the
-    torch RNG that draws ``A`` (``add_lora`` draws it from the torch RNG)."""
+    would leave ``A`` without a gradient in the first step and the test weaker). ``adapter_seed``: the seed
+    ``add_lora`` draws ``A`` from."""
     from colo.apps import Llama, get_preset
     from colo.apps.lora import add_lora, lora_layers
 
     torch.manual_seed(seed)
     model = Llama(get_preset("tiny"))
     model.init_weights(seed)
-    if adapter_seed is not None:
-        torch.manual_seed(adapter_seed)
-    add_lora(model, r=RANK, alpha=ALPHA)
+    add_lora(model, r=RANK, alpha=ALPHA, seed=adapter_seed)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, layer in lora_layers(model):
@@ -186,7 +184,7 @@ def _unseeded_adapters_run():
     from colo.tensor import layout_of
 
     rank = torch.distributed.get_rank()
-    model = make_lora_model(adapter_seed=1000 + rank)  # the same base; A drawn from each rank's own RNG
+    model = make_lora_model(adapter_seed=1000 + rank)  # the same base; A drawn from a seed of each rank's own
     mine = dict(model.state_dict())
     rank_0s = broadcast_object(mine if rank == 0 else None, src=0)
     name = next(n for n in mine if ".lora_A." in n)
@@ -210,6 +208,52 @@ def test_adapters_drawn_differently_on_each_rank_start_as_rank_0s():
         assert sharded
         assert losses == pytest.approx(expected_losses, rel=1e-5)
         assert not mismatches, mismatches
+
+
+def _unseeded_lora_tp2_run(expected: dict[str, torch.Tensor]):
+    """``add_lora`` with no seed on ranks whose torch RNGs differ (as a launched job's do), then tp=2; the trained
+    adapters' mismatches against ``expected`` (one process's)."""
+    from colo.apps import Booster, Llama, get_preset
+    from colo.apps.booster import HybridParallel
+    from colo.apps.lora import add_lora, lora_layers
+
+    torch.manual_seed(1000 + torch.distributed.get_rank())  # each rank's torch RNG elsewhere
+    model = Llama(get_preset("tiny"))
+    model.init_weights(0)
+    drawn = {}
+    for name, layer in lora_layers(add_lora(model, r=RANK, alpha=ALPHA)):
+        drawn[name] = layer.lora_A["default"].weight.detach().clone()
+    booster = Booster(HybridParallel(tp=2, zero_stage=0))
+    booster.boost(model, make_optimizer(model))
+    losses = [booster.train_step(global_batch(step)).loss for step in range(STEPS)]
+    return drawn, losses, _compare(booster.engine.optimizer.full_params(), expected, dict(model.named_parameters()))
+
+
+def test_unseeded_adapters_are_the_same_on_every_tp_rank_and_in_one_process():
+    """`add_lora` draws A from its seed and the layer's name, not from the torch RNG: ranks seeded differently
+    draw the same adapters, and the tp=2 run equals one process whose RNG is in yet another state (losses rel
+    1e-5, adapters rtol 1e-5 / atol 1e-4, as above; A differs by ~0.1 between seeds)."""
+    from colo.apps import Llama, get_preset
+    from colo.apps.lora import add_lora
+
+    torch.manual_seed(12345)
+    reference = Llama(get_preset("tiny"))
+    reference.init_weights(0)
+    add_lora(reference, r=RANK, alpha=ALPHA)
+    optimizer = make_optimizer(reference)
+    expected_losses = []
+    for step in range(STEPS):
+        loss = reference(**global_batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected_losses.append(loss.item())
+    expected = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+
+    (drawn_0, losses, mismatches), (drawn_1, _, _) = run_distributed(_unseeded_lora_tp2_run, expected, world_size=2)
+    assert len(drawn_0) == 10 and all(torch.equal(drawn_0[name], drawn_1[name]) for name in drawn_0)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert not mismatches, mismatches
 
 
 def test_only_adapters_train_and_merging_keeps_the_function():

@@ -5,6 +5,10 @@ picks its implementation from `colo.comm.algorithms`, and returns the result or,
 `Handle`. Ranks are group ranks (``src=0`` is the group's first member), never global ranks. On a group of one
 rank (the dp group of a tp x pp run that fills the world) there is nothing to exchange: every call validates its
 input as usual, then computes its result locally in `_on_one_rank` and runs no backend call and no algorithm form.
+
+With ``COLO_DEBUG_CHECKS=1`` (`colo.comm.debug`) every call first exchanges its op, shapes and dtype over the group
+and raises a `CommError` on every rank, naming the op, the group and each rank's arguments, when the ranks disagree
+(`_check_same_call`); a backend given mismatched sizes aborts the process (gloo) or hangs instead.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch.distributed as dist
 
 from . import scratch
 from .algorithms import choose_algorithm
+from .debug import debug_checks, disagreement, exchange
+from .errors import CommError
 from .group import Group, as_group
 from .handle import issue
 from .tracker import record
@@ -65,6 +71,41 @@ def _check_group_rank(op: str, name: str, value: int, group: Group) -> int:
     return value
 
 
+def _check_same_call(op: str, group: Group, key: tuple, shown: str, splits: tuple | None = None) -> None:
+    """Under ``COLO_DEBUG_CHECKS`` (callers test `debug_checks` first, so that nothing is built without it): exchange
+    this call's ``op`` and ``key`` (the arguments every rank must pass alike) over the group before the call, and
+    raise a `CommError` on every rank when they differ, listing each rank's ``shown`` arguments. ``splits``:
+    all_to_all's ``(input_splits, output_splits)``, checked against the other ranks' (rank i sends rank j what rank j
+    expects from rank i)."""
+    if group.size == 1:
+        return
+    everyone = exchange((op, key, shown, splits), group, f"{op} (COLO_DEBUG_CHECKS exchange)")
+    problem = None
+    if disagreement([(o, k) for o, k, _, _ in everyone], group) is not None:
+        problem = "the ranks called it with different arguments"
+    elif splits is not None:
+        problem = _splits_problem([s for _, _, _, s in everyone], group)
+    if problem is None:
+        return
+    calls = "; ".join(f"rank {rank}: {o} {text}" for rank, (o, _, text, _) in zip(group.ranks, everyone))
+    raise CommError(
+        f"{op} on group {group.describe()}: {problem} ({calls}); every rank of the group must call the same "
+        f"collective with matching shapes and dtype (checked before the call because COLO_DEBUG_CHECKS is set)"
+    )
+
+
+def _splits_problem(splits: list[tuple], group: Group) -> str | None:
+    """Where all_to_all's row counts do not pair up: rank i's input_splits[j] is what rank j receives from i."""
+    for i, (sent, _) in enumerate(splits):
+        for j, (_, received) in enumerate(splits):
+            if received is not None and sent[j] != received[i]:
+                return (
+                    f"rank {group.ranks[i]} sends {sent[j]} rows to rank {group.ranks[j]}, which expects "
+                    f"{received[i]} (its output_split_sizes[{i}])"
+                )
+    return None
+
+
 def _on_one_rank(op: str, group: Group, dtype: object, result: Any, async_op: bool = False) -> Any:
     """Finish ``op`` on a group of one rank, whose ``result`` (the tensor itself, or a copy of it) the caller
     computed locally: no backend call and no algorithm form runs (an exchange form would have no peer), and the
@@ -108,6 +149,13 @@ def all_reduce(
     _check_reduce_op("all_reduce", op, tensor)
     if not tensor.is_contiguous():
         raise ValueError("all_reduce: tensor must be contiguous (it is reduced in place); pass tensor.contiguous()")
+    if debug_checks():
+        _check_same_call(
+            "all_reduce",
+            group,
+            (tuple(tensor.shape), tensor.dtype, op),
+            f"of {tuple(tensor.shape)} {tensor.dtype} ({op})",
+        )
     n = group.size
     if n == 1:  # the sum, max, min and average of one tensor is the tensor
         return _on_one_rank("all_reduce", group, tensor.dtype, tensor, async_op)
@@ -142,6 +190,13 @@ def broadcast(
     _check_group_rank("broadcast", "src", src, group)
     if not tensor.is_contiguous():
         raise ValueError("broadcast: tensor must be contiguous (it is written in place); pass tensor.contiguous()")
+    if debug_checks():
+        _check_same_call(
+            "broadcast",
+            group,
+            (tuple(tensor.shape), tensor.dtype, src),
+            f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
+        )
     if group.size == 1:
         return _on_one_rank("broadcast", group, tensor.dtype, tensor, async_op)
     record("broadcast", group.name, group.size, tensor.dtype, _nbytes(tensor), _nbytes(tensor), "native")
@@ -198,6 +253,14 @@ def all_gather(
             )
         if len(set(sizes)) == 1:
             sizes = None
+    if debug_checks():
+        shape = tuple(tensor.shape)
+        _check_same_call(
+            "all_gather",
+            group,
+            (shape if sizes is None else shape[:dim] + (None,) + shape[dim + 1 :], tensor.dtype, dim, sizes),
+            f"of {shape} {tensor.dtype} along dim {dim}" + ("" if sizes is None else f" (sizes={sizes})"),
+        )
     row_bytes = tensor.element_size() * _inner_numel(tensor, dim)
     if sizes is None:
         piece = tensor.contiguous()
@@ -361,6 +424,13 @@ def reduce_scatter(
         )
     if donate not in (False, True, "whole"):
         raise ValueError(f"reduce_scatter: donate={donate!r} must be False, True or 'whole'")
+    if debug_checks():
+        _check_same_call(
+            "reduce_scatter",
+            group,
+            (tuple(tensor.shape), tensor.dtype, dim, op),
+            f"of {tuple(tensor.shape)} {tensor.dtype} along dim {dim} ({op})",
+        )
     if n == 1:  # this rank's part is the whole tensor, reduced over one copy: the tensor itself
         result = tensor if donate else _local_copy(tensor)
         handle = _on_one_rank("reduce_scatter", group, tensor.dtype, result, async_op)
@@ -508,6 +578,15 @@ def all_to_all(
                     f"all_to_all: on a group of one rank the rows received are the rows sent, so "
                     f"output_split_sizes={output_splits} must equal input_split_sizes={input_splits}"
                 )
+    even = input_split_sizes is None
+    if debug_checks():
+        _check_same_call(
+            "all_to_all",
+            group,
+            (tuple(tensor.shape) if even else tuple(tensor.shape[1:]), tensor.dtype, even),
+            f"of {tuple(tensor.shape)} {tensor.dtype}" + ("" if even else f" (input_split_sizes={input_splits})"),
+            None if even else (input_splits, None if output_split_sizes is None else output_splits),
+        )
     if n == 1:
         return _on_one_rank("all_to_all", group, tensor.dtype, _local_copy(tensor), async_op)
     source = tensor.contiguous()
@@ -515,7 +594,6 @@ def all_to_all(
     volume = (rows - input_splits[me]) * row_bytes
     record("all_to_all", group.name, n, tensor.dtype, volume, volume, "native")
     output = torch.empty((sum(output_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    even = input_split_sizes is None
     return issue(
         "all_to_all",
         group,
@@ -545,6 +623,8 @@ def _exchange_split_sizes(input_splits: list[int], group: Group) -> list[int]:
 def barrier(*, group: Group | dist.ProcessGroup | None = None) -> None:
     """Block until every rank of the group reaches the barrier."""
     group = _member_group(group, "barrier")
+    if debug_checks():
+        _check_same_call("barrier", group, (), "")
     if group.size == 1:
         _on_one_rank("barrier", group, "none", None)
         return

@@ -7,6 +7,12 @@ computes the cross-entropy with two small all-reduces per token row, never gathe
 
 A vocabulary that does not divide by the axis size is padded to ``tp * ceil(vocab / tp)`` rows; padding rows
 are zero, never looked up, and masked out of the cross-entropy by ``vocab_size``.
+
+Both take token ids that must be the same on every rank of the group and lie in the vocabulary: a rank looking up
+another rank's ids, or an id no rank owns, would give a silently wrong embedding (a zero row) or loss where one
+process raises. So the embedding's first forward, the cross-entropy with ``check=True`` (the Llama objective's first
+call) and every call under ``COLO_DEBUG_CHECKS=1`` run `check_tokens`: one small exchange over the group, and the
+same `ValueError` / `IndexError` on every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colo.comm import Group, Mesh, all_reduce
+from colo.comm.debug import debug_checks, disagreement, exchange, fingerprint
 
 from .comm_ops import all_reduce_copy
 from .layers import sharded_parameter, tp_size
@@ -31,8 +38,9 @@ class VocabParallelEmbedding(nn.Module):
     ``(tp * rows, embedding_dim)``. Forward: a local lookup of the tokens in this rank's range (others give
     zeros) and `all_reduce_copy` (forward all-reduce, backward identity).
 
-    Token ids must lie in ``[0, num_embeddings)``; ids outside every rank's range give a zero embedding instead
-    of an error.
+    Token ids must lie in ``[0, num_embeddings)`` and be the same on every rank of the group: the first forward
+    (and every forward under ``COLO_DEBUG_CHECKS=1``) checks both (`check_tokens`, one small exchange) and raises
+    on every rank, an `IndexError` for an id outside the vocabulary as ``nn.Embedding`` does in one process.
 
     Args:
         num_embeddings: vocabulary size.
@@ -74,6 +82,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + rows, num_embeddings)
         local = torch.empty(rows, embedding_dim, device=device, dtype=dtype)
         self.weight = sharded_parameter(local, mesh, axis, 0, (self.num_embeddings_padded, embedding_dim))
+        self.ids_checked = False
+        """Whether a forward has checked its ids (`check_tokens`); later ones skip it unless ``COLO_DEBUG_CHECKS``."""
         self.reset_parameters()
 
     @property
@@ -128,6 +138,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids``: integer tensor of any shape, the same on every rank. Returns ``(*ids.shape, embedding_dim)``."""
+        if not torch.compiler.is_compiling() and (not self.ids_checked or debug_checks()):
+            check_tokens(ids, group=self.group, num_classes=self.num_embeddings, what="VocabParallelEmbedding: ids")
+            self.ids_checked = True
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, padding_idx=self.local_padding_idx)
@@ -141,6 +154,39 @@ class VocabParallelEmbedding(nn.Module):
         return (
             f"{self.num_embeddings}{padded}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
             f"axis={self.axis!r}, tp={self.tp}"
+        )
+
+
+def check_tokens(
+    tokens: torch.Tensor, *, group: Group, num_classes: int, what: str, ignore_index: int | None = None
+) -> None:
+    """Raise on every rank of ``group`` unless every rank holds the same ``tokens`` and each lies in
+    ``[0, num_classes)`` (or equals ``ignore_index``): one exchange of ``(shape, fingerprint, min, max)``.
+
+    Not for compiled code (its ``.item()`` calls break the graph): callers skip it under ``torch.compile``.
+
+    Raises:
+        ValueError: the ranks hold different tokens (naming the group and which ranks differ).
+        IndexError: a token outside the vocabulary (naming it and ``num_classes``), as one process's lookup raises.
+    """
+    if tokens.is_meta:
+        return
+    valid = tokens if ignore_index is None else tokens[tokens != ignore_index]
+    low, high = (int(valid.min()), int(valid.max())) if valid.numel() else (0, 0)
+    everyone = exchange((tuple(tokens.shape), fingerprint(tokens), low, high), group, f"{what} check")
+    differ = disagreement([summary[:2] for summary in everyone], group)
+    if differ is not None:
+        raise ValueError(
+            f"{what} differ between the ranks of group {group.describe()}: {differ}. Every rank of a tensor-parallel "
+            "group must get the same tokens (each computes a part of the same sequences): draw them with the same "
+            "seed on every rank, or broadcast them from the group's first rank (colo.comm.broadcast)"
+        )
+    if low < 0 or high >= num_classes:
+        allowed = "" if ignore_index is None else f", or ignore_index={ignore_index}"
+        raise IndexError(
+            f"{what}: token id {high if high >= num_classes else low} is out of range for a vocabulary of "
+            f"{num_classes} (ids must be in [0, {num_classes}){allowed}); encode the data with the model's tokenizer "
+            "or give the model a vocabulary that holds every id"
         )
 
 
@@ -218,6 +264,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     vocab_size: int | None = None,
     reduction: str = "mean",
+    check: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of logits split over the vocabulary, equal to ``F.cross_entropy`` of the gathered logits.
 
@@ -233,9 +280,16 @@ def vocab_parallel_cross_entropy(
         vocab_size: the true vocabulary size when the columns are padded (columns from ``vocab_size`` on are
             excluded); ``None``: every column is a class. Default ``None``.
         reduction: ``"mean"`` over the targets that are not ignored (NaN if all are), ``"sum"`` or ``"none"``.
+        check: first check that every rank holds the same targets, each in the vocabulary or ``ignore_index``
+            (`check_tokens`: one small exchange; a caller's first call, say); always under ``COLO_DEBUG_CHECKS=1``.
+            Default ``False``.
 
     Returns:
         The loss, in ``local_logits``' dtype: a scalar, or one value per target with ``reduction="none"``.
+
+    Raises:
+        IndexError: (when checked) a target outside ``[0, vocab_size)`` that is not ``ignore_index``, as
+            ``F.cross_entropy`` raises in one process. ValueError: (when checked) the ranks' targets differ.
     """
     if not isinstance(group, Group):
         raise TypeError(f"vocab_parallel_cross_entropy: group must be a colo.comm.Group, not {type(group).__name__}")
@@ -251,6 +305,15 @@ def vocab_parallel_cross_entropy(
         )
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'")
+    if not torch.compiler.is_compiling() and (check or debug_checks()):  # (compiled: checked by the eager calls)
+        num_classes = vocab_size if vocab_size is not None else local_logits.shape[-1] * group.size
+        check_tokens(
+            target,
+            group=group,
+            num_classes=num_classes,
+            what="vocab_parallel_cross_entropy: target",
+            ignore_index=ignore_index,
+        )
     losses = VocabParallelCrossEntropy.apply(local_logits, target, group, ignore_index, vocab_size)
     if reduction == "none":
         return losses.to(local_logits.dtype)

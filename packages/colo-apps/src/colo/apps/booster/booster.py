@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from colo.comm.debug import debug_checks, disagreement, exchange, fingerprint
+
 from .plans import checkpoint_manifest
 from .plugins.base import Engine, Plugin, StepResult
 
@@ -37,6 +39,7 @@ class Booster:
         self.lr_scheduler = None
         self.step_count = 0
         self._checkpointer = None  # the AsyncCheckpointer of asynchronous saves, created at the first one
+        self._batch_checked = False  # whether a step checked that its batch is the same on the ranks sharing it
 
     def boost(
         self,
@@ -95,8 +98,16 @@ class Booster:
         Under ZeRO 1/2 (`Zero`, `HybridParallel`) the updated parameters' all-gather is still in flight when it
         returns (it overlaps the next forward): read parameters through `unwrap` or ``model.state_dict()``, which
         wait for it, not straight from ``model.parameters()``. `save` and `load` wait too.
+
+        Ranks that split one batch's work (a tensor-, sequence- or pipeline-parallel group: every rank but those
+        differing on the plugin's ``sample_axes``) must be given the same batch. The first step checks it (a hash of
+        the batch's integer tensors, exchanged over the group; every step under ``COLO_DEBUG_CHECKS=1``) and raises
+        a `ValueError` on every rank naming the group, the ranks and the fix.
         """
         engine = self._require_engine()
+        if not self._batch_checked or debug_checks():
+            _check_same_batch(batch, mesh=engine.mesh, sample_axes=self.plugin.sample_axes(engine.mesh))
+            self._batch_checked = True
         loss, grad_norm, skipped = engine.train_step(batch)
         if not skipped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -204,6 +215,39 @@ class Booster:
         if self.lr_scheduler is not None and "lr_scheduler" in booster_state:
             self.lr_scheduler.load_state_dict(booster_state["lr_scheduler"])
         return metadata
+
+
+def _check_same_batch(batch: Mapping[str, torch.Tensor], *, mesh, sample_axes: tuple[str, ...]) -> None:
+    """Raise a `ValueError` on every rank unless the ranks that share samples (equal coordinates on
+    ``sample_axes``) hold the same batch: its integer and boolean tensors (token ids, labels, masks, positions),
+    compared by shape, dtype and `colo.comm.debug.fingerprint` in one exchange over their group. Float tensors
+    (features computed on each rank) are left out."""
+    axes = tuple(axis for axis in mesh.axis_names if axis not in sample_axes and mesh.size(axis) > 1)
+    if not axes or not isinstance(batch, Mapping):
+        return
+    group = mesh.group(*axes)
+    summary = {
+        key: (tuple(value.shape), str(value.dtype), fingerprint(value))
+        for key, value in sorted(batch.items())
+        if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
+    }
+    everyone = exchange(summary, group, "Booster.train_step batch check")
+    differing = {}
+    for key in sorted(set().union(*everyone)):
+        differ = disagreement([summary.get(key) for summary in everyone], group)
+        if differ is not None:
+            differing[key] = differ
+    if not differing:
+        return
+    shown = "; ".join(f"{key!r}: {differ}" for key, differ in differing.items())
+    kind = "/".join(axes)
+    raise ValueError(
+        f"Booster.train_step: the ranks of the {kind} group {group.describe()} split the work of one batch and must "
+        f"all be given the same one, but they got different batches ({shown}). Give every rank of a {kind} group "
+        "the same batch: draw it with the same seed on each rank, or load it on the group's first rank and "
+        f"broadcast it (colo.comm.broadcast); only ranks that differ on {'/'.join(sample_axes)} take different "
+        "batches (plugin.prepare_dataloader shards a dataset that way)"
+    )
 
 
 def _execution_order(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> list[str]:

@@ -20,11 +20,12 @@ The pieces a training run chains together::
 - `packing`: `PackedDataset` (one token stream cut into ``seq_len`` windows) and the opt-in `TokenBudgetDataset`
   (whole documents bin-packed into rows, ``position_ids`` restarting per document; `pack_to_token_budget`).
 - `sft`: `ChatTemplate` and `SFTDataset` (labels only on the assistant's replies).
-- `sampler`: `ResumableDistributedSampler` and `batches`.
+- `sampler`: `ResumableDistributedSampler`, `batches` and `check_token_ids` (ids and labels within the model's
+  vocabulary, which the trainer checks on every batch).
 """
 
 from .packing import IGNORE_INDEX, PackedDataset, TokenBudgetDataset, pack_to_token_budget, tokenize_documents
-from .sampler import ResumableDistributedSampler, batches, collate
+from .sampler import ResumableDistributedSampler, batches, check_token_ids, collate
 from .sft import ChatTemplate, SFTDataset, conversation_of
 from .sources import Document, default_corpus, read_documents, validate_messages
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -41,6 +42,7 @@ __all__ = [
     "TokenBudgetDataset",
     "Tokenizer",
     "batches",
+    "check_token_ids",
     "collate",
     "conversation_of",
     "default_corpus",

@@ -179,6 +179,34 @@ def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
     return {key: torch.stack([item[key] for item in items]) for key in keys}
 
 
+def check_token_ids(batch: Mapping[str, Any], vocab_size: int, *, ignore_index: int = -100) -> None:
+    """Raise an `IndexError` when a batch's ``input_ids`` (or ``labels``, but for ``ignore_index``) hold an id
+    outside ``[0, vocab_size)``: the error one process's embedding raises, in every layout (a vocabulary-parallel
+    embedding would otherwise give a zero row for it and train on). A min and a max per tensor.
+
+    Args:
+        batch: a batch dict (other keys, and values that are not tensors, are not looked at).
+        vocab_size: the model's vocabulary size.
+        ignore_index: the label of tokens without a loss. Default: ``-100``.
+    """
+    for key, allowed in (("input_ids", None), ("labels", ignore_index)):
+        values = batch.get(key)
+        if not isinstance(values, torch.Tensor) or values.is_floating_point():
+            continue
+        valid = values if allowed is None else values[values != allowed]
+        if valid.numel() == 0:
+            continue
+        low, high = int(valid.min()), int(valid.max())
+        if low < 0 or high >= vocab_size:
+            also = "" if allowed is None else f", or {allowed} for no loss"
+            raise IndexError(
+                f"the batch's {key} hold token id {high if high >= vocab_size else low}, out of range for the "
+                f"model's vocabulary of {vocab_size} (ids must be in [0, {vocab_size}){also}); tokenize the data "
+                "with the model's tokenizer (data.tokenizer) or give the model a vocabulary that holds every id "
+                "(model.vocab_size)"
+            )
+
+
 def batches(
     dataset,
     sampler: ResumableDistributedSampler,

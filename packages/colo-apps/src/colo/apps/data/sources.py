@@ -22,6 +22,11 @@ FORMATS = ("auto", "text", "jsonl", "hf")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+NOT_TEXT_FRACTION = 0.2
+"""The share of a text file's characters that may be undecodable (U+FFFD after UTF-8 decoding, e.g. a Latin-1
+file's accented letters) before it is refused as not text."""
+_SNIFF_BYTES = 64 * 1024
+"""How much of each data file `data_files_problem` reads."""
 
 
 def read_documents(
@@ -43,7 +48,8 @@ def read_documents(
     ``dataset_info.json``/``dataset_dict.json``/``state.json`` is a Hugging Face dataset, anything else is text):
 
     - ``"text"``: one document per file, the whole file (UTF-8; undecodable bytes become U+FFFD). Empty files are
-      skipped.
+      skipped; a file that is not text (NUL bytes, or more than `NOT_TEXT_FRACTION` of it undecodable) is an error
+      naming it, not trained on as replacement characters.
     - ``"jsonl"``: one record per line (blank lines skipped); a ``.json`` file holding one JSON array is read as its
       records. A record with ``messages_field`` yields that conversation; one with ``prompt_field`` and
       ``response_field`` yields ``[{"role": "user", ...}, {"role": "assistant", ...}]``; one with ``text_field``
@@ -65,8 +71,8 @@ def read_documents(
 
     Raises:
         FileNotFoundError: a path does not exist, or a glob matches nothing.
-        ValueError: an unknown format, a line that is not JSON, a record without the fields (each message names the
-            file, the line and the fix).
+        ValueError: an unknown format, a file read as text that is not text, a line that is not JSON, a record
+            without the fields (each message names the file, the line and the fix).
         ImportError: a Hugging Face dataset without the ``datasets`` package.
     """
     if format not in FORMATS:
@@ -200,7 +206,54 @@ def _detect(path: Path) -> str:
 def _read_text(path: Path) -> str:
     if path.is_dir():
         raise ValueError(f"{path} is a directory; format='text' reads files")
-    return path.read_bytes().decode("utf-8", errors="replace")
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    problem = _not_text(raw, text)
+    if problem is not None:
+        raise ValueError(f"{path} {problem}")
+    return text
+
+
+def _not_text(raw: bytes, text: str) -> str | None:
+    """Why these bytes are not text to train on (NUL bytes, mostly undecodable), with the fix; ``None`` if text."""
+    if b"\0" in raw:
+        why = "holds NUL bytes"
+    elif text and text.count("\ufffd") > NOT_TEXT_FRACTION * len(text):
+        why = f"is mostly not UTF-8 ({text.count(chr(0xFFFD)) / len(text):.0%} of it undecodable)"
+    else:
+        return None
+    return (
+        f"is not a text file: it {why}; data paths take UTF-8 text, JSON Lines or a saved Hugging Face dataset: "
+        "leave it out of the data paths, or convert it to UTF-8 text"
+    )
+
+
+def data_files_problem(paths: str | os.PathLike | Sequence[str | os.PathLike], *, format: str = "auto") -> str | None:
+    """What a look at the files of ``paths`` shows would stop `read_documents`, or ``None``: a file read as text
+    that is not text (from its first 64 KiB), or files that hold no bytes at all. For the checks before a run
+    starts (``colo train`` reports it in one line, where the run would fail inside every rank).
+
+    Raises:
+        FileNotFoundError: a path does not exist, or a glob matches nothing.
+    """
+    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files = []
+    for entry in entries:
+        for path in _expand(entry, format):
+            kind = format if format != "auto" else _detect(path)
+            if kind == "hf" or path.is_dir():
+                return None  # a saved dataset: `datasets` reads its rows
+            files.append(path)
+            if kind == "text":
+                with path.open("rb") as file:
+                    head = file.read(_SNIFF_BYTES)
+                problem = _not_text(head, head.decode("utf-8", errors="replace"))
+                if problem is not None:
+                    return f"{path} {problem}"
+    if files and all(path.stat().st_size == 0 for path in files):
+        named = str(files[0]) if len(files) == 1 else f"{files[0]} and the other {len(files) - 1} files"
+        return f"{named}: empty, no data to train on; point data paths at files holding text"
+    return None
 
 
 def _read_jsonl(path: Path, fields: _Fields) -> Iterator[Document]:

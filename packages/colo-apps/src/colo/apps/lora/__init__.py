@@ -10,7 +10,8 @@ adapter directory (``colo convert CHECKPOINT --to hf|peft OUT`` does both).
 Example::
 
     model = Llama(config); load_weights(model)            # the pretrained base
-    add_lora(model, r=16, alpha=32)                       # only the adapters are trainable now
+    add_lora(model, r=16, alpha=32)                       # only the adapters are trainable now (the same A on
+                                                          # every rank: drawn from seed=0 and each layer's name)
     model, optimizer, *_ = Booster(HybridParallel(tp=2, zero_stage=1)).boost(model, AdamW(...))
 """
 
@@ -20,6 +21,7 @@ from .adapters import (
     add_lora,
     check_plain_lora,
     default_target_modules,
+    init_lora_adapter,
     is_lora_layer,
     lora_layers,
     lora_parameters,
@@ -45,6 +47,7 @@ __all__ = [
     "default_target_modules",
     "detach_lora_layers",
     "has_lora_tensors",
+    "init_lora_adapter",
     "is_lora_layer",
     "lora_layers",
     "lora_parameters",

@@ -15,7 +15,9 @@ and puts the base layers back in place of the wrappers.
 
 from __future__ import annotations
 
+import math
 import sys
+import zlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -26,6 +28,10 @@ NATIVE_LLAMA_TARGETS = ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj
 
 HF_LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The same projections in Hugging Face Llama models (q, k and v apart)."""
+
+LORA_SEEDS_ATTR = "colo_lora_seeds"
+"""The attribute of a ``peft`` LoRA layer holding ``{adapter name: seed}`` for the adapters `add_lora` added, so
+that adapters added on the meta device are materialized from the same seed (`materialize_lora_adapters`)."""
 
 
 def _require_peft():
@@ -57,14 +63,16 @@ def add_lora(
     target_modules: Sequence[str] | str | None = None,
     use_rslora: bool = False,
     adapter_name: str = "default",
+    seed: int = 0,
 ) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place (``peft.inject_adapter_in_model``) and freeze the rest.
 
     Call it on the unsharded model, the same way on every rank, before `colo.apps.Booster.boost`. ``A`` is drawn
-    from the torch RNG (so it differs between ranks seeded differently, or not at all) and ``B`` is zero, so the
-    model is unchanged until trained; `Booster.boost` makes the adapters equal everywhere, with the rest of the
-    model (every plugin broadcasts rank 0's values before sharding them; on a meta-device model the `HybridParallel`
-    plugin draws ``A`` from its ``seed`` instead, the same on every rank).
+    as ``peft`` draws it (Kaiming-uniform, ``a=sqrt(5)``) but from a generator seeded by ``seed`` and the layer's
+    name (`init_lora_adapter`), not from the torch RNG, and ``B`` is zero, so the model is unchanged until trained:
+    every rank of a job, and one process, get the same adapters whatever their torch RNG states (the ranks of a
+    launched job are seeded differently), on the CPU or a GPU, on an eager or a meta-device model (the
+    `HybridParallel` plugin then draws them from the same seed when it materializes the model).
 
     Args:
         model (nn.Module): colo's `Llama`, a Hugging Face model, or any module with ``nn.Linear`` targets.
@@ -75,6 +83,7 @@ def add_lora(
             ``peft`` reads them; ``None``: `default_target_modules`. Default: ``None``.
         use_rslora (bool): rank-stabilized scaling ``alpha / sqrt(r)`` (Kalajdzievski, 2023). Default: ``False``.
         adapter_name (str): the adapter's name in the ``lora_A`` / ``lora_B`` dicts. Default: ``"default"``.
+        seed (int): the seed the adapters' ``A`` is drawn from, with each layer's name. Default: ``0``.
 
     Returns:
         nn.Module: ``model``, with only the adapters trainable.
@@ -102,9 +111,31 @@ def add_lora(
         peft.inject_adapter_in_model(config, model, adapter_name=adapter_name)
     except ValueError as error:
         raise ValueError(f"add_lora: target_modules={targets!r}: {error}") from None
-    if not any(True for _ in lora_layers(model)):  # pragma: no cover - peft raises first
+    layers = list(lora_layers(model))
+    if not layers:  # pragma: no cover - peft raises first
         raise ValueError(f"add_lora: no module of the model matches target_modules={targets!r}")
+    for name, layer in layers:
+        if adapter_name not in layer.lora_A:  # an embedding's adapters (lora_embedding_A): peft's own init
+            continue
+        seeds = getattr(layer, LORA_SEEDS_ATTR, None) or {}
+        setattr(layer, LORA_SEEDS_ATTR, {**seeds, adapter_name: seed})
+        if not layer.lora_A[adapter_name].weight.is_meta:
+            init_lora_adapter(layer, name, adapter_name, seed=seed)
     return model
+
+
+@torch.no_grad()
+def init_lora_adapter(layer: nn.Module, name: str, adapter: str, *, seed: int) -> None:
+    """Give ``layer``'s adapter ``adapter`` the values `add_lora` starts it from: ``A`` as ``peft`` initializes it
+    (Kaiming-uniform, ``a=sqrt(5)``), drawn in fp32 on the CPU from a generator seeded by ``seed`` and ``name`` (the
+    layer's qualified name in the model), then cast and copied to where ``A`` lives; ``B`` zero. A function of
+    ``(seed, name)`` only, as the native Llama's initialization is: the same on every rank and device."""
+    lora_a, lora_b = layer.lora_A[adapter], layer.lora_B[adapter]
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    values = torch.empty(lora_a.weight.shape, dtype=torch.float32)
+    nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
+    lora_a.weight.copy_(values)
+    nn.init.zeros_(lora_b.weight)
 
 
 def is_lora_layer(module: nn.Module) -> bool:

@@ -22,8 +22,6 @@ model computes, and `colo.apps.lora.merge_lora` adds this rank's block of ``scal
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +38,7 @@ from colo.tensor import (
     sum_gradients_over,
 )
 
-from .adapters import check_plain_lora, lora_layers
+from .adapters import LORA_SEEDS_ATTR, check_plain_lora, init_lora_adapter, lora_layers
 
 
 @dataclass
@@ -80,22 +78,20 @@ def detach_lora_layers(model: nn.Module) -> list[DetachedLora]:
 @torch.no_grad()
 def materialize_lora_adapters(detached: list[DetachedLora], *, device: torch.device, seed: int) -> None:
     """Give adapters still on the meta device (``add_lora`` on a meta-device model) real, unsharded values on
-    ``device``, the same on every rank: ``A`` as peft initializes it (Kaiming-uniform, ``a=sqrt(5)``) from a
-    generator seeded by ``seed`` and the layer's name, ``B`` zero. Adapters are small (``r * (in + out)`` per
-    layer), so each rank holds them whole until `attach_lora_layers` shards them; the base layers stay on the
-    meta device for the plan to materialize shard by shard."""
+    ``device``, the same on every rank: those `colo.apps.lora.add_lora` gives an eager model
+    (`colo.apps.lora.init_lora_adapter`), from the seed ``add_lora`` was given (``seed`` for adapters it did not
+    add). Adapters are small (``r * (in + out)`` per layer), so each rank holds them whole until
+    `attach_lora_layers` shards them; the base layers stay on the meta device for the plan to materialize shard by
+    shard."""
     for item in detached:
+        seeds = getattr(item.layer, LORA_SEEDS_ATTR, None) or {}
         for adapter in item.layer.lora_A.keys():
             lora_a, lora_b = item.layer.lora_A[adapter], item.layer.lora_B[adapter]
             if not (lora_a.weight.is_meta or lora_b.weight.is_meta):
                 continue
             lora_a.to_empty(device=device)
             lora_b.to_empty(device=device)
-            generator = torch.Generator(device=device).manual_seed(
-                (seed * 1_000_003 + zlib.crc32(item.name.encode())) % 2**63
-            )
-            nn.init.kaiming_uniform_(lora_a.weight, a=math.sqrt(5), generator=generator)
-            nn.init.zeros_(lora_b.weight)
+            init_lora_adapter(item.layer, item.name, adapter, seed=seeds.get(adapter, seed))
 
 
 def restore_lora_layers(detached: list[DetachedLora]) -> None:

@@ -28,6 +28,7 @@ from ..data import (
     ResumableDistributedSampler,
     SFTDataset,
     TokenBudgetDataset,
+    check_token_ids,
     collate,
     default_corpus,
     read_documents,
@@ -48,6 +49,8 @@ class RunData:
         tokens_per_row: the real (non-padding) tokens of each ``train`` row; ``None`` when every row is full
             (fixed windows).
         description: one line on what the rows hold, for the run's log.
+        vocab_size: the model's vocabulary: every batch's ids and labels are checked to lie in it
+            (`colo.apps.data.check_token_ids`); ``None``: not checked.
     """
 
     tokenizer: object
@@ -57,6 +60,7 @@ class RunData:
     batch_size: int
     tokens_per_row: np.ndarray | None = None
     description: str = ""
+    vocab_size: int | None = None
 
     def train_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
         """This rank's training batches, epoch after epoch, each with its number of real (non-padding) tokens.
@@ -67,13 +71,15 @@ class RunData:
         while True:
             for indices in self.sampler:
                 batch = collate([self.train[i] for i in indices])
+                if self.vocab_size is not None:
+                    check_token_ids(batch, self.vocab_size)
                 if self.tokens_per_row is None:
                     yield batch, batch["input_ids"].numel()
                 else:
                     yield batch, int(self.tokens_per_row[indices].sum())
 
 
-def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) -> RunData:
+def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int, vocab_size: int | None = None) -> RunData:
     """Read and tokenize the data into rows; split off the eval tail; make this rank's sampler.
 
     Args:
@@ -81,6 +87,7 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
         tokenizer: from `load_tokenizer(config.data.tokenizer)`.
         num_replicas: data-parallel ranks that get different samples (``plugin.sample_axes``).
         rank: this rank's index among them.
+        vocab_size: the model's vocabulary, which every batch's ids are checked against (`RunData.vocab_size`).
 
     Raises:
         ValueError: the batch does not split over the ranks, the data is too small, or the plugin cannot take the
@@ -128,6 +135,7 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int) ->
         batch_size=batch_size,
         tokens_per_row=None if tokens_per_row is None else tokens_per_row[:num_train],
         description=description,
+        vocab_size=vocab_size,
     )
 
 

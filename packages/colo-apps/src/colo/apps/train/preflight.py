@@ -1,10 +1,10 @@
 """Checks of a validated `RunConfig` against the world outside it, run before any process trains.
 
 The pydantic model checks the fields among themselves; these look at the files and the model's shape: data paths
-that do not exist, a ``model.init_from`` without weights, a tensor-parallel size that does not divide the heads, a
-``checkpoint.resume`` directory that is not a checkpoint. ``colo launch`` runs them before torchrun starts and
-``colo train`` before it builds anything, so the error is printed once, as one line naming the field, instead of
-a traceback from inside every rank.
+that do not exist, data files that are not text or hold nothing, a ``model.init_from`` without weights, a
+tensor-parallel size that does not divide the heads, a ``checkpoint.resume`` directory that is not a checkpoint.
+``colo launch`` runs them before torchrun starts and ``colo train`` before it builds anything, so the error is
+printed once, as one line naming the field, instead of a traceback from inside every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def check_before_start(config: RunConfig) -> None:
     Args:
         config: the validated run config.
     """
-    for check in (_data_paths, _init_from, _tensor_parallel, _resume):
+    for check in (_data_paths, _data_files, _init_from, _tensor_parallel, _resume):
         problem = check(config)
         if problem is not None:
             raise ConfigError(f"invalid run config: {problem}")
@@ -35,6 +35,18 @@ def _data_paths(config: RunConfig) -> str | None:
         what = "the pattern matches no files" if glob.has_magic(path) else "it does not exist"
         return f"data.paths[{index}]={path!r}: {what}; point it at text / JSONL files, a directory or a glob"
     return None
+
+
+def _data_files(config: RunConfig) -> str | None:
+    if not config.data.paths or config.data.task == "diffusion":  # diffusion reads image folders
+        return None
+    from ..data.sources import data_files_problem
+
+    try:
+        problem = data_files_problem(config.data.paths, format=config.data.format)
+    except (OSError, ValueError) as error:
+        return f"data.paths: {error}"
+    return None if problem is None else f"data.paths: {problem}"
 
 
 def _init_from(config: RunConfig) -> str | None:

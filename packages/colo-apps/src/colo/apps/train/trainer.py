@@ -28,7 +28,7 @@ from colo.tensor.moe import moe_aux_loss, moe_blocks
 
 from ..booster import Booster
 from ..booster.llama_plan import set_materialize_fn
-from ..data import collate, load_tokenizer
+from ..data import check_token_ids, collate, load_tokenizer
 from ..lora import add_lora, lora_layers
 from ..mfu import mfu, peak_flops
 from ..models.llama import Llama, flops_per_token
@@ -119,7 +119,13 @@ class Trainer:
         )
         mesh = self.booster.mesh
         sample_group = mesh.group(*self.plugin.sample_axes(mesh))
-        self.data: RunData = build_data(config, self.tokenizer, num_replicas=sample_group.size, rank=sample_group.rank)
+        self.data: RunData = build_data(
+            config,
+            self.tokenizer,
+            num_replicas=sample_group.size,
+            rank=sample_group.rank,
+            vocab_size=self.llama_config.vocab_size,
+        )
         self.sample_group = sample_group
         self.layout = {
             "plugin": config.plugin.model_dump(mode="json"),
@@ -171,8 +177,7 @@ class Trainer:
             with torch.device(self.device):
                 model = Llama(self.llama_config)
             model.init_weights(config.seed)
-        if config.lora.enabled:  # (on a meta-device model the plugin initializes the adapters from the seed)
-            torch.manual_seed(config.seed)  # the same adapters on every rank
+        if config.lora.enabled:  # the same adapters on every rank (on a meta model: when the plugin materializes it)
             add_lora(
                 model,
                 r=config.lora.r,
@@ -180,6 +185,7 @@ class Trainer:
                 dropout=config.lora.dropout,
                 target_modules=config.lora.target_modules,
                 use_rslora=config.lora.use_rslora,
+                seed=config.seed,
             )
         return model
 
@@ -480,7 +486,9 @@ class Trainer:
             indices = [group.rank + group.size * i for i in range(first, min(first + size, per_rank))]
             if not indices:
                 break
-            micro = {name: tensor.to(self.device) for name, tensor in collate([evaluation[i] for i in indices]).items()}
+            batch = collate([evaluation[i] for i in indices])
+            check_token_ids(batch, self.llama_config.vocab_size)
+            micro = {name: tensor.to(self.device) for name, tensor in batch.items()}
             loss = self.booster.eval_step(micro)
             aux = moe_aux_loss(self.model)  # an MoE model's loss holds this forward's router losses: leave them out
             total += (loss if aux is None else loss - aux.to(loss.dtype)).double().cpu()

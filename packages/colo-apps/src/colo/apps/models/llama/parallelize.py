@@ -64,6 +64,9 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
     def __init__(self, *, group: Group, vocab_size: int, ignore_index: int = IGNORE_INDEX):
         super().__init__(ignore_index=ignore_index, fused=False)
         self.group, self.vocab_size = group, vocab_size
+        self.labels_checked = False
+        """Whether a call has checked its labels: the same on every rank, in the vocabulary or ``ignore_index``
+        (`colo.tensor.vocab_parallel.check_tokens`); later calls skip it unless ``COLO_DEBUG_CHECKS=1``."""
 
     def forward(
         self,
@@ -88,7 +91,10 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
             ignore_index=self.ignore_index,
             vocab_size=self.vocab_size,
             reduction="sum",
+            check=not self.labels_checked,
         )
+        if not torch.compiler.is_compiling():  # (a compiled forward does not check: vocab_parallel_cross_entropy)
+            self.labels_checked = True
         # the mean over non-ignored targets, 0 when all are ignored (as colo.kernels.cross_entropy)
         return total / (targets != self.ignore_index).sum().clamp(min=1), logits
 
@@ -103,7 +109,10 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
             ignore_index=self.ignore_index,
             vocab_size=self.vocab_size,
             reduction="none",
+            check=not self.labels_checked,
         )
+        if not torch.compiler.is_compiling():  # (a compiled forward does not check: vocab_parallel_cross_entropy)
+            self.labels_checked = True
         return -losses
 
     def token_logprobs_and_entropy(
