@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from colo.apps.train.metrics import step_line
 from colo.comm.testing import run_distributed
 
 SEED, ROWS, PROMPT, RESPONSE, TEMPERATURE = 3, 8, 5, 6, 0.8
@@ -214,6 +215,9 @@ def test_grpo_run_logs_its_metrics_and_resumes_exactly(tmp_path):
         assert record["grpo/time_rollout"] > 0 and record["grpo/time_update"] > 0
         assert record["grpo/logprob_mismatch_max"] < 1e-5  # rollout log-probs == the trainer's recompute
         assert record["grpo/rollout_peak_bytes"] > 0  # the rollout's memory: in place under DDP, its KV cache
+        line = step_line(record, total_steps=6)  # what the run prints: what RL users watch, under these names
+        for name in ("reward_mean", "kl", "response_length", "clip_fraction"):
+            assert f"| grpo/{name} " in line, line
     assert any("eval_grpo/greedy_reward" in r for r in records)
     assert os.path.exists(os.path.join(straight_dir, "checkpoints", "grpo-reference.safetensors"))
 

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from colo.apps.train.metrics import step_line
 from colo.comm.testing import run_distributed
 
 
@@ -152,6 +153,9 @@ def test_ppo_run_logs_its_metrics_and_resumes_exactly(tmp_path, critic):
         for name in ("value_loss", "explained_variance", "returns", "values", "kl", "kl_coef", "clip_fraction",
                      "entropy", "reward_mean", "score"):  # fmt: skip
             assert f"ppo/{name}" in record, (step, name)
+        line = step_line(record, total_steps=6)  # what the run prints, under the metrics.jsonl names
+        for name in ("reward_mean", "kl", "clip_fraction", "value_loss", "explained_variance"):
+            assert f"| ppo/{name} " in line, line
     assert records[4]["ppo/kl_coef"] != records[3]["ppo/kl_coef"]  # the adaptive controller moved
     assert "eval_ppo/greedy_reward" in records[6]
     if critic == "separate":

@@ -119,11 +119,43 @@ class MetricsLogger:
             self.writer = None
 
 
+TASK_STEP_METRICS = (
+    ("sft_loss", "{:.4f}"),
+    ("reward_mean", "{:.3f}"),
+    ("kl", "{:.4f}"),
+    ("response_length", "{:.1f}"),
+    ("clip_fraction", "{:.3f}"),
+    ("value_loss", "{:.4f}"),
+    ("explained_variance", "{:.3f}"),
+    ("accuracy", "{:.1%}"),
+    ("margin", "{:.3f}"),
+)
+"""What the step line shows of a recipe's metrics, as ``(name after the task prefix, format)``: what RL users watch
+(reward, KL, response length, clip fraction; PPO's value loss and explained variance) and preference training's
+accuracy and margin. Each appears under its ``metrics.jsonl`` name (``grpo/reward_mean``, ``ppo/kl``, ``dpo/margin``)
+when the step's record holds it."""
+
+TASK_PREFIXES = ("grpo", "ppo", "dpo", "rm")
+
+
+def task_metric_parts(record: dict) -> list[str]:
+    """``"grpo/reward_mean 0.412"``-style parts of the step line for the recipe metrics ``record`` holds."""
+    parts = []
+    for name, spec in TASK_STEP_METRICS:
+        for prefix in TASK_PREFIXES:
+            value = record.get(f"{prefix}/{name}")
+            if isinstance(value, int | float):
+                parts.append(f"{prefix}/{name} {spec.format(value)}")
+    return parts
+
+
 def step_line(record: dict, *, total_steps: int) -> str:
-    """The log line of one step: ``step 100/300 | loss 2.31 | lr 1.9e-03 | 12.3k tok/s | MFU n/a | mem 310 MiB``."""
+    """The log line of one step: ``step 100/300 | loss 2.31 | lr 1.9e-03 | 12.3k tok/s | MFU n/a | mem 310 MiB``,
+    with a recipe's own metrics after the loss (`TASK_STEP_METRICS`)."""
     parts = [
         f"step {record['step']}/{total_steps}",
         f"loss {record['loss']:.4f}",
+        *task_metric_parts(record),
         f"lr {record['lr']:.2e}" if record.get("lr") is not None else "lr -",
         f"grad norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "grad norm -",
         f"{record['tokens_per_second'] / 1000:.1f}k tok/s",
