@@ -91,3 +91,32 @@ def test_resumed_run_reproduces_the_uninterrupted_one_exactly(tmp_path):
     assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()
     again = CliRunner().invoke(app, ["convert", str(checkpoint), str(out), "--to", "diffusers"])
     assert again.exit_code == 2 and "--overwrite" in again.output
+
+
+def test_colo_train_prints_the_diffusion_run_like_every_recipe(tmp_path):
+    """`colo train --preset tiny-diffusion` (shortened, one process): the header, step lines with loss, images/s and
+    memory, where the sample grid went, and the done: summary."""
+    import subprocess
+    import sys
+
+    sets = {
+        "output_dir": str(tmp_path / "run"), "schedule.total_steps": 4, "schedule.warmup_steps": 1,
+        "data.global_batch_size": 4, "logging.every_steps": 2, "eval.every_steps": 4, "checkpoint.every_steps": 4,
+        "logging.tensorboard": "false", "diffusion.unet_channels": "[8, 16]", "diffusion.norm_num_groups": 4,
+        "diffusion.text_hidden_size": 16, "diffusion.text_layers": 1, "diffusion.vae_channels": "[8, 8]",
+        "diffusion.num_images": 16, "diffusion.vae_pretrain_steps": 1, "diffusion.samples_per_prompt": 1,
+        "diffusion.sample_steps": 2,
+    }  # fmt: skip
+    command = [sys.executable, "-m", "colo.apps.cli", "train", "--preset", "tiny-diffusion"]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={value}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "colo train: tiny-diffusion | 1 process(es)" in out, out
+    for step in (2, 4):
+        assert f"step {step}/4 | loss " in out and "images/s | mem " in out, out
+    assert f"samples at step 4: {tmp_path / 'run' / 'samples' / 'step-00000004.png'}" in out, out
+    assert "done: steps 1-4 in " in out and "last checkpoint " in out and "step-00000004" in out, out

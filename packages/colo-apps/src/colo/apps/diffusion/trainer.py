@@ -13,7 +13,7 @@ import torch.distributed as dist
 from colo.comm import init_distributed
 
 from ..booster import Booster
-from ..train.metrics import MetricsLogger, memory_bytes
+from ..train.metrics import MetricsLogger, format_bytes, memory_bytes
 from ..train.optim import build_scheduler
 from ..train.state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume
 from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate
@@ -336,37 +336,69 @@ class DiffusionTrainer:
             enabled=self.rank == 0,
         )
         losses, grids, device = [], [], self.device
+        self.log.print(
+            f"colo train: {config.name} | {self.world_size} process(es) on {device.type} | plugin {config.plugin.name} "
+            f"({config.plugin.precision}) | diffusion, {len(self.dataset)} images of {config.diffusion.image_size} px, "
+            f"{config.data.global_batch_size} per step"
+        )
         began = time.perf_counter()
+        saved = None
         for step in range(start, total):
             result = self.booster.train_step(self.step_batch(step))
             if self.ema is not None:
                 self.ema.step()
             losses.append(result.loss)
             done = step + 1
+            self.log.advance(done, f"loss {result.loss:.4f}")
             if done % logging.every_steps == 0 or done == total:
                 elapsed = time.perf_counter() - began
                 memory, _ = memory_bytes(device)
-                self.log.log(
-                    {
-                        "step": done,
-                        "loss": result.loss,
-                        "lr": result.lr,
-                        "grad_norm": result.grad_norm,
-                        "images_per_s": len(losses) * config.data.global_batch_size / elapsed,
-                        "memory": memory,
-                    }
-                )
+                record = {
+                    "step": done,
+                    "loss": result.loss,
+                    "lr": result.lr,
+                    "grad_norm": result.grad_norm,
+                    "images_per_s": len(losses) * config.data.global_batch_size / elapsed,
+                    "memory": memory,
+                }
+                self.log.log(record)
+                self.log.print(diffusion_step_line(record, total_steps=config.schedule.total_steps))
             if config.eval.every_steps and done % config.eval.every_steps == 0:
                 path = self.sample_grid(done)
                 if path:
                     grids.append(path)
+                    self.log.print(f"samples at step {done}: {path}")
             every = config.checkpoint.every_steps
             if config.checkpoint.enabled and (
                 (every and done % every == 0) or (done == config.schedule.total_steps and config.checkpoint.save_final)
             ):
-                self.save(done)
+                saved = self.save(done)
+        if losses:
+            memory, what = memory_bytes(device)
+            self.log.print(
+                f"done: steps {start + 1}-{start + len(losses)} in {time.perf_counter() - began:.1f} s | loss "
+                f"{losses[0]:.4f} -> {losses[-1]:.4f} | {what} {format_bytes(memory)} | last checkpoint "
+                f"{saved or 'none'}" + (f" | last samples {grids[-1]}" if grids else "")
+            )
+        else:
+            self.log.print("no steps run (the checkpoint is already at the end; raise schedule.total_steps to go on)")
         self.log.close()
         return {"losses": losses, "start_step": start, "grids": grids}
+
+
+def diffusion_step_line(record: dict, *, total_steps: int) -> str:
+    """``step 20/1500 | loss 0.1234 | lr 2.00e-03 | grad norm 0.512 | 41.2 images/s | mem 310 MiB``."""
+    grad_norm = record.get("grad_norm")
+    return " | ".join(
+        [
+            f"step {record['step']}/{total_steps}",
+            f"loss {record['loss']:.4f}",
+            f"lr {record['lr']:.2e}" if record.get("lr") is not None else "lr -",
+            f"grad norm {grad_norm:.3f}" if grad_norm is not None else "grad norm -",
+            f"{record['images_per_s']:.1f} images/s",
+            f"mem {format_bytes(record['memory'])}",
+        ]
+    )
 
 
 def train_diffusion(config) -> dict:
