@@ -64,6 +64,9 @@ def test_colo_launch_runs_a_two_process_training_job(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 process(es)" in done.stdout and "step 4/4" in done.stdout and "sample (greedy" in done.stdout
+    # the demo's end: each of the preset's prompts greedily and at a temperature beside it
+    assert done.stdout.count("sample (greedy, KV cache):") == 3, done.stdout
+    assert done.stdout.count("sample (temperature 0.8, top-p 0.95, KV cache):") == 3, done.stdout
     assert sorted(os.listdir(output / "checkpoints")) == ["step-00000002", "step-00000004"]
 
     generated = runner.invoke(

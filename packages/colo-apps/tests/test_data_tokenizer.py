@@ -86,3 +86,12 @@ def test_hf_tokenizer_special_tokens_from_config_and_errors(tmp_path):
     bare = _train_tokenizer(tmp_path / "bare", specials=("[X]",))
     with pytest.raises(ValueError, match="pass eos_token="):
         HFTokenizer(bare)
+
+
+def test_samples_show_bytes_that_are_not_utf8_escaped():
+    from colo.apps.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    broken = [*"ok ".encode(), 0xE2, 0x82, *"!".encode()]  # a 3-byte character cut after 2 bytes
+    assert tokenizer.decode(broken) == "ok \ufffd!"
+    assert tokenizer.decode(broken, errors="backslashreplace") == "ok \\xe2\\x82!"

@@ -49,13 +49,14 @@ class ByteTokenizer:
         """`encode` for many texts at once, each as an int32 numpy array."""
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) for text in texts]
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        """The text of ``ids``; invalid UTF-8 becomes U+FFFD.
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True, errors: str = "replace") -> str:
+        """The text of ``ids``; invalid UTF-8 becomes U+FFFD (``errors="backslashreplace"``: ``\\xNN``).
 
         Args:
             ids (Iterable[int]): token ids (a list, numpy array or tensor).
             skip_special_tokens (bool): drop ``bos``/``eos``/``pad``; otherwise they appear as ``<bos>``,
                 ``<eos>``, ``<pad>``. Default: ``True``.
+            errors (str): what `bytes.decode` does with invalid UTF-8. Default: ``"replace"``.
 
         Raises:
             ValueError: an id outside ``0..258``.
@@ -66,15 +67,15 @@ class ByteTokenizer:
             raise ValueError(f"ByteTokenizer: token id {int(bad[0])} is outside 0..{self.vocab_size - 1}")
         special = array >= 256
         if not special.any():
-            return array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+            return array.astype(np.uint8).tobytes().decode("utf-8", errors=errors)
         names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
         pieces, start = [], 0
         for position in np.flatnonzero(special).tolist():
-            pieces.append(array[start:position].astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+            pieces.append(array[start:position].astype(np.uint8).tobytes().decode("utf-8", errors=errors))
             if not skip_special_tokens:
                 pieces.append(names[int(array[position])])
             start = position + 1
-        pieces.append(array[start:].astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+        pieces.append(array[start:].astype(np.uint8).tobytes().decode("utf-8", errors=errors))
         return "".join(pieces)
 
     def __repr__(self) -> str:

@@ -383,9 +383,16 @@ class SampleSection(_Section):
     """A text sample generated from the final model (greedy unless temperature > 0)."""
 
     prompt: str = Field(default="def ", description="The prompt to continue.")
+    prompts: list[str] = Field(default=[], description="More prompts, each continued like `prompt`.")
     max_new_tokens: int = Field(default=64, ge=0, description="Tokens to generate (0: no sample).")
     temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0: greedy.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0).")
+    beside_greedy_temperature: float = Field(
+        default=0.8,
+        ge=0,
+        description="With temperature 0, also show a sample at this temperature (top-p 0.95) after each greedy one: "
+        "a greedy continuation of a small model often repeats itself. 0: greedy only.",
+    )
 
 
 class LoraSection(_Section):

@@ -11,6 +11,7 @@ re-prefilled for every token. ``use_cache=False`` keeps the reference path that 
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -189,7 +190,7 @@ def chat_template_of(run: dict):
     return ChatTemplate(**data.get("chat_template", {}))
 
 
-def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, **options) -> str:
+def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, escape_bytes: bool = False, **options) -> str:
     """``prompt`` and its continuation as text: `generate` on the encoded prompt, decoded.
 
     With ``chat_template`` (an SFT run's), ``prompt`` is the user's message: the conversation is rendered up to the
@@ -201,6 +202,8 @@ def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, **opti
         tokenizer: the run's tokenizer (``encode`` / ``decode``, ``eos_id``, ``vocab_size``).
         prompt: the text to continue, or the user's message.
         chat_template: a `ChatTemplate`, or ``None`` for plain continuation.
+        escape_bytes: show bytes that are not valid UTF-8 as ``\\xNN`` rather than U+FFFD (byte-level tokenizers,
+            whose ``decode`` takes ``errors``).
         **options: `generate`'s settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
             ``generator``, ``use_cache``).
     """
@@ -213,4 +216,6 @@ def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, **opti
     new = generate(model, ids, vocab_limit=tokenizer.vocab_size, eos_id=tokenizer.eos_id, **options)
     if new and new[-1] == tokenizer.eos_id:
         new = new[:-1]
+    if escape_bytes and "errors" in inspect.signature(tokenizer.decode).parameters:
+        return shown + tokenizer.decode(new, errors="backslashreplace")
     return shown + tokenizer.decode(new)

@@ -49,7 +49,7 @@ RUN_PRESETS: dict[str, dict] = {
         "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
         "logging": {"every_steps": 10},
         "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
-        "sample": {"prompt": "def ", "max_new_tokens": 80},
+        "sample": {"prompt": "def ", "prompts": ["import ", "class "], "max_new_tokens": 80},
     },
     # Mixture of experts on CPU (2 processes): the MoE Llama (Mixtral-style, 8 experts top-2 on every layer) with its
     # experts split over ep=2 (tokens by all-to-all), ZeRO-2, fp32, on the same text as tiny-llama; the log shows the

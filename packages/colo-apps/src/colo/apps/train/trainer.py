@@ -510,19 +510,27 @@ class Trainer:
             return None
         model, _ = load_llama(final, device=self.device)
         sft = self.config.data.task == "sft"
-        text = complete(
-            model,
-            self.tokenizer,
-            settings.prompt,
-            chat_template=self.config.data.chat_template.template() if sft else None,
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            generator=torch.Generator().manual_seed(self.config.seed),
-        )
-        how = ("greedy" if settings.temperature == 0 else "top-p") + (", chat template" if sft else "")
-        self.log.print(f"sample ({how}, KV cache):\n{text}")
-        return text
+        samplings = [(settings.temperature, settings.top_p)]
+        if settings.temperature == 0 and settings.beside_greedy_temperature > 0:
+            samplings.append((settings.beside_greedy_temperature, 0.95))
+        first = None
+        for prompt in [settings.prompt, *settings.prompts]:
+            for temperature, top_p in samplings:
+                text = complete(
+                    model,
+                    self.tokenizer,
+                    prompt,
+                    chat_template=self.config.data.chat_template.template() if sft else None,
+                    escape_bytes=True,
+                    max_new_tokens=settings.max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    generator=torch.Generator().manual_seed(self.config.seed),
+                )
+                how = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
+                self.log.print(f"sample ({how}{', chat template' if sft else ''}, KV cache):\n{text}")
+                first = text if first is None else first
+        return first
 
     def _summary(self, result: TrainResult) -> str:
         steps = sorted(result.losses)
