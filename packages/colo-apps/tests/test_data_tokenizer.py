@@ -92,6 +92,6 @@ def test_samples_show_bytes_that_are_not_utf8_escaped():
     from colo.apps.data import ByteTokenizer
 
     tokenizer = ByteTokenizer()
-    broken = [*"ok ".encode(), 0xE2, 0x82, *"!".encode()]  # a 3-byte character cut after 2 bytes
+    broken = [*b"ok ", 0xE2, 0x82, *b"!"]  # a 3-byte character cut after 2 bytes
     assert tokenizer.decode(broken) == "ok \ufffd!"
     assert tokenizer.decode(broken, errors="backslashreplace") == "ok \\xe2\\x82!"
