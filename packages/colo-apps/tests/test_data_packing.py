@@ -1,6 +1,5 @@
 """Packing: fixed windows over one token stream, and token-budget rows of whole documents."""
 
-
 import pytest
 import torch
 
