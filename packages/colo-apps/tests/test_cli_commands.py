@@ -235,3 +235,59 @@ def test_layouts_the_world_size_rules_out_are_one_line_and_exit_2_before_any_pro
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("colo: invalid run config: ") and words in lines[0], lines
+
+
+def test_a_first_small_file_of_chats_trains_with_a_smaller_held_out_set(tmp_path):
+    """The root README's SFT line on 40 chats: eval.num_sequences=64 would leave nothing to train on, so a tenth of
+    the rows is held out instead and the header says so (it used to end in a traceback on every rank)."""
+    chats = tmp_path / "chats.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": f"add {n} and 1"}, {"role": "assistant", "content": str(n + 1)}]}
+        for n in range(40)
+    ]
+    chats.write_text("".join(json.dumps(record) + "\n" for record in records))
+    sets = [
+        f"output_dir={tmp_path / 'sft'}", "data.task=sft", f"data.paths=[{chats}]", "data.max_tokens=null",
+        "model.preset=tiny", "data.seq_len=128", "schedule.total_steps=2", "schedule.warmup_steps=1",
+        "eval.every_steps=2", "checkpoint.enabled=false", "sample.max_new_tokens=0", "logging.progress_bar=false",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "colo.apps.cli", "train", "--preset", "tiny-llama"]
+    for value in sets:
+        command += ["--set", value]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "eval.num_sequences=64 would leave fewer than one batch of the 40 rows, so 4 are held out" in done.stdout
+    assert "4 held out" in done.stdout and "eval at step 2: held-out loss" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("task", "line3", "words"),
+    [
+        ("sft", '{"messages": [{"role": "user"', "line 3: not valid JSON"),
+        ("dpo", '{"prompt": "p", "chosen": "c"}', "rejected"),
+    ],
+)
+def test_data_errors_found_while_setting_up_are_one_line_and_exit_2(tmp_path, task, line3, words):
+    good = (
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+        if task == "sft"
+        else {"prompt": "p", "chosen": "c", "rejected": "r"}
+    )
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n" + line3 + "\n")
+    preset = "tiny-llama" if task == "sft" else "tiny-dpo"
+    sets = [f"output_dir={tmp_path / 'run'}", f"data.task={task}", f"data.paths=[{path}]", "model.preset=tiny"]
+    if task == "sft":
+        sets.append("data.max_tokens=null")
+    command = [sys.executable, "-m", "colo.apps.cli", "train", "--preset", preset]
+    for value in sets:
+        command += ["--set", value]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "COLO_DEBUG"):
+        env.pop(name, None)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colo: ") and words in lines[0], done.stderr

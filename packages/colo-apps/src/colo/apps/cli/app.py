@@ -100,12 +100,30 @@ def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetO
     86 a rank hung (resilience.watchdog_seconds; stacks in OUTPUT_DIR/hang/), 1 any other failure.
     """
     run = _load(config, preset, set_, preflight=True, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    from ..train import Trainer
     from ..train import train as run_training
     from ..train.resilience import PREEMPTED_EXIT_CODE
 
-    result = run_training(run)
+    if run.data.task == "diffusion":
+        result = run_training(run)
+    else:
+        try:  # setting up reads the data and builds the layout: what fails there is the user's input
+            trainer = Trainer(run)
+        except (ValueError, OSError) as error:
+            _input_error(error)
+        result = trainer.fit()
     if getattr(result, "preempted", False):
         raise typer.Exit(PREEMPTED_EXIT_CODE)
+
+
+def _input_error(error: Exception):
+    """Report an error about the user's input (data, sizes, paths) found while a run is set up: one line from rank
+    0, exit code 2 on every rank; the traceback only with ``COLO_DEBUG=1``."""
+    if os.environ.get("COLO_DEBUG") == "1":
+        raise error
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(f"colo: {error} (COLO_DEBUG=1 shows the traceback)", err=True)
+    raise typer.Exit(2) from None
 
 
 train_command = app.registered_commands[-1]

@@ -109,12 +109,22 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int, vo
     rollout = config.ppo if data.task == "ppo" else config.grpo  # the online RL task's prompt settings
     dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference, rollout)
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
+    if held_out and len(dataset) - held_out < data.global_batch_size:
+        # a small data set (a user's first file of chats): hold out a tenth of it instead, when that leaves a batch
+        smaller = min(held_out, max(len(dataset) // 10, num_replicas))
+        if len(dataset) - smaller >= data.global_batch_size:
+            description += (
+                f"; eval.num_sequences={held_out} would leave fewer than one batch of the {len(dataset)} rows, so "
+                f"{smaller} are held out instead (set eval.num_sequences to choose)"
+            )
+            held_out = smaller
     num_train = len(dataset) - held_out
     if num_train < data.global_batch_size:
         raise ValueError(
             f"the data gives {len(dataset)} rows of data.seq_len={data.seq_len} tokens; after "
             f"eval.num_sequences={held_out} held out, fewer than one batch (data.global_batch_size="
-            f"{data.global_batch_size}) is left; add data (data.paths, data.max_tokens) or lower these"
+            f"{data.global_batch_size}) is left; add data (data.paths, data.max_tokens) or lower "
+            "data.global_batch_size / eval.num_sequences"
         )
     train = Subset(dataset, range(num_train))
     evaluation = Subset(dataset, range(num_train, len(dataset))) if held_out else None
