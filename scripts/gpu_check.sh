@@ -2,6 +2,7 @@
 # The GPU checks of colo in one staged run (issue 32), for a lent CUDA machine with torch and triton but no network.
 #
 #   bash scripts/gpu_check.sh [STAGES]       STAGES: comma-separated subset of env,tests,llama,kernels,gemini (all)
+#                                            and suite (opt-in: the whole test suite on the GPU machine, issue 39)
 #
 # Writes into $OUT (default ./gpu-out): log.txt (everything printed), tests_{kernels,comm,gemini}.xml (junit), llama_gpu.json,
 # kernels_bench.json (one merged report; each op ran in its own process with the copy_ baseline beside it),
@@ -77,6 +78,39 @@ if wants tests; then
     [[ ",$groups," == *",comm,"* ]] && run_tests comm 40 30 packages/colo-comm/tests/test_cuda.py \
         "packages/colo-tensor/tests/test_checkpoint_async.py::test_background_save_of_cuda_tensors_matches_the_foreground_save"
     [[ ",$groups," == *",gemini,"* ]] && run_tests gemini 60 15 packages/colo-gemini/tests/test_tiers.py packages/colo-gemini/tests/test_budgets.py
+fi
+
+if wants suite; then
+    # the whole suite as `make test` runs it, on the machine's GPU and torch: junit per test, a summary by file in
+    # suite_summary.json (commit it under benchmarks/results/ with the device named); SUITE_CAP bounds it
+    stage suite
+    seconds=$(cap suite "${SUITE_CAP:-420}" 120)
+    if ((seconds > 0)); then
+        timeout -k 10 "$seconds" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+            --timeout "${SUITE_PER_TEST_S:-120}" --tb=line -rfE --junitxml="$OUT/tests_suite.xml" ${SUITE_ARGS:-}
+        echo "suite exit $?"
+        python3 - "$OUT" <<'EOF'
+import collections, json, pathlib, sys, torch
+import xml.etree.ElementTree as ET
+out = pathlib.Path(sys.argv[1])
+path = out / "tests_suite.xml"
+if path.exists():
+    by_file = collections.defaultdict(collections.Counter)
+    failures = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("classname", "").replace(".", "/") + ".py"
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        by_file[name][outcome] += 1
+        if outcome in ("failure", "error"):
+            failures.append(f"{case.get('classname')}::{case.get('name')}")
+    totals = sum(by_file.values(), collections.Counter())
+    summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "totals": dict(totals), "failures": failures,
+               "by_file": {name: dict(counts) for name, counts in sorted(by_file.items())}}
+    (out / "suite_summary.json").write_text(json.dumps(summary, indent=1))
+    print("suite:", dict(totals))
+EOF
+    fi
 fi
 
 if wants llama; then
