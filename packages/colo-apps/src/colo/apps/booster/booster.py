@@ -96,8 +96,9 @@ class Booster:
         """Run one whole training step on ``batch`` (a dict of tensors split into microbatches on dim 0).
 
         Under ZeRO 1/2 (`Zero`, `HybridParallel`) the updated parameters' all-gather is still in flight when it
-        returns (it overlaps the next forward): read parameters through `unwrap` or ``model.state_dict()``, which
-        wait for it, not straight from ``model.parameters()``. `save` and `load` wait too.
+        returns (it overlaps the next forward); reads through the model wait for the chunks they return
+        (``model.parameters()``, ``model.lm_head.weight``, ``model.state_dict()``, `unwrap`), as do `save` and
+        `load`. Only a parameter reference kept from before the step reads the old values until the next forward.
 
         Ranks that split one batch's work (a tensor-, sequence- or pipeline-parallel group: every rank but those
         differing on the plugin's ``sample_axes``) must be given the same batch. The first step checks it (a hash of
@@ -122,8 +123,8 @@ class Booster:
         """The boosted model without the plugin's wrapper (DDP's), its parameters current: a parameter all-gather
         still in flight after a step (ZeRO 1/2 overlap it with the next forward) has landed.
 
-        ``train_step`` returns with that gather in flight, so read ``model.parameters()`` of the model `boost`
-        returned only through `unwrap` (or ``model.state_dict()``, which waits too). With a pipeline it is this
+        ``train_step`` returns with that gather in flight; reads through the model `boost` returned wait for it
+        themselves (``model.parameters()``, attributes, ``state_dict()``). With a pipeline it is this
         rank's stage (or a `ModuleList` of its model chunks); under ``Zero(stage=3)`` and `Gemini` the parameters
         live in shards outside a forward: read them from a checkpoint (`save`) instead.
         """
