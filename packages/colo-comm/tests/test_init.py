@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from colo.comm import gpus_per_local_rank, init_distributed, launch, pick_backend
-from colo.comm.testing import run_distributed
+from colo.comm.testing import RankPool, run_distributed
 
 
 def test_auto_backend_is_gloo_without_cuda_and_can_be_forced(monkeypatch):
@@ -54,6 +54,8 @@ def test_nccl_with_more_processes_than_gpus_is_refused_before_any_process_starts
         pick_backend("nccl")
     with pytest.raises(ValueError, match=r"3 processes on this node but 1 GPU"):
         launch(_init_again, 3, backend="nccl")  # refused in the launcher: no rank was started
+    with pytest.raises(ValueError, match=r"2 processes on this node but 1 GPU"):
+        RankPool(2, backend="nccl")  # the test harness too
 
 
 def _init_again():

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._function_ref import ref_of
 from .._workers import RankGang
+from ..distributed import check_nccl_fits
 
 DEFAULT_TEST_TIMEOUT_S = 60.0
 """Seconds a test's function may run on the ranks before they are killed and the test fails."""
@@ -28,6 +29,8 @@ class RankPool:
     """
 
     def __init__(self, world_size: int, *, backend: str = "gloo", threads: int = 1):
+        if backend == "nccl":  # never more NCCL ranks than GPUs: refused before any rank starts
+            check_nccl_fits(world_size)
         self.world_size = world_size
         self.backend = backend
         self.threads = threads
