@@ -1,7 +1,7 @@
 """Parameters read through the boosted model right after `train_step` are the updated ones under every plugin that
 overlaps the parameter all-gather with the next forward (ZeRO 1/2, alone or in `HybridParallel`): an EMA over
-``model.parameters()``, a submodule's ``parameters()`` or an attribute such as ``model.lm_head.weight`` must not see the
-previous step's values, while the gather is still left in flight for the next forward."""
+``model.parameters()``, a submodule's ``parameters()`` or ``model.state_dict()`` must not see the previous step's
+values, while the gather is still left in flight for the next forward, and the modules keep their classes."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _reads_right_after_steps(plugin_name):
     torch.manual_seed(0)
     config = get_preset("tiny", num_hidden_layers=2)
     model = Llama(config)
+    classes = {name: type(module) for name, module in model.named_modules()}
     booster = Booster(_plugin(plugin_name))
     model, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
@@ -38,14 +39,15 @@ def _reads_right_after_steps(plugin_name):
         booster.train_step(batch)
         in_flight = len(booster.engine.optimizer.param_sync.in_flight)  # the gather overlaps the next forward
         every = [p.detach().clone() for p in model.parameters()]  # what an EMA update or a weight norm reads
-        head = model.lm_head.weight.detach().clone()
+        state = {name: t.clone() for name, t in model.state_dict().items()}
         mlp = [p.detach().clone() for p in model.get_submodule("layers.1.mlp").parameters()]
         current = dict(booster.unwrap().named_parameters())  # waits for every gather
         outcomes.append(
             {
                 "in_flight": in_flight,
                 "parameters": all(torch.equal(a, b) for a, b in zip(every, current.values())),
-                "attribute": torch.equal(head, current["lm_head.weight"]),
+                "state_dict": all(torch.equal(state[name], p) for name, p in current.items()),
+                "classes_kept": all(type(module) is classes[name] for name, module in model.named_modules()),
                 "submodule": all(
                     torch.equal(a, current[f"layers.1.mlp.{name}"])
                     for a, (name, _) in zip(mlp, model.get_submodule("layers.1.mlp").named_parameters())
@@ -61,5 +63,6 @@ def test_parameters_read_right_after_a_step_are_the_updated_ones(plugin_name):
         for outcome in outcomes:
             assert outcome["in_flight"] > 0, "the parameter all-gather no longer overlaps the next forward"
             assert outcome["parameters"], "model.parameters() right after train_step held the previous step's values"
-            assert outcome["attribute"], "model.lm_head.weight right after train_step held the previous step's values"
+            assert outcome["state_dict"], "model.state_dict() right after train_step held the previous step's values"
+            assert outcome["classes_kept"], "boosting changed the model's classes"
             assert outcome["submodule"], "model.layers[1].mlp.parameters() right after train_step held stale values"

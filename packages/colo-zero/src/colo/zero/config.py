@@ -61,11 +61,11 @@ class ZeroConfig(ChunkConfig):
     overlap_param_gather: bool = True
     """Stages 1/2: start the all-gather of the updated parameters at the end of `step` and wait for each chunk
     only before the first module using it runs in the next forward (Megatron's overlapped parameter gather).
-    Reads of the parameters through the model wait for the chunks they return: ``model.parameters()`` /
-    ``named_parameters()`` and a parameter attribute (``model.lm_head.weight``) of the model or any submodule
-    (`colo.zero.param_reads`), ``model.state_dict()``, `full_params`, `checkpoint_state` / `save` and `load`
-    (which returns with the loaded values in place). Only a reference to a parameter kept from before the step
-    (``weights = list(model.parameters())`` earlier) reads the old values until the next forward: `wait_params`."""
+    Reads of the parameters through the model wait for the chunks they return: ``parameters()`` /
+    ``named_parameters()`` of the model or any submodule (`colo.zero.param_reads`), ``state_dict()``,
+    `full_params`, `checkpoint_state` / `save` and `load` (which returns with the loaded values in place). A
+    parameter attribute read directly (``model.lm_head.weight``) or a reference kept from before the step reads
+    the old values until the next forward: call `wait_params` first."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:

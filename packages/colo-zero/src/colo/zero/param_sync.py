@@ -52,8 +52,8 @@ class FullParams:
     def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> list:
         """With ``overlap``: forward and state-dict pre-hooks that wait for the in-flight gather of a module's chunks,
         so a forward, and a ``state_dict()`` of the module or of any module holding it, see the parameters `refresh`
-        wrote; and parameter reads outside a forward (``module.parameters()``, ``module.weight``) wait for the
-        chunks they return (`colo.zero.param_reads`). Returns the hook handles."""
+        wrote; and ``module.parameters()`` / ``named_parameters()`` outside a forward wait for the chunks they
+        return (`colo.zero.param_reads`). Returns the hook handles."""
         hooks = []
         if not self.overlap:
             return hooks
@@ -65,10 +65,7 @@ class FullParams:
                 hooks.append(module.register_forward_pre_hook(wait))
                 hooks.append(module.register_state_dict_pre_hook(wait))
             if subtree:
-                own_wait = functools.partial(self.wait_chunks, owned)
-                hooks.append(
-                    wait_on_parameter_reads(module, own=own_wait, subtree=functools.partial(self.wait_chunks, subtree))
-                )
+                hooks.append(wait_on_parameter_reads(module, subtree=functools.partial(self.wait_chunks, subtree)))
         return hooks
 
     @torch.no_grad()

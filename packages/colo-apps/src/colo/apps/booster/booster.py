@@ -97,8 +97,9 @@ class Booster:
 
         Under ZeRO 1/2 (`Zero`, `HybridParallel`) the updated parameters' all-gather is still in flight when it
         returns (it overlaps the next forward); reads through the model wait for the chunks they return
-        (``model.parameters()``, ``model.lm_head.weight``, ``model.state_dict()``, `unwrap`), as do `save` and
-        `load`. Only a parameter reference kept from before the step reads the old values until the next forward.
+        (``model.parameters()``, ``named_parameters()``, ``model.state_dict()``, `unwrap`), as do `save` and
+        `load`. A parameter attribute read directly (``model.lm_head.weight``) or a reference kept from before the
+        step reads the old values until the next forward: read those through `unwrap`, which waits.
 
         Ranks that split one batch's work (a tensor-, sequence- or pipeline-parallel group: every rank but those
         differing on the plugin's ``sample_axes``) must be given the same batch. The first step checks it (a hash of
@@ -124,7 +125,7 @@ class Booster:
         still in flight after a step (ZeRO 1/2 overlap it with the next forward) has landed.
 
         ``train_step`` returns with that gather in flight; reads through the model `boost` returned wait for it
-        themselves (``model.parameters()``, attributes, ``state_dict()``). With a pipeline it is this
+        themselves (``model.parameters()``, ``state_dict()``), direct attribute reads do not. With a pipeline it is this
         rank's stage (or a `ModuleList` of its model chunks); under ``Zero(stage=3)`` and `Gemini` the parameters
         live in shards outside a forward: read them from a checkpoint (`save`) instead.
         """
