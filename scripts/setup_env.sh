@@ -40,9 +40,17 @@ pip_install() {
 pip_install -c "$CONSTRAINTS" "torch" "hatchling>=1.18" "editables"
 "$PY" -c "import torch" >/dev/null  # fail loudly if the torch install did not work
 
+PACKAGES=(comm kernels tensor zero gemini pipeline apps)
+EDITABLES=()
+for name in "${PACKAGES[@]}"; do
+    EDITABLES+=(-e "./packages/colo-$name[testing]")
+done
+# No build isolation: hatchling is already in the venv, which saves a build environment per package.
+pip_install -c "$CONSTRAINTS" --no-build-isolation "${EDITABLES[@]}" -e ".[dev]"
+
 # Without CUDA colo's Triton kernels run in Triton's interpreter. The interpreter of Triton 3.6 (torch 2.11's) takes
-# int() of one-element arrays, which numpy 2.4 refuses; where a loop over program ids fails that way, hold numpy
-# below 2.4 (compiled kernels on a GPU never use the interpreter).
+# int() of one-element arrays, which numpy 2.4 refuses; where a loop over program ids fails that way (checked now
+# that the packages brought numpy), hold numpy below 2.4 (compiled kernels on a GPU never use the interpreter).
 if ! "$PY" - >/dev/null 2>&1 <<'PYTHON'
 import os
 os.environ["TRITON_INTERPRET"] = "1"
@@ -70,12 +78,5 @@ then
     pip_install -c "$CONSTRAINTS" "numpy<2.4"
 fi
 
-PACKAGES=(comm kernels tensor zero gemini pipeline apps)
-EDITABLES=()
-for name in "${PACKAGES[@]}"; do
-    EDITABLES+=(-e "./packages/colo-$name[testing]")
-done
-# No build isolation: hatchling is already in the venv, which saves a build environment per package.
-pip_install -c "$CONSTRAINTS" --no-build-isolation "${EDITABLES[@]}" -e ".[dev]"
 "$PY" -c "import colo.comm, colo.kernels, colo.tensor, colo.zero, colo.gemini, colo.pipeline, colo.apps"
 echo "[setup] ok: $("$PY" -c "import torch; print('torch', torch.__version__)")"
