@@ -514,7 +514,7 @@ class Trainer:
         if settings.temperature == 0 and settings.beside_greedy_temperature > 0:
             samplings.append((settings.beside_greedy_temperature, 0.95))
         first = None
-        for prompt in [settings.prompt, *settings.prompts]:
+        for index, prompt in enumerate([settings.prompt, *settings.prompts]):
             for temperature, top_p in samplings:
                 text = complete(
                     model,
@@ -525,7 +525,7 @@ class Trainer:
                     max_new_tokens=settings.max_new_tokens,
                     temperature=temperature,
                     top_p=top_p,
-                    generator=torch.Generator().manual_seed(self.config.seed),
+                    generator=torch.Generator().manual_seed(self.config.seed + index),  # a stream per prompt
                 )
                 how = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
                 self.log.print(f"sample ({how}{', chat template' if sft else ''}, KV cache):\n{text}")
