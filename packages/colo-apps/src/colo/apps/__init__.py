@@ -22,9 +22,20 @@ from .models import (
     llama_pipeline_stages,
     parallelize_llama,
 )
-from .train import RunConfig, Trainer, TrainResult, load_config  # `train()` stays in colo.apps.train (the module)
 
 __version__ = "0.1.0"
+
+_FROM_TRAIN = ("RunConfig", "Trainer", "TrainResult", "load_config")
+
+
+def __getattr__(name: str):
+    """The trainer's names, imported on first use (importing the run config loads every recipe's section)."""
+    if name in _FROM_TRAIN:
+        from . import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module 'colo.apps' has no attribute {name!r}")
+
 
 __all__: list[str] = [
     "DDP",
