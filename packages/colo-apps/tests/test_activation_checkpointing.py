@@ -33,7 +33,9 @@ import torch
 from torch import nn
 
 from colo.apps import checkpointing
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
+
+selective = load_beside(__file__, "_selective_outputs.py", module_name="colo_apps_test_selective_outputs")
 
 BATCH, SEQ, LAYERS, VOCAB = 2, 32, 4, 128
 FP32 = 4
@@ -89,18 +91,6 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 # --- measurement -----------------------------------------------------------------------------------------------------
-
-
-def _policy_outputs(ctx, op, args, kwargs, keep: list) -> tuple:
-    """What ``op`` returned, seen from a selective-checkpointing policy: torch 2.12+ calls the policy after the op
-    (``ctx.op_output``); older releases call it before (and again while recomputing, with ``ctx.is_recompute``), so
-    the op runs once more on the same inputs, its results kept alive in ``keep`` so their storages stay distinct."""
-    if hasattr(ctx, "op_output"):
-        output = ctx.op_output
-    else:
-        keep.append(op(*args, **kwargs))
-        output = keep[-1]
-    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
 class ActivationBytes:
@@ -167,7 +157,7 @@ def measure(model_name: str, mode: str | None, every: int = 1, monkeypatch=None)
         def counting_policy(ctx, op, *args, **kwargs):
             decision = policy(ctx, op, *args, **kwargs)
             if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-                for output in _policy_outputs(ctx, op, args, kwargs, kept_outputs):
+                for output in selective.policy_outputs(ctx, op, args, kwargs, kept_outputs):
                     bytes_.add(bytes_.kept, output)
             return decision
 

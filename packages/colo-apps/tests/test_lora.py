@@ -47,14 +47,8 @@ def make_optimizer(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def reference_run(initial: dict[str, torch.Tensor] | None = None):
-    """Single process: the losses, the trained adapters and the merged weights; ``initial``: the parameters to
-    start from (default: the seeded model's)."""
-    from colo.apps.lora import merge_lora
-
-    model = make_lora_model()
-    if initial is not None:
-        model.load_state_dict(initial)
+def train_alone(model) -> list[float]:
+    """`STEPS` single-process steps on the global batches; the losses."""
     optimizer = make_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -63,6 +57,18 @@ def reference_run(initial: dict[str, torch.Tensor] | None = None):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def reference_run(initial: dict[str, torch.Tensor] | None = None):
+    """Single process: the losses, the trained adapters and the merged weights; ``initial``: the parameters to
+    start from (default: the seeded model's)."""
+    from colo.apps.lora import merge_lora
+
+    model = make_lora_model()
+    if initial is not None:
+        model.load_state_dict(initial)
+    losses = train_alone(model)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     merge_lora(model)
     merged = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -240,14 +246,7 @@ def test_unseeded_adapters_are_the_same_on_every_tp_rank_and_in_one_process():
     reference = Llama(get_preset("tiny"))
     reference.init_weights(0)
     add_lora(reference, r=RANK, alpha=ALPHA)
-    optimizer = make_optimizer(reference)
-    expected_losses = []
-    for step in range(STEPS):
-        loss = reference(**global_batch(step)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        expected_losses.append(loss.item())
+    expected_losses = train_alone(reference)
     expected = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
 
     (drawn_0, losses, mismatches), (drawn_1, _, _) = run_distributed(_unseeded_lora_tp2_run, expected, world_size=2)

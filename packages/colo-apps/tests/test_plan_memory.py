@@ -21,7 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colo.comm.testing import run_distributed
+from colo.comm.testing import load_beside, run_distributed
+
+selective = load_beside(__file__, "_selective_outputs.py", module_name="colo_apps_test_selective_outputs")
 
 SEQ, ROWS = 32, 4
 SHAPES = {"tiny": (ROWS, SEQ), "bench-25m": (2, 8), "tiny-moe": (ROWS, SEQ), "tiny-moe-cf1": (ROWS, SEQ)}
@@ -190,18 +192,6 @@ def _memory_report(optimizer):
     return memory_report(both)
 
 
-def _policy_outputs(ctx, op, args, kwargs, keep: list) -> tuple:
-    """What ``op`` returned, seen from a selective-checkpointing policy: torch 2.12+ calls the policy after the op
-    (``ctx.op_output``); older releases call it before (and again while recomputing, with ``ctx.is_recompute``), so
-    the op runs once more on the same inputs, its results kept alive in ``keep`` so their storages stay distinct."""
-    if hasattr(ctx, "op_output"):
-        output = ctx.op_output
-    else:
-        keep.append(op(*args, **kwargs))
-        output = keep[-1]
-    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
-
-
 class _HeldActivations:
     """The bytes of distinct non-model-state storages autograd holds for backward, live, and their peak over a step.
 
@@ -266,7 +256,7 @@ class _HeldActivations:
         def counted_policy(ctx, op, *args, **kwargs):
             decision = policy(ctx, op, *args, **kwargs)
             if decision == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-                for out in _policy_outputs(ctx, op, args, kwargs, kept_outputs):
+                for out in selective.policy_outputs(ctx, op, args, kwargs, kept_outputs):
                     if isinstance(out, torch.Tensor):
                         self.track(out, sticky=True)
             return decision

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from colo.comm import init_distributed
 
 from ..booster import Booster
-from ..train.metrics import MetricsLogger, format_bytes, memory_bytes
+from ..train.metrics import MetricsLogger, format_bytes, memory_bytes, step_line
 from ..train.optim import build_scheduler
 from ..train.state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume
 from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate
@@ -362,7 +362,7 @@ class DiffusionTrainer:
                     "memory": memory,
                 }
                 self.log.log(record)
-                self.log.print(diffusion_step_line(record, total_steps=config.schedule.total_steps))
+                self.log.print(step_line(record, total_steps=config.schedule.total_steps))
             if config.eval.every_steps and done % config.eval.every_steps == 0:
                 path = self.sample_grid(done)
                 if path:
@@ -384,21 +384,6 @@ class DiffusionTrainer:
             self.log.print("no steps run (the checkpoint is already at the end; raise schedule.total_steps to go on)")
         self.log.close()
         return {"losses": losses, "start_step": start, "grids": grids}
-
-
-def diffusion_step_line(record: dict, *, total_steps: int) -> str:
-    """``step 20/1500 | loss 0.1234 | lr 2.00e-03 | grad norm 0.512 | 41.2 images/s | mem 310 MiB``."""
-    grad_norm = record.get("grad_norm")
-    return " | ".join(
-        [
-            f"step {record['step']}/{total_steps}",
-            f"loss {record['loss']:.4f}",
-            f"lr {record['lr']:.2e}" if record.get("lr") is not None else "lr -",
-            f"grad norm {grad_norm:.3f}" if grad_norm is not None else "grad norm -",
-            f"{record['images_per_s']:.1f} images/s",
-            f"mem {format_bytes(record['memory'])}",
-        ]
-    )
 
 
 def train_diffusion(config) -> dict:

@@ -151,15 +151,20 @@ def task_metric_parts(record: dict) -> list[str]:
 
 def step_line(record: dict, *, total_steps: int) -> str:
     """The log line of one step: ``step 100/300 | loss 2.31 | lr 1.9e-03 | 12.3k tok/s | MFU n/a | mem 310 MiB``,
-    with a recipe's own metrics after the loss (`TASK_STEP_METRICS`)."""
+    with a recipe's own metrics after the loss (`TASK_STEP_METRICS`); a diffusion record (``images_per_s``,
+    ``memory``) shows ``41.2 images/s`` in place of tokens/s and MFU."""
+    if "tokens_per_second" in record:
+        throughput = [f"{record['tokens_per_second'] / 1000:.1f}k tok/s", f"MFU {format_mfu(record.get('mfu'))}"]
+    else:
+        throughput = [f"{record['images_per_s']:.1f} images/s"]
+    memory = record["memory_bytes"] if "memory_bytes" in record else record["memory"]
     parts = [
         f"step {record['step']}/{total_steps}",
         f"loss {record['loss']:.4f}",
         *task_metric_parts(record),
         f"lr {record['lr']:.2e}" if record.get("lr") is not None else "lr -",
         f"grad norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "grad norm -",
-        f"{record['tokens_per_second'] / 1000:.1f}k tok/s",
-        f"MFU {format_mfu(record.get('mfu'))}",
-        f"mem {format_bytes(record['memory_bytes'])}",
+        *throughput,
+        f"mem {format_bytes(memory)}",
     ]
     return " | ".join(parts)
