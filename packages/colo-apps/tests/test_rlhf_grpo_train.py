@@ -129,14 +129,13 @@ def test_bad_runs_name_the_field():
 
 
 def test_prompts_over_the_budget_and_bad_reward_functions_fail_clearly():
-    from colo.apps.data import load_tokenizer
     from colo.apps.rlhf import RewardFunctionError, compute_rewards, load_reward_function
     from colo.apps.rlhf.grpo_task import GRPOTask
     from colo.apps.train import load_config
 
     config = load_config(preset="tiny-grpo", overrides=["grpo.max_prompt_len=3"])
     with pytest.raises(ValueError, match="over the budget grpo.max_prompt_len=3"):
-        GRPOTask(config, load_tokenizer(config.data.tokenizer))
+        GRPOTask(config)
 
     with pytest.raises(RewardFunctionError, match="has no attribute"):
         load_reward_function("colo.apps.rlhf.rewards:no_such_reward")

@@ -33,7 +33,6 @@ def _save_reward_checkpoint(path: str, *, task: str = "rm", tokenizer=None):
 
 
 def test_bad_ppo_runs_name_the_field(tmp_path):
-    from colo.apps.data import load_tokenizer
     from colo.apps.rlhf.ppo_task import PPOTask
     from colo.apps.train import ConfigError, load_config
 
@@ -57,9 +56,10 @@ def test_bad_ppo_runs_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="only with data.task='ppo'"):
         load_config(preset="tiny-grpo", overrides=["ppo.kl_coef=0.1"])
     # a critic layout the trainer can build: ZeRO-3 beside the DDP actor
-    assert load_config(preset="tiny-ppo", overrides=["ppo.critic_plugin={name: zero, stage: 3}"]).ppo_critic_plugin()
+    from colo.apps.rlhf.specs import critic_plugin_section
 
-    tokenizer = load_tokenizer(None)
+    assert critic_plugin_section(load_config(preset="tiny-ppo", overrides=["ppo.critic_plugin={name: zero, stage: 3}"]))
+
     _save_reward_checkpoint(str(tmp_path / "other"), tokenizer=str(tmp_path / "their-tokenizer.json"))
     _save_reward_checkpoint(str(tmp_path / "sft"), task="sft")
     for path, message in [
@@ -69,18 +69,17 @@ def test_bad_ppo_runs_name_the_field(tmp_path):
     ]:
         config = load_config(preset="tiny-ppo", overrides=[f"ppo.reward_model={path}"])
         with pytest.raises(ValueError, match=message):
-            PPOTask(config, tokenizer)
+            PPOTask(config)
 
 
 def test_reward_model_scores_the_last_response_token(tmp_path):
-    from colo.apps.data import load_tokenizer
     from colo.apps.generation import Rollout
     from colo.apps.rlhf.ppo_task import PPOTask, load_reward_model, reward_model_scores
     from colo.apps.train import load_config
 
     original = _save_reward_checkpoint(str(tmp_path / "rm"))
     config = load_config(preset="tiny-ppo", overrides=[f"ppo.reward_model={tmp_path / 'rm'}"])
-    PPOTask(config, load_tokenizer(None))  # same tokenizer: accepted
+    PPOTask(config)  # same tokenizer: accepted
     model = load_reward_model(str(tmp_path / "rm"), device="cpu")
     for name, tensor in original.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=name)

@@ -80,9 +80,9 @@ def run_config(data: dict, output_dir: str, **schedule) -> dict:
     ("overrides", "message"),
     [
         (["data.task=sft"], "data.task='sft' needs data.paths of chat records"),
-        (["data.task=sft", "data.paths=[c.jsonl]", "data.format=text"], "set data.format to 'jsonl' or 'hf'"),
+        (["data.task=sft", "data.paths=[c.jsonl]", "data.format=text"], "data.format: data.task='sft' reads chat"),
         (["data.task=sft", "data.paths=[c.jsonl]", "data.max_tokens=1000"], "set data.max_tokens=null"),
-        (["data.chat_template.turn_end=|"], "data.chat_template is read only with data.task='sft'"),
+        (["data.chat_template.turn_end=|"], "read only with data.task in ['dpo', 'rm', 'sft']"),
         (
             ["data.task=sft", "data.paths=[c.jsonl]", "data.chat_template.assistant_role=bot"],
             "data.chat_template: ChatTemplate: assistant_role='bot' has no entry in role_markers",
@@ -169,25 +169,26 @@ def _train_recording(config: dict) -> dict:
 
     trainer = Trainer(validate_config(config))
     batches, token_counts = [], []
-    train_step, count_tokens = trainer.booster.train_step, trainer._tokens_over_sample_ranks
+    task = trainer.task
+    train_step, count_tokens = trainer.booster.train_step, task._tokens_over_sample_ranks
 
     def recording_step(batch):
         batches.append({name: tensor.clone() for name, tensor in batch.items()})
         return train_step(batch)
 
-    def recording_count(num_tokens):
-        total = count_tokens(num_tokens)
+    def recording_count(ctx, num_tokens):
+        total = count_tokens(ctx, num_tokens)
         token_counts.append((num_tokens, total))
         return total
 
-    trainer.booster.train_step, trainer._tokens_over_sample_ranks = recording_step, recording_count
+    trainer.booster.train_step, task._tokens_over_sample_ranks = recording_step, recording_count
     result = trainer.fit()
     return {
         "losses": result.losses,
         "eval_losses": result.eval_losses,
         "batches": batches,
         "token_counts": token_counts,
-        "llama_config": dataclasses.asdict(trainer.llama_config),
+        "llama_config": dataclasses.asdict(task.llama_config),
     }
 
 

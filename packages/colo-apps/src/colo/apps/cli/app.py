@@ -101,18 +101,14 @@ def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetO
     """
     run = _load(config, preset, set_, preflight=True, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     from ..train import Trainer
-    from ..train import train as run_training
     from ..train.resilience import PREEMPTED_EXIT_CODE
 
-    if run.data.task == "diffusion":
-        result = run_training(run)
-    else:
-        try:  # setting up reads the data and builds the layout: what fails there is the user's input
-            trainer = Trainer(run)
-        except (ValueError, OSError) as error:
-            _input_error(error)
-        result = trainer.fit()
-    if getattr(result, "preempted", False):
+    try:  # setting up reads the data and builds the layout: what fails there is the user's input
+        trainer = Trainer(run)
+    except (ValueError, OSError) as error:
+        _input_error(error)
+    result = trainer.fit()
+    if result.preempted:
         raise typer.Exit(PREEMPTED_EXIT_CODE)
 
 

@@ -193,3 +193,29 @@ class PreferenceDataset(Dataset):
         import numpy as np
 
         return np.asarray([2 * len(p) + len(c) + len(r) for p, c, r in self._pairs], dtype=np.int64)
+
+
+def build_preference_dataset(data, preference, tokenizer) -> tuple[Dataset, Any, str]:
+    """``task='rm' | 'dpo'``: `colo.apps.rlhf.PreferenceDataset` items (chosen and rejected rows of one record as one
+    ``(2, seq_len)`` item), from ``data.paths`` or the embedded Python-line set (``preference.synthetic_records``)."""
+    from .synthetic import python_line_records
+
+    if data.paths:
+        records = read_preference_records(data.paths, format=data.format)
+        source = ", ".join(data.paths)
+    else:
+        records = python_line_records(preference.synthetic_records, seed=0)
+        source = f"{preference.synthetic_records} synthetic records (Python lines vs their words shuffled)"
+    template = data.chat_template.template() if "chat_template" in data.model_fields_set else None
+    try:
+        pairs = PreferenceDataset(
+            records, tokenizer, seq_len=data.seq_len, template=template, max_prompt_len=preference.max_prompt_len
+        )
+    except ValueError as error:
+        raise ValueError(f"data.task={data.task!r}: {error}") from None
+    description = (
+        f"{data.task}: {len(pairs)} preference pairs from {source} (chosen and rejected in one forward), "
+        f"{pairs.num_prompts_truncated} prompts truncated from the left, {pairs.num_responses_truncated} pairs "
+        "with responses cut at data.seq_len"
+    )
+    return pairs, pairs.row_lengths, description

@@ -34,9 +34,11 @@ import torch
 from ..booster.microbatch import split_batch
 from ..data import IGNORE_INDEX
 from ..generation import SamplingParams, rollout_model_inputs
+from ..train.language_model import LanguageModelTask
 from .advantages import group_advantages
 from .grpo import GRPOCriterion, attach_rollout_forward
 from .policy_loss import global_counts
+from .prompts import build_prompt_dataset
 from .rewards import compute_rewards, load_reward_function
 
 STATE_KEY = "grpo"
@@ -44,7 +46,7 @@ REFERENCE_FILE = "grpo-reference.safetensors"
 _PER_ROW = ("prompt_ids", "prompt")
 
 
-class GRPOTask:
+class GRPOTask(LanguageModelTask):
     """The grpo parts of a training run (see the module docstring).
 
     Args:
@@ -60,8 +62,12 @@ class GRPOTask:
     metric_prefix = "grpo"
     """The prefix of the step metrics (``grpo/...``) and the eval's (``eval_grpo/...``)."""
 
-    def __init__(self, config, tokenizer) -> None:
-        self._init_rollout(config, config.grpo, tokenizer)
+    section = "grpo"
+    """The run-config section of the task's settings (a `RolloutSection`)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._init_rollout(config, config.grpo, self.tokenizer)
         grpo = self.settings
         self.criterion = GRPOCriterion(
             loss_aggregation=grpo.loss_aggregation,
@@ -75,8 +81,6 @@ class GRPOTask:
     def _init_rollout(self, config, settings, tokenizer) -> None:
         """What every online-RL task holds, from its section (``grpo`` / ``ppo``, a `RolloutSection`): the reward
         functions, the sampling parameters, the SFT warm-up and update counts, and the rollout state."""
-        from ..train.data_setup import build_prompt_dataset
-
         self.config, self.tokenizer, self.settings = config, tokenizer, settings
         self.reward_functions = {path: load_reward_function(path) for path in settings.reward_functions}
         build_prompt_dataset(config.data, settings, tokenizer)  # every prompt within the budget, checked up front
@@ -99,6 +103,10 @@ class GRPOTask:
         self._window_max: dict[str, float] = {}
 
     # --- hooks of the trainer -------------------------------------------------------------------------------------
+
+    @classmethod
+    def dataset_rows(cls, config, tokenizer) -> tuple:
+        return build_prompt_dataset(config.data, getattr(config, cls.section), tokenizer)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses)."""
@@ -168,8 +176,8 @@ class GRPOTask:
         ``checkpoint_dir/grpo-reference.safetensors``, written once."""
         return {"reference_step": self.reference_step}
 
-    def load_state(self, trainer, run: dict) -> None:
-        step = (run.get(self.state_key) or {}).get("reference_step")
+    def load_state(self, trainer, state: dict | None) -> None:
+        step = (state or {}).get("reference_step")
         if step is not None:
             from safetensors.torch import load_file
 
@@ -185,10 +193,12 @@ class GRPOTask:
     # --- eval -----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, trainer, step: int) -> float:
+    def evaluate(self, trainer, step: int) -> float | None:
         """The held-out exact-match reward: greedy completions of this rank's share of the held-out prompts,
         scored by the reward functions, averaged over every held-out prompt (and, with ``grpo.eval_samples``, the
         mean reward of that many sampled completions each). Returns the greedy reward (higher is better)."""
+        if trainer.data.eval is None:
+            return None
         self._attach(trainer)
         group, evaluation = trainer.sample_group, trainer.data.eval
         records = [evaluation[i] for i in range(group.rank, len(evaluation), group.size)]
@@ -388,7 +398,7 @@ class GRPOTask:
 
     def _build_reference(self, trainer, state: dict) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream
-            model = trainer._build_model()
+            model = trainer.build_model()
             if any(p.is_meta for p in model.parameters()):  # HybridParallel: laid out as the policy (tp shards)
                 engine = trainer.booster.engine
                 engine.plan.apply(model, mesh=engine.mesh, plugin=trainer.plugin)

@@ -27,12 +27,14 @@ import time
 import torch
 
 from ..generation import rollout_model_inputs
+from ..train.language_model import LanguageModelTask
 from .critic import add_value_head, attach_ppo_forward
 from .grpo_task import GRPOTask, _fields, _seed
 from .modeling import make_reward_model
 from .ppo import PPOCriterion, build_kl_controller
 from .ppo_learner import PPOLearner
 from .rewards import compute_rewards
+from .specs import critic_plugin_section
 
 STATE_KEY = "ppo"
 CRITIC_DIR = "critic"
@@ -53,8 +55,11 @@ class PPOTask(GRPOTask):
     state_key = STATE_KEY
     metric_prefix = "ppo"
 
-    def __init__(self, config, tokenizer) -> None:  # GRPOTask's attributes, from the ppo section
-        self._init_rollout(config, config.ppo, tokenizer)
+    section = "ppo"
+
+    def __init__(self, config) -> None:  # GRPOTask's attributes, from the ppo section
+        LanguageModelTask.__init__(self, config)
+        self._init_rollout(config, config.ppo, self.tokenizer)
         ppo = self.settings
         self.reward_run = None if ppo.reward_model is None else check_reward_model(ppo.reward_model, config)
         self.shared = ppo.critic == "shared"
@@ -115,7 +120,7 @@ class PPOTask(GRPOTask):
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
-    def save_models(self, trainer, step: int) -> None:
+    def save_beside(self, trainer, step: int, path: str) -> None:
         """Before the actor's checkpoint after ``step``: the separate critic's, ``checkpoint_dir/critic/step-N``
         (every rank), then the older critic checkpoints pruned like the actor's."""
         if self.critic_booster is None:
@@ -131,23 +136,26 @@ class PPOTask(GRPOTask):
         """The reference's step and the KL controller's state."""
         return {"reference_step": self.reference_step, "kl_controller": self.kl_controller.state_dict()}
 
-    def load_state(self, trainer, run: dict) -> None:
-        """The reference (GRPO's), the KL controller, and the separate critic with its optimizer from
-        ``checkpoint_dir/critic/step-N`` of the checkpoint's step."""
-        super().load_state(trainer, run)
-        state = run.get(STATE_KEY) or {}
+    def load_state(self, trainer, state: dict | None) -> None:
+        """The reference (GRPO's) and the KL controller."""
+        super().load_state(trainer, state)
+        state = state or {}
         if "kl_controller" in state:
             self.kl_controller.load_state_dict(state["kl_controller"])
+
+    def after_resume(self, trainer, path: str, step: int) -> None:
+        """Once the reference exists: the separate critic with its optimizer from ``checkpoint_dir/critic/step-N``
+        of the checkpoint's step."""
         if self.reference is None:
             return
         self._build_critic(trainer)
         if self.critic_booster is not None:
             from ..train.state import checkpoint_path
 
-            path = checkpoint_path(os.path.join(self.config.checkpoint_dir, CRITIC_DIR), int(run["step"]))
+            path = checkpoint_path(os.path.join(self.config.checkpoint_dir, CRITIC_DIR), step)
             if not os.path.isdir(path):
                 raise FileNotFoundError(
-                    f"the checkpoint after step {run['step']} has no critic checkpoint {path}; resume from a "
+                    f"the checkpoint after step {step} has no critic checkpoint {path}; resume from a "
                     "checkpoint directory that holds it, or start fresh (checkpoint.resume=none)"
                 )
             self.critic_booster.load(path)
@@ -163,7 +171,7 @@ class PPOTask(GRPOTask):
         sampling vocabulary as the actor's."""
         state = {name: tensor for name, tensor in state.items() if not name.startswith("value_head.")}
         with torch.random.fork_rng(devices=[]):
-            model = trainer._build_model()
+            model = trainer.build_model()
         model.load_state_dict(state)
         model.requires_grad_(False)
         model.eval()
@@ -200,14 +208,14 @@ class PPOTask(GRPOTask):
             model.train()
         else:
             with torch.random.fork_rng(devices=[]):
-                model = trainer._build_model()
+                model = trainer.build_model()
             state = {k: v for k, v in self.reference.state_dict().items() if not k.startswith("lm_head.")}
             make_reward_model(model, seed=config.seed + 2)
             state["lm_head.weight"] = model.lm_head.weight.detach().clone()
             model.load_state_dict(state)
         model.requires_grad_(True)
         attach_ppo_forward(model, role="critic")
-        section = config.ppo_critic_plugin()
+        section = critic_plugin_section(config)
         plugin = section.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
         lr = config.ppo.critic_lr or config.optimizer.lr
         optimizer = build_optimizer(

@@ -71,3 +71,28 @@ class PromptDataset(Dataset):
     def prompt_lengths(self) -> np.ndarray:
         """Tokens of every prompt."""
         return np.array([len(item["prompt_ids"]) for item in self.items], dtype=np.int64)
+
+
+def build_prompt_dataset(data, grpo, tokenizer) -> tuple[Dataset, Any, str]:
+    """``task='grpo'`` or ``'ppo'`` (``grpo`` is then the ``ppo`` section): `colo.apps.rlhf.prompts.PromptDataset`
+    items (a prompt's ids, text and other columns), from ``data.paths`` or the embedded arithmetic prompts
+    (``grpo.synthetic_prompts``); every prompt within ``grpo.max_prompt_len`` tokens (else a `ValueError` naming
+    the record)."""
+    from .data import read_preference_records
+    from .synthetic import arithmetic_prompts
+
+    if data.paths:
+        records = read_preference_records(data.paths, format=data.format)
+        source = ", ".join(data.paths)
+    else:
+        records = arithmetic_prompts(grpo.synthetic_prompts, seed=0, max_operand=grpo.max_operand)
+        source = f"{grpo.synthetic_prompts} synthetic addition prompts (operands below {grpo.max_operand})"
+    try:
+        prompts = PromptDataset(records, tokenizer, max_prompt_len=grpo.max_prompt_len, prompt_field=data.prompt_field)
+    except ValueError as error:
+        raise ValueError(f"data.task={data.task!r}: {error}") from None
+    description = (
+        f"{data.task}: {len(prompts)} prompts from {source}, {grpo.group_size} completions each per step, up to "
+        f"{grpo.max_new_tokens} new tokens"
+    )
+    return prompts, prompts.prompt_lengths, description

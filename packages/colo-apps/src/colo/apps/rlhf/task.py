@@ -21,6 +21,8 @@ import os
 import torch
 
 from ..data import collate
+from ..train.language_model import LanguageModelTask
+from .data import build_preference_dataset
 from .modeling import attach_pair_forward, make_reward_model
 from .objectives import PreferenceCriterion, RewardCriterion
 from .reference import WithReferenceLogps, precompute_reference_logps
@@ -29,18 +31,19 @@ STATE_KEY = "preference"
 SFT_POLICY_DIR = "sft-policy"
 
 
-class PreferenceTask:
-    """The rm / dpo parts of a training run (see the module docstring).
+class PreferenceTask(LanguageModelTask):
+    """``data.task: rm | dpo`` on the one trainer (see the module docstring).
 
     Args:
         config: the run config (``data.task`` is ``"rm"`` or ``"dpo"``).
-        tokenizer: the run's tokenizer (its ``pad_id`` is the reward head's padding).
     """
 
-    def __init__(self, config, tokenizer) -> None:
-        self.config = config
+    state_key = STATE_KEY
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
         self.kind = config.data.task
-        self.pad_id = tokenizer.pad_id
+        self.pad_id = self.tokenizer.pad_id
         preference = config.preference
         self.sft_steps = preference.sft_steps
         self.reward_model_built = self.kind == "rm" and self.sft_steps == 0
@@ -59,6 +62,10 @@ class PreferenceTask:
     @property
     def needs_reference(self) -> bool:
         return self.kind == "dpo" and self.criterion.needs_reference
+
+    @classmethod
+    def dataset_rows(cls, config, tokenizer) -> tuple:
+        return build_preference_dataset(config.data, config.preference, tokenizer)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Before the optimizer is built: the scalar head (a reward model) and the pair forward."""
@@ -94,8 +101,7 @@ class PreferenceTask:
         """The second stage of a reward model with an SFT warm-up (see the module docstring): save the policy (when
         ``from_policy_at`` is its step), build the reward model from it, boost it under a fresh plugin of the same
         layout with its own optimizer and schedule, and make it the trainer's model."""
-        from ..booster import Booster
-        from ..train.optim import build_optimizer, build_scheduler
+        from ..train.optim import build_scheduler
 
         config = self.config
         init_from = None
@@ -103,20 +109,15 @@ class PreferenceTask:
             init_from = os.path.join(config.output_dir, SFT_POLICY_DIR)  # not a step of the run to resume from
             _save_replacing(trainer, from_policy_at, init_from)
         trainer.booster.wait_for_saves()
-        with torch.random.fork_rng(devices=[]):  # building draws from the RNG: keep the run's stream
-            model = trainer._build_model(init_from=init_from)
         self.reward_model_built = True
         self.criterion = RewardCriterion(margin=config.preference.margin)
+        with torch.random.fork_rng(devices=[]):  # building draws from the RNG: keep the run's stream
+            model = self.build_model(trainer, init_from=init_from)
         self.prepare_model(model)
-        optimizer = build_optimizer(model, config.optimizer, num_layers=model.config.num_hidden_layers)
+        optimizer = self.build_optimizer(trainer, model)
         remaining = config.schedule.model_copy(update={"total_steps": config.schedule.total_steps - self.sft_steps})
         scheduler = build_scheduler(optimizer, remaining, peak_lr=config.optimizer.lr)
-        plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
-        booster = Booster(plugin)
-        trainer.model, trainer.optimizer, *_ = booster.boost(
-            model, optimizer, criterion=self.criterion, lr_scheduler=scheduler
-        )
-        trainer.plugin, trainer.booster = plugin, booster
+        trainer.boost(model, optimizer, criterion=self.criterion, lr_scheduler=scheduler)
         if from_policy_at is not None:
             trainer.log.print(
                 f"reward model: the policy after {from_policy_at} SFT steps (saved to {init_from}) with a fresh "
@@ -155,14 +156,20 @@ class PreferenceTask:
         prefix = "rm" if self.kind == "rm" else "dpo"
         return {f"{prefix}/{name}": value for name, value in self.criterion.take_metrics(trainer.sample_group).items()}
 
+    def finish(self, trainer, *, final_checkpoint: str | None) -> str | None:
+        """A DPO policy's samples, as a language model's; a reward model does not generate."""
+        if self.kind == "rm":
+            return None
+        return super().finish(trainer, final_checkpoint=final_checkpoint)
+
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
         """What a checkpoint keeps: the reference table (JSON floats; float32 values round-trip exactly)."""
         return {"reference_logps": None if self.table is None else self.table.tolist()}
 
-    def load_state(self, trainer, run: dict) -> None:
-        table = (run.get(STATE_KEY) or {}).get("reference_logps")
+    def load_state(self, trainer, state: dict | None) -> None:
+        table = (state or {}).get("reference_logps")
         if table is not None:
             self.table = torch.tensor(table, dtype=torch.float32)
             self._attach(trainer)
@@ -170,8 +177,10 @@ class PreferenceTask:
     # --- eval -----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, trainer, step: int) -> float:
+    def evaluate(self, trainer, step: int) -> float | None:
         """Held-out loss and pair metrics (accuracy, margin, ...) over this rank's share, averaged over the ranks."""
+        if trainer.data.eval is None:
+            return None
         sft_phase = self.in_sft_warmup(step)
         if self.needs_reference and self.table is None and not sft_phase:
             self._compute_reference(trainer)

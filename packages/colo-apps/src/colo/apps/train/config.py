@@ -12,13 +12,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..data.sft import ChatTemplate
-from ..diffusion.config import DiffusionSection
 from ..models.llama import PRESETS, LlamaConfig, get_preset
 from ..models.moe_llama import MOE_PRESETS, MoELlamaConfig, get_moe_preset
-from ..rlhf.grpo_config import GRPOSection
-from ..rlhf.ppo_config import PPOSection
 from ._fields import dataclass_fields
 from .plugin_config import DDPSection, PluginConfig
+from .task import sections, task_spec, task_specs
 
 
 class _Section(BaseModel):
@@ -199,16 +197,10 @@ class DataSection(_Section):
     """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens, or chat records for
     supervised fine-tuning with the loss on the assistant's replies only."""
 
-    task: Literal["pretrain", "sft", "rm", "dpo", "grpo", "ppo", "diffusion"] = Field(
+    task: str = Field(
         default="pretrain",
-        description="'pretrain': next-token loss on every token of text documents; 'sft': chat records "
-        "(JSONL / Hugging Face rows with a messages field or prompt/response fields) rendered by chat_template, "
-        "one conversation per row (cut at or right-padded to seq_len), the loss only on the assistant's replies; "
-        "'rm': a reward model (the Llama with a scalar head) on {prompt, chosen, rejected} records, Bradley-Terry "
-        "loss; 'dpo': the DPO family (preference.loss_type) on the same records (colo.apps.rlhf); 'grpo': online RL "
-        "on {prompt, ...} records with reward functions (GRPO / Dr. GRPO / RLOO, the grpo section); 'ppo': online RL "
-        "on the same records with a critic, GAE and reward functions or a reward model (the ppo section); "
-        "'diffusion': a text-to-image UNet on captioned images (the diffusion section, colo.apps.diffusion).",
+        description="What the run trains: one of the registered tasks (colo.apps.train.task; the choices and what "
+        "each reads are listed in the assembled run config's schema).",
     )
     packing: Literal["fixed", "documents"] = Field(
         default="fixed",
@@ -261,49 +253,12 @@ class DataSection(_Section):
     shuffle: bool = Field(default=True, description="Shuffle the sequences each epoch (seeded by `seed`).")
 
     @model_validator(mode="after")
-    def _task_fits_the_data(self):
-        if self.task == "sft":
-            if self.format == "text":
-                raise ValueError(
-                    "data.task='sft' trains on chat records, which data.format='text' cannot hold; set data.format to "
-                    "'jsonl' or 'hf' (or 'auto' for .jsonl files and saved Hugging Face datasets)"
-                )
-            if not self.paths:
-                raise ValueError(
-                    "data.task='sft' needs data.paths of chat records (JSONL with a 'messages' field or 'prompt' and "
-                    "'response' fields, or a saved Hugging Face dataset); the built-in corpus is plain text"
-                )
-            if self.max_tokens is not None:
-                raise ValueError(
-                    f"data.max_tokens={self.max_tokens} caps pre-training text; data.task='sft' reads every "
-                    "conversation: set data.max_tokens=null (or use fewer records in data.paths)"
-                )
-        elif self.task in ("rm", "dpo"):
-            if self.format == "text":
-                raise ValueError(
-                    f"data.task={self.task!r} reads {{prompt, chosen, rejected}} records, which data.format='text' "
-                    "cannot hold; set data.format to 'jsonl', 'hf' or 'auto'"
-                )
-            if self.packing != "fixed":
-                raise ValueError(f"data.task={self.task!r} runs one pair per item; drop data.packing='documents'")
-            if self.max_tokens is not None:
-                raise ValueError(f"data.max_tokens caps pre-training text; data.task={self.task!r} reads every record")
-        elif self.task in ("grpo", "ppo"):
-            if self.format == "text":
-                raise ValueError(
-                    f"data.task={self.task!r} reads {{prompt, ...}} records, which data.format='text' cannot hold; set "
-                    "data.format to 'jsonl', 'hf' or 'auto'"
-                )
-            if self.packing != "fixed":
-                raise ValueError(
-                    f"data.task={self.task!r} generates from one prompt per row; drop data.packing='documents'"
-                )
-            if self.max_tokens is not None:
-                raise ValueError(f"data.max_tokens caps pre-training text; data.task={self.task!r} reads every prompt")
-        elif self.chat_template != ChatTemplateSection():
+    def _chat_template_read(self):
+        if self.chat_template != ChatTemplateSection() and not task_spec(self.task).reads_chat_template:
+            readers = sorted(name for name, spec in task_specs().items() if spec.reads_chat_template)
             raise ValueError(
-                "data.chat_template is read only with data.task='sft' (and 'rm' / 'dpo' chat records); set "
-                "data.task='sft' or drop data.chat_template"
+                f"data.chat_template is read only with data.task in {readers} (data.task={self.task!r}); set data.task "
+                "or drop data.chat_template"
             )
         return self
 
@@ -418,44 +373,9 @@ class LoraSection(_Section):
         return self.alpha / (self.r**0.5 if self.use_rslora else self.r)
 
 
-class PreferenceSection(_Section):
-    """Preference training (``data.task: rm | dpo``, colo.apps.rlhf): the loss, its temperature, the prompt budget,
-    the SFT warm-up of a DPO policy or a reward model and the embedded synthetic data of the tiny presets."""
-
-    loss_type: Literal["sigmoid", "ipo", "simpo"] = Field(
-        default="sigmoid",
-        description="task='dpo': 'sigmoid' (DPO; cDPO with label_smoothing), 'ipo', or the reference-free 'simpo'.",
-    )
-    beta: float = Field(default=0.1, gt=0, description="task='dpo': the temperature beta.")
-    label_smoothing: float = Field(
-        default=0.0, ge=0, lt=0.5, description="task='dpo': cDPO's probability of a flipped label ('sigmoid', 'simpo')."
-    )
-    simpo_gamma: float = Field(default=0.5, description="task='dpo', loss_type='simpo': the target reward margin.")
-    margin: float | None = Field(
-        default=None, description="task='rm': a margin the chosen reward must exceed the rejected one by."
-    )
-    max_prompt_len: int | None = Field(
-        default=None, ge=1, description="Prompts keep their last max_prompt_len tokens (None: data.seq_len // 2)."
-    )
-    sft_steps: int = Field(
-        default=0,
-        ge=0,
-        description="First train this many steps of next-token loss on the chosen responses: task='dpo': the SFT "
-        "the DPO policy starts from (same optimizer), the reference is the policy after them; task='rm': the reward "
-        "model then starts from that policy (saved to output_dir/sft-policy) with a fresh scalar head and its own "
-        "optimizer.",
-    )
-    synthetic_records: int = Field(
-        default=0,
-        ge=0,
-        description="With empty data.paths: generate this many arithmetic preference records at run time "
-        "(colo.apps.rlhf.synthetic.python_line_records: a standard-library line chosen, its words shuffled "
-        "rejected).",
-    )
-
-
-class RunConfig(_Section):
-    """One training run of a Llama: model, parallelism, optimizer, schedule, data, checkpoints, logging, eval."""
+class BaseRunConfig(_Section):
+    """One training run: model, parallelism, optimizer, schedule, data, checkpoints, logging, eval; the sections
+    of the registered tasks are added to it by `run_config_class` (the class users see as `RunConfig`)."""
 
     name: str = Field(default="run", description="The run's name (shown in logs).")
     output_dir: str = Field(
@@ -473,10 +393,6 @@ class RunConfig(_Section):
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description=ScheduleSection.__doc__)
     data: DataSection = Field(default_factory=DataSection, description=DataSection.__doc__)
     lora: LoraSection = Field(default_factory=LoraSection, description=LoraSection.__doc__)
-    preference: PreferenceSection = Field(default_factory=PreferenceSection, description=PreferenceSection.__doc__)
-    diffusion: DiffusionSection = Field(default_factory=DiffusionSection, description=DiffusionSection.__doc__)
-    grpo: GRPOSection = Field(default_factory=GRPOSection, description=GRPOSection.__doc__)
-    ppo: PPOSection = Field(default_factory=PPOSection, description=PPOSection.__doc__)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
     resilience: ResilienceSection = Field(default_factory=ResilienceSection, description=ResilienceSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
@@ -497,9 +413,7 @@ class RunConfig(_Section):
                 f"schedule.num_microbatches={self.schedule.num_microbatches}; make it a multiple"
             )
         self._check_mixture_of_experts()
-        self._check_preference_task()
-        self._check_grpo_task()
-        self._check_ppo_task()
+        self._check_task()
         pipelined = self.plugin.name == "hybrid" and self.plugin.pp > 1
         microbatches = self.schedule.num_microbatches
         if pipelined and self.eval.every_steps and self.eval.batch_size % microbatches:
@@ -550,162 +464,27 @@ class RunConfig(_Section):
                 f"lora.enabled with the mixture-of-experts model.preset={model.preset!r} is not supported (adapters of "
                 "the experts are not implemented); set lora.enabled=false"
             )
-        if self.data.task not in ("pretrain", "sft"):
+        if not task_spec(self.data.task).supports_moe:
+            tasks = sorted(name for name, spec in task_specs().items() if spec.supports_moe)
             raise ValueError(
                 f"data.task={self.data.task!r} with the mixture-of-experts model.preset={model.preset!r} is not "
-                "supported in the trainer; MoE presets train with data.task='pretrain' or 'sft'"
+                f"supported in the trainer; MoE presets train with data.task in {tasks}"
             )
 
-    def _check_preference_task(self) -> None:
-        """``data.task: rm | dpo`` need preference data and a layout the pair forward supports; other tasks take no
-        ``preference`` settings."""
-        task, preference = self.data.task, self.preference
-        if task not in ("rm", "dpo"):
-            if preference != PreferenceSection():
-                raise ValueError(f"preference.* is read only with data.task='rm' or 'dpo' (data.task={task!r})")
-            return
-        if not self.data.paths and not preference.synthetic_records:
-            raise ValueError(
-                f"data.task={task!r} needs data.paths of {{prompt, chosen, rejected}} records, or "
-                "preference.synthetic_records > 0 for the embedded Python-line set"
-            )
-        if task == "rm":
-            default = PreferenceSection()
-            names = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
-            dpo_only = [name for name in names if getattr(preference, name) != getattr(default, name)]
-            if dpo_only:
-                raise ValueError(f"preference.{sorted(dpo_only)[0]} is a DPO setting; data.task='rm' does not read it")
-        elif preference.margin is not None:
-            raise ValueError("preference.margin is a reward-model setting; data.task='dpo' does not read it")
-        if preference.sft_steps >= self.schedule.total_steps:
-            raise ValueError(
-                f"preference.sft_steps={preference.sft_steps} leaves no {task.upper()} step of schedule.total_steps="
-                f"{self.schedule.total_steps}; lower it"
-            )
-        if self.plugin.name == "hybrid" and (self.plugin.pp > 1 or self.plugin.sp > 1 or self.plugin.sp_mode):
-            raise ValueError(
-                f"data.task={task!r} under plugin.name='hybrid' supports tp and dp (pp=1, sp=1, sp_mode=None): a "
-                "pipeline and sequence shards do not give per-sequence log-probs or rewards yet; drop pp / sp, or use "
-                "plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
-            )
-        if self.plugin.loss_weighting != "microbatch":
-            raise ValueError(f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'")
-        if task == "rm" and preference.sft_steps and _same_path(self.checkpoint_dir, self.output_dir):
-            raise ValueError(
-                f"checkpoint.dir={self.checkpoint.dir!r} is output_dir itself: a reward model with "
-                "preference.sft_steps saves its SFT'd policy to output_dir/sft-policy, which resume=auto would take "
-                "for a checkpoint; use a subdirectory (or leave checkpoint.dir unset)"
-            )
-        if self.lora.enabled and task == "rm":
-            raise ValueError("data.task='rm' with LoRA is not supported: the scalar head must train")
-
-    def _check_grpo_task(self) -> None:
-        """``data.task: grpo``: the checks of every online-RL task (`_check_rollout_task`)."""
-        self._check_rollout_task("grpo", self.grpo, GRPOSection())
-
-    def _check_ppo_task(self) -> None:
-        """``data.task: ppo``: what grpo needs, no LoRA yet, and a critic layout that can be built."""
-        if not self._check_rollout_task("ppo", self.ppo, PPOSection()):
-            return
-        if self.lora.enabled:
-            raise ValueError(
-                "data.task='ppo' with LoRA is not supported yet (the critic and the value head train whole); set "
-                "lora.enabled=false"
-            )
-        if self.ppo.critic_plugin is not None:
-            self.ppo_critic_plugin()  # a critic layout that cannot be built fails here, naming the field
-
-    def _check_rollout_task(self, task: str, section, default) -> bool:
-        """An online-RL task's section (``grpo`` / ``ppo``, a `colo.apps.rlhf.RolloutSection`) needs prompts, a
-        layout whose trainer holds full-vocabulary logits and whole weights (in place or gathered) for the frozen
-        reference, batches that split into the updates and prompts + completions that fit the model; other tasks
-        take no section. Returns whether ``task`` is the run's."""
-        if self.data.task != task:
-            if section != default:
-                raise ValueError(f"{task}.* is read only with data.task='{task}' (data.task={self.data.task!r})")
-            return False
-        if not self.data.paths and not section.synthetic_prompts:
-            raise ValueError(
-                f"data.task='{task}' needs data.paths of {{prompt, ...}} records, or {task}.synthetic_prompts > 0 for "
-                "the embedded arithmetic prompts"
-            )
-        plugin = self.plugin
-        supported = ("ddp", "zero", "gemini", "hybrid") if task == "grpo" else ("ddp", "zero", "gemini")
-        if plugin.name not in supported:
-            raise ValueError(
-                f"data.task='{task}' runs the policy under plugin.name={', '.join(repr(n) for n in supported)} in the "
-                f"trainer; plugin.name={plugin.name!r} is not supported yet"
-                + (" (the critic and value head are not wired for HybridParallel)" if plugin.name == "hybrid" else "")
-            )
-        if plugin.name == "hybrid":  # grpo: tensor (x data) parallelism, the log-probs from vocabulary-parallel logits
-            for field, value, allowed, fix, why in (
-                ("plugin.pp", plugin.pp, 1, "1", "generation does not run across pipeline stages"),
-                ("plugin.sp", plugin.sp, 1, "1", "rollout rows are not split along the sequence"),
-                ("plugin.sp_mode", plugin.sp_mode, None, "null", "rollout rows are not split along the sequence"),
-                ("plugin.tp_mode", plugin.tp_mode, "1d", "'1d'", "the grid layouts have no rollout path"),
-                ("lora.enabled", self.lora.enabled, False, "false", "the tp reference is built without adapters"),
-            ):
-                if value != allowed or type(value) is not type(allowed):
-                    raise ValueError(
-                        f"data.task='{task}' under plugin.name='hybrid' supports tp x dp only: {field}={value!r} is "
-                        f"not supported ({why}); set {field}={fix}"
-                    )
-        if plugin.loss_weighting != "microbatch":
-            raise ValueError(
-                f"data.task='{task}' aggregates its losses itself ({task}.loss_aggregation): set "
-                "plugin.loss_weighting='microbatch'"
-            )
-        if section.sft_steps >= self.schedule.total_steps:
-            raise ValueError(
-                f"{task}.sft_steps={section.sft_steps} leaves no {task.upper()} step of schedule.total_steps="
-                f"{self.schedule.total_steps}; lower it"
-            )
-        completions = self.data.global_batch_size * section.group_size
-        split = section.minibatches * self.schedule.num_microbatches
-        if completions % split:
-            raise ValueError(
-                f"data.global_batch_size={self.data.global_batch_size} prompts x {task}.group_size="
-                f"{section.group_size} give {completions} completions per step, which do not split into "
-                f"{task}.minibatches={section.minibatches} x schedule.num_microbatches="
-                f"{self.schedule.num_microbatches} on every data-parallel rank; change one of them"
-            )
-        budget = section.max_prompt_len + section.max_new_tokens
-        window = self.model.max_position_embeddings or self.model.preset_config.max_position_embeddings
-        if self.model.init_from is None and budget > window:
-            raise ValueError(
-                f"{task}.max_prompt_len={section.max_prompt_len} + {task}.max_new_tokens={section.max_new_tokens} "
-                f"exceed the model's max_position_embeddings={window}; lower them"
-            )
-        return True
-
-    def ppo_critic_plugin(self):
-        """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
-        actor's ``plugin``. Raises a `ValueError` naming ``ppo.critic_plugin`` for a layout the critic cannot take
-        (its scalar head cannot be split over tp; the trainer supports DDP and ZeRO 0-3 for it)."""
-        from pydantic import TypeAdapter
-
-        if self.ppo.critic_plugin is None:
-            return self.plugin
-        try:
-            section = TypeAdapter(PluginConfig).validate_python(self.ppo.critic_plugin)
-        except Exception as error:  # pydantic's ValidationError, reworded with the field
-            raise ValueError(f"ppo.critic_plugin={self.ppo.critic_plugin!r} is not a plugin section: {error}") from None
-        if section.name not in ("ddp", "zero"):
-            raise ValueError(
-                f"ppo.critic_plugin: name={section.name!r} cannot hold the critic in the trainer: the critic scores "
-                "the actor's rows, so its data-parallel ranks must be the actor's (every rank, as ddp / zero; tp or "
-                "pp would split them), and Gemini / experts are not wired for it; use name 'ddp' or 'zero' (stage 0-3)"
-            )
-        if section.loss_weighting != "microbatch":
-            raise ValueError(
-                "ppo.critic_plugin: the value loss is aggregated by PPO itself; set loss_weighting='microbatch'"
-            )
-        return section
+    def _check_task(self) -> None:
+        """The run's task's support rules (`colo.apps.train.task.TaskSpec.validate`); the sections of other tasks
+        stay at their defaults (a setting nothing reads is an error, not silently ignored)."""
+        spec = task_spec(self.data.task)
+        for section, (section_type, readers) in sections(task_specs().values()).items():
+            if self.data.task not in readers and getattr(self, section) != section_type():
+                which = " or ".join(repr(name) for name in readers)
+                raise ValueError(f"{section}.* is read only with data.task={which} (data.task={self.data.task!r})")
+        spec.validate(self)
 
     def _rows_vary_in_labelled_tokens(self) -> bool:
         """SFT rows and rows of packed documents hold different numbers of labelled tokens: they default to
         ``plugin.loss_weighting='token'`` (not with a pipeline, which averages its microbatches itself)."""
-        varying = self.data.task == "sft" or self.data.packing == "documents"
+        varying = task_spec(self.data.task).rows_vary_in_labelled_tokens or self.data.packing == "documents"
         return varying and not (self.plugin.name == "hybrid" and self.plugin.pp > 1)
 
     @property
@@ -720,3 +499,35 @@ def _same_path(first: str, second: str) -> bool:
     import os
 
     return os.path.realpath(first) == os.path.realpath(second)
+
+
+_assembled: type[BaseRunConfig] | None = None
+
+
+def run_config_class() -> type[BaseRunConfig]:
+    """`RunConfig`: `BaseRunConfig` with each registered task's section (``preference``, ``grpo``, ``ppo``,
+    ``diffusion``, ...) and ``data.task`` restricted to the registered names; assembled once, on first use."""
+    global _assembled
+    if _assembled is None:
+        specs = task_specs()
+        names = tuple(specs)
+        described = "; ".join(f"'{name}': {spec.summary}" for name, spec in specs.items())
+        data = create_model(
+            "DataSection",
+            __base__=DataSection,
+            __doc__=DataSection.__doc__,
+            task=(Literal[names], Field(default="pretrain", description=f"What the run trains. {described}")),
+        )
+        fields = {"data": (data, Field(default_factory=data, description=DataSection.__doc__))}
+        for section, (section_type, _) in sections(specs.values()).items():
+            fields[section] = (section_type, Field(default_factory=section_type, description=section_type.__doc__))
+        _assembled = create_model("RunConfig", __base__=BaseRunConfig, __doc__=BaseRunConfig.__doc__, **fields)
+        _assembled.__module__ = __name__
+    return _assembled
+
+
+def __getattr__(name: str):
+    """``RunConfig`` is assembled from the registered tasks on first use (`run_config_class`)."""
+    if name == "RunConfig":
+        return run_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""The run's data: the dataset ``data.task`` and ``data.packing`` select, a held-out tail for evaluation, and the
-resumable sampler over this rank's share (colo.apps.data).
+"""The run's data: the rows of the run's task (a language-modelling task's are built here, as ``data.packing``
+selects), a held-out tail for evaluation, and the resumable sampler over this rank's share (colo.apps.data).
 
 - ``task='pretrain'``, ``packing='fixed'`` (the default): `PackedDataset`, rows ``input_ids`` and ``labels``
   (windows of one token stream, no padding);
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,7 +34,10 @@ from ..data import (
     default_corpus,
     read_documents,
 )
-from .config import DataSection, RunConfig
+from .config import DataSection
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 
 @dataclass
@@ -79,12 +83,22 @@ class RunData:
                     yield batch, int(self.tokens_per_row[indices].sum())
 
 
-def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int, vocab_size: int | None = None) -> RunData:
+def build_data(
+    config: RunConfig,
+    tokenizer,
+    *,
+    num_replicas: int,
+    rank: int,
+    vocab_size: int | None = None,
+    rows: tuple[Dataset, np.ndarray | None, str] | None = None,
+) -> RunData:
     """Read and tokenize the data into rows; split off the eval tail; make this rank's sampler.
 
     Args:
         config: the run config (``data``, ``eval``, ``seed``; ``plugin`` for what the layout can feed the model).
         tokenizer: from `load_tokenizer(config.data.tokenizer)`.
+        rows: ``(dataset, real tokens of each row or None, description)``; ``None``: the rows of ``data.task``'s
+            task (its ``dataset_rows``).
         num_replicas: data-parallel ranks that get different samples (``plugin.sample_axes``).
         rank: this rank's index among them.
         vocab_size: the model's vocabulary, which every batch's ids are checked against (`RunData.vocab_size`).
@@ -106,8 +120,11 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int, vo
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
         )
-    rollout = config.ppo if data.task == "ppo" else config.grpo  # the online RL task's prompt settings
-    dataset, tokens_per_row, description = build_dataset(data, tokenizer, config.preference, rollout)
+    if rows is None:
+        from .task import task_spec
+
+        rows = task_spec(data.task).load().dataset_rows(config, tokenizer)
+    dataset, tokens_per_row, description = rows
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
     if held_out and len(dataset) - held_out < data.global_batch_size:
         # a small data set (a user's first file of chats): hold out a tenth of it instead, when that leaves a batch
@@ -149,16 +166,13 @@ def build_data(config: RunConfig, tokenizer, *, num_replicas: int, rank: int, vo
     )
 
 
-def build_dataset(data: DataSection, tokenizer, preference=None, grpo=None) -> tuple[Dataset, np.ndarray | None, str]:
-    """The dataset ``data.task`` and ``data.packing`` select (see the module docstring).
+def build_dataset(data: DataSection, tokenizer, *, chats: bool) -> tuple[Dataset, np.ndarray | None, str]:
+    """Language-modelling rows: chat records (``chats``, ``data.task: sft``) or text, as ``data.packing`` says (see
+    the module docstring).
 
     Returns:
         ``(dataset, real tokens of each row or None when every row is full, a one-line description)``.
     """
-    if data.task in ("rm", "dpo"):
-        return build_preference_dataset(data, preference, tokenizer)
-    if data.task in ("grpo", "ppo"):
-        return build_prompt_dataset(data, grpo, tokenizer)
     documents = read_documents(
         data.paths or default_corpus(),
         format=data.format,
@@ -167,7 +181,7 @@ def build_dataset(data: DataSection, tokenizer, preference=None, grpo=None) -> t
         prompt_field=data.prompt_field,
         response_field=data.response_field,
     )
-    if data.task == "sft":
+    if chats:
         packing = "documents" if data.packing == "documents" else "none"
         try:
             sft = SFTDataset(
@@ -198,56 +212,3 @@ def build_dataset(data: DataSection, tokenizer, preference=None, grpo=None) -> t
             f"data.task='pretrain': {error}; set data.task='sft' to train on chat records, or data.text_field to "
             "the records' text field"
         ) from None
-
-
-def build_preference_dataset(data: DataSection, preference, tokenizer) -> tuple[Dataset, np.ndarray, str]:
-    """``task='rm' | 'dpo'``: `colo.apps.rlhf.PreferenceDataset` items (chosen and rejected rows of one record as one
-    ``(2, seq_len)`` item), from ``data.paths`` or the embedded Python-line set (``preference.synthetic_records``)."""
-    from ..rlhf import PreferenceDataset, read_preference_records
-    from ..rlhf.synthetic import python_line_records
-
-    if data.paths:
-        records = read_preference_records(data.paths, format=data.format)
-        source = ", ".join(data.paths)
-    else:
-        records = python_line_records(preference.synthetic_records, seed=0)
-        source = f"{preference.synthetic_records} synthetic records (Python lines vs their words shuffled)"
-    template = data.chat_template.template() if "chat_template" in data.model_fields_set else None
-    try:
-        pairs = PreferenceDataset(
-            records, tokenizer, seq_len=data.seq_len, template=template, max_prompt_len=preference.max_prompt_len
-        )
-    except ValueError as error:
-        raise ValueError(f"data.task={data.task!r}: {error}") from None
-    description = (
-        f"{data.task}: {len(pairs)} preference pairs from {source} (chosen and rejected in one forward), "
-        f"{pairs.num_prompts_truncated} prompts truncated from the left, {pairs.num_responses_truncated} pairs "
-        "with responses cut at data.seq_len"
-    )
-    return pairs, pairs.row_lengths, description
-
-
-def build_prompt_dataset(data: DataSection, grpo, tokenizer) -> tuple[Dataset, np.ndarray, str]:
-    """``task='grpo'`` or ``'ppo'`` (``grpo`` is then the ``ppo`` section): `colo.apps.rlhf.prompts.PromptDataset`
-    items (a prompt's ids, text and other columns), from ``data.paths`` or the embedded arithmetic prompts
-    (``grpo.synthetic_prompts``); every prompt within ``grpo.max_prompt_len`` tokens (else a `ValueError` naming
-    the record)."""
-    from ..rlhf.data import read_preference_records
-    from ..rlhf.prompts import PromptDataset
-    from ..rlhf.synthetic import arithmetic_prompts
-
-    if data.paths:
-        records = read_preference_records(data.paths, format=data.format)
-        source = ", ".join(data.paths)
-    else:
-        records = arithmetic_prompts(grpo.synthetic_prompts, seed=0, max_operand=grpo.max_operand)
-        source = f"{grpo.synthetic_prompts} synthetic addition prompts (operands below {grpo.max_operand})"
-    try:
-        prompts = PromptDataset(records, tokenizer, max_prompt_len=grpo.max_prompt_len, prompt_field=data.prompt_field)
-    except ValueError as error:
-        raise ValueError(f"data.task={data.task!r}: {error}") from None
-    description = (
-        f"{data.task}: {len(prompts)} prompts from {source}, {grpo.group_size} completions each per step, up to "
-        f"{grpo.max_new_tokens} new tokens"
-    )
-    return prompts, prompts.prompt_lengths, description

@@ -180,14 +180,19 @@ def _next_token_logits(model: Llama, input_ids: torch.Tensor, cache: KVCache) ->
 
 
 def chat_template_of(run: dict):
-    """The `ChatTemplate` an SFT run (``data.task='sft'``) trained with, from its checkpoint metadata; ``None``
-    for other runs."""
+    """The `ChatTemplate` a chat run (``data.task='sft'``) trained with, from its checkpoint metadata; ``None``
+    for other runs. (Checkpoints written before the metadata held ``chat_template`` name it in their config.)"""
     from ..data import ChatTemplate
 
+    if "chat_template" in run:
+        return ChatTemplate(**run["chat_template"])
     data = (run.get("config") or {}).get("data") or {}
-    if data.get("task") != "sft":
-        return None
-    return ChatTemplate(**data.get("chat_template", {}))
+    from .task import task_specs
+
+    spec = task_specs().get(data.get("task"))
+    if spec is not None and getattr(spec.load(), "chats", False):  # an older checkpoint of a chat run
+        return ChatTemplate(**data.get("chat_template", {}))
+    return None
 
 
 def complete(model: Llama, tokenizer, prompt: str, *, chat_template=None, escape_bytes: bool = False, **options) -> str:

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import ValidationError
 
-from .config import RunConfig
+from .config import run_config_class
 from .plugin_config import PLUGIN_NAMES
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 from .presets import RUN_PRESETS
 
 
@@ -109,6 +114,9 @@ def format_validation_error(error: ValidationError) -> str:
     for problem in error.errors():
         location = ".".join(str(part) for part in problem["loc"]) or "config"
         message = problem["msg"].removeprefix("Value error, ")
+        field = re.match(r"([a-z_]+(?:\.[a-z_]+)*): ", message)
+        if location == "config" and field:  # a task's rule (TaskRule) names its field: report it there
+            location, message = field.group(1), message[field.end() :]
         if problem["type"] == "extra_forbidden":
             parent = location.rpartition(".")[0]
             message = f"unknown field; see `colo config --schema` for the fields of {parent or 'the config'}"
@@ -126,7 +134,7 @@ def validate_config(data: Mapping) -> RunConfig:
     if isinstance(data.get("plugin"), Mapping) and "name" not in data["plugin"]:  # the default plugin, DDP
         data["plugin"] = {"name": "ddp", **data["plugin"]}
     try:
-        return RunConfig.model_validate(data)
+        return run_config_class().model_validate(data)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
 

@@ -149,6 +149,15 @@ def task_metric_parts(record: dict) -> list[str]:
     return parts
 
 
+def throughput_text(record: dict) -> str:
+    """A record's throughput for the progress bar: ``12.3k tok/s`` or ``41.2 images/s`` (empty without one)."""
+    if "tokens_per_second" in record:
+        return f"{record['tokens_per_second'] / 1000:.1f}k tok/s"
+    if "images_per_s" in record:
+        return f"{record['images_per_s']:.1f} images/s"
+    return ""
+
+
 def step_line(record: dict, *, total_steps: int) -> str:
     """The log line of one step: ``step 100/300 | loss 2.31 | lr 1.9e-03 | 12.3k tok/s | MFU n/a | mem 310 MiB``,
     with a recipe's own metrics after the loss (`TASK_STEP_METRICS`); a diffusion record (``images_per_s``,

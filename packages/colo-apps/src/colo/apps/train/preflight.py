@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
-from .config import RunConfig
 from .loading import ConfigError
+from .task import task_spec
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 
 def check_before_start(config: RunConfig) -> None:
@@ -38,7 +42,7 @@ def _data_paths(config: RunConfig) -> str | None:
 
 
 def _data_files(config: RunConfig) -> str | None:
-    if not config.data.paths or config.data.task == "diffusion":  # diffusion reads image folders
+    if not config.data.paths or not task_spec(config.data.task).reads_data_files:  # e.g. diffusion's image folders
         return None
     from ..data.sources import data_files_problem
 
@@ -81,7 +85,7 @@ def _init_from(config: RunConfig) -> str | None:
 
 def _tensor_parallel(config: RunConfig) -> str | None:
     plugin = config.plugin
-    if plugin.name != "hybrid" or plugin.tp == 1 or config.data.task == "diffusion":
+    if plugin.name != "hybrid" or plugin.tp == 1 or not task_spec(config.data.task).trains_llama:
         return None
     from ..data import load_tokenizer
     from ..models.llama import check_tp_size

@@ -7,14 +7,13 @@ from torchrun's environment (1 unlaunched), so these are one line and exit code 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from .config import RunConfig
 from .loading import ConfigError
+from .task import task_spec
 
-_BATCHED_TASKS = ("pretrain", "sft")
-"""Tasks whose rows are ``data.seq_len`` tokens split as the batch checks below assume (the RL and preference tasks
-and diffusion build their own batches, checked where they are built)."""
-
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 def check_world_size(config: RunConfig, world_size: int) -> None:
     """Raise `ConfigError` (``invalid run config: FIELD: what is wrong; what to change``) when the run cannot be laid
@@ -32,7 +31,7 @@ def check_world_size(config: RunConfig, world_size: int) -> None:
             f"invalid run config: plugin: {error} (the job has {world_size} process(es): change the plugin's sizes "
             "or colo launch --nproc-per-node)"
         ) from None
-    if config.data.task not in _BATCHED_TASKS:
+    if not task_spec(config.data.task).batches_rows_of_seq_len:  # the others check their batches where built
         return
     replicas = math.prod(shape.get(axis, 1) for axis in plugin.sample_axes(None))
     batch, microbatches = config.data.global_batch_size, config.schedule.num_microbatches

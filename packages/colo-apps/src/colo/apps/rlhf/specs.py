@@ -1,0 +1,305 @@
+"""The registry entries of the RLHF tasks (``data.task: rm | dpo | grpo | ppo``): their sections and support rules.
+
+Each rule names the field to change; the first one a config breaks is its error (`colo.apps.train.task.TaskRule`).
+The task classes are imported only when a run builds them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..train.language_model import record_data_rules
+from ..train.task import TaskRule, TaskSpec
+from .grpo_config import GRPOSection
+from .ppo_config import PPOSection
+from .preference_config import PreferenceSection
+
+_DPO_ONLY = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
+
+
+def _hybrid_beyond_tp(config) -> bool:
+    plugin = config.plugin
+    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp > 1 or bool(plugin.sp_mode))
+
+
+def _same_path(first: str, second: str) -> bool:
+    return os.path.realpath(first) == os.path.realpath(second)
+
+
+def _preference_rules(task: str) -> tuple[TaskRule, ...]:
+    """``rm`` / ``dpo``: preference records, the other kind's settings unset, a layout the pair forward supports."""
+    rules = [
+        *record_data_rules(task, "{prompt, chosen, rejected} records", "runs one pair per item", "every record"),
+        TaskRule(
+            "data.paths",
+            lambda c: not c.data.paths and not c.preference.synthetic_records,
+            lambda c: (
+                f"data.task={task!r} needs data.paths of {{prompt, chosen, rejected}} records, or "
+                "preference.synthetic_records > 0 for the embedded Python-line set"
+            ),
+        ),
+    ]
+    if task == "rm":
+        rules.append(
+            TaskRule(
+                "preference",
+                lambda c: any(getattr(c.preference, n) != PreferenceSection.model_fields[n].default for n in _DPO_ONLY),
+                lambda c: (
+                    "preference."
+                    + sorted(
+                        n for n in _DPO_ONLY if getattr(c.preference, n) != PreferenceSection.model_fields[n].default
+                    )[0]
+                    + " is a DPO setting; data.task='rm' does not read it"
+                ),
+            )
+        )
+    else:
+        rules.append(
+            TaskRule(
+                "preference.margin",
+                lambda c: c.preference.margin is not None,
+                lambda c: "preference.margin is a reward-model setting; data.task='dpo' does not read it",
+            )
+        )
+    rules += [
+        TaskRule(
+            "preference.sft_steps",
+            lambda c: c.preference.sft_steps >= c.schedule.total_steps,
+            lambda c: (
+                f"preference.sft_steps={c.preference.sft_steps} leaves no {task.upper()} step of "
+                f"schedule.total_steps={c.schedule.total_steps}; lower it"
+            ),
+        ),
+        TaskRule(
+            "plugin",
+            _hybrid_beyond_tp,
+            lambda c: (
+                f"data.task={task!r} under plugin.name='hybrid' supports tp and dp (pp=1, sp=1, sp_mode=None): a "
+                "pipeline and sequence shards do not give per-sequence log-probs or rewards yet; drop pp / sp, or use "
+                "plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
+            ),
+        ),
+        TaskRule(
+            "plugin.loss_weighting",
+            lambda c: c.plugin.loss_weighting != "microbatch",
+            lambda c: f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'",
+        ),
+    ]
+    if task == "rm":
+        rules += [
+            TaskRule(
+                "checkpoint.dir",
+                lambda c: c.preference.sft_steps > 0 and _same_path(c.checkpoint_dir, c.output_dir),
+                lambda c: (
+                    f"checkpoint.dir={c.checkpoint.dir!r} is output_dir itself: a reward model with "
+                    "preference.sft_steps saves its SFT'd policy to output_dir/sft-policy, which resume=auto would "
+                    "take for a checkpoint; use a subdirectory (or leave checkpoint.dir unset)"
+                ),
+            ),
+            TaskRule(
+                "lora.enabled",
+                lambda c: c.lora.enabled,
+                lambda c: "data.task='rm' with LoRA is not supported: the scalar head must train",
+            ),
+        ]
+    return tuple(rules)
+
+
+_HYBRID_ROLLOUT = (
+    # (field, the value it must have, how to write the fix, why)
+    ("plugin.pp", 1, "1", "generation does not run across pipeline stages"),
+    ("plugin.sp", 1, "1", "rollout rows are not split along the sequence"),
+    ("plugin.sp_mode", None, "null", "rollout rows are not split along the sequence"),
+    ("plugin.tp_mode", "1d", "'1d'", "the grid layouts have no rollout path"),
+    ("lora.enabled", False, "false", "the tp reference is built without adapters"),
+)
+
+
+def _field(config, dotted: str):
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _differs(value, allowed) -> bool:
+    return value != allowed or type(value) is not type(allowed)
+
+
+def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ...]:
+    """An online-RL task's rules (its section ``task``, a `RolloutSection`): prompts, a layout whose trainer holds
+    full-vocabulary or vocabulary-parallel log-probs and whole weights (in place or gathered) for the frozen
+    reference, batches that split into the updates, prompts + completions that fit the model."""
+
+    def section(c):
+        return getattr(c, task)
+
+    def window(c):
+        return c.model.max_position_embeddings or c.model.preset_config.max_position_embeddings
+
+    hybrid = tuple(
+        TaskRule(
+            field,
+            lambda c, field=field, allowed=allowed: c.plugin.name == "hybrid" and _differs(_field(c, field), allowed),
+            lambda c, field=field, fix=fix, why=why: (
+                f"data.task='{task}' under plugin.name='hybrid' supports tp x dp "
+                f"only: {field}={_field(c, field)!r} is not supported ({why}); set {field}={fix}"
+            ),
+        )
+        for field, allowed, fix, why in _HYBRID_ROLLOUT
+    )
+    return (
+        *record_data_rules(task, "{prompt, ...} records", "generates from one prompt per row", "every prompt"),
+        TaskRule(
+            "data.paths",
+            lambda c: not c.data.paths and not section(c).synthetic_prompts,
+            lambda c: (
+                f"data.task='{task}' needs data.paths of {{prompt, ...}} records, or {task}.synthetic_prompts > "
+                "0 for the embedded arithmetic prompts"
+            ),
+        ),
+        TaskRule(
+            "plugin.name",
+            lambda c: c.plugin.name not in plugins,
+            lambda c: (
+                f"data.task='{task}' runs the policy under plugin.name={', '.join(repr(n) for n in plugins)} in "
+                f"the trainer; plugin.name={c.plugin.name!r} is not supported yet"
+            ),
+        ),
+        *hybrid,
+        TaskRule(
+            "plugin.loss_weighting",
+            lambda c: c.plugin.loss_weighting != "microbatch",
+            lambda c: (
+                f"data.task='{task}' aggregates its losses itself ({task}.loss_aggregation): set "
+                "plugin.loss_weighting='microbatch'"
+            ),
+        ),
+        TaskRule(
+            f"{task}.sft_steps",
+            lambda c: section(c).sft_steps >= c.schedule.total_steps,
+            lambda c: (
+                f"{task}.sft_steps={section(c).sft_steps} leaves no {task.upper()} step of schedule.total_steps="
+                f"{c.schedule.total_steps}; lower it"
+            ),
+        ),
+        TaskRule(
+            f"{task}.minibatches",
+            lambda c: (
+                (c.data.global_batch_size * section(c).group_size)
+                % (section(c).minibatches * c.schedule.num_microbatches)
+            ),
+            lambda c: (
+                f"data.global_batch_size={c.data.global_batch_size} prompts x {task}.group_size="
+                f"{section(c).group_size} give {c.data.global_batch_size * section(c).group_size} completions per "
+                f"step, which do not split into {task}.minibatches={section(c).minibatches} x "
+                f"schedule.num_microbatches={c.schedule.num_microbatches} on every data-parallel rank; change one of "
+                "them"
+            ),
+        ),
+        TaskRule(
+            f"{task}.max_new_tokens",
+            lambda c: c.model.init_from is None and section(c).max_prompt_len + section(c).max_new_tokens > window(c),
+            lambda c: (
+                f"{task}.max_prompt_len={section(c).max_prompt_len} + {task}.max_new_tokens="
+                f"{section(c).max_new_tokens} exceed the model's max_position_embeddings={window(c)}; lower them"
+            ),
+        ),
+    )
+
+
+_PPO_RULES = (
+    TaskRule(
+        "lora.enabled",
+        lambda c: c.lora.enabled,
+        lambda c: (
+            "data.task='ppo' with LoRA is not supported yet (the critic and the value head train whole); set "
+            "lora.enabled=false"
+        ),
+    ),
+)
+
+
+def critic_plugin_section(config):
+    """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
+    actor's ``plugin``. Raises a `ValueError` naming ``ppo.critic_plugin`` for a layout the critic cannot take
+    (its scalar head cannot be split over tp; the trainer supports DDP and ZeRO 0-3 for it)."""
+    from pydantic import TypeAdapter
+
+    from ..train.plugin_config import PluginConfig
+
+    if config.ppo.critic_plugin is None:
+        return config.plugin
+    try:
+        section = TypeAdapter(PluginConfig).validate_python(config.ppo.critic_plugin)
+    except Exception as error:  # pydantic's ValidationError, reworded with the field
+        raise ValueError(f"ppo.critic_plugin={config.ppo.critic_plugin!r} is not a plugin section: {error}") from None
+    if section.name not in ("ddp", "zero"):
+        raise ValueError(
+            f"ppo.critic_plugin: name={section.name!r} cannot hold the critic in the trainer: the critic scores "
+            "the actor's rows, so its data-parallel ranks must be the actor's (every rank, as ddp / zero; tp or "
+            "pp would split them), and Gemini / experts are not wired for it; use name 'ddp' or 'zero' (stage 0-3)"
+        )
+    if section.loss_weighting != "microbatch":
+        raise ValueError(
+            "ppo.critic_plugin: the value loss is aggregated by PPO itself; set loss_weighting='microbatch'"
+        )
+    return section
+
+
+def _preference_task():
+    from .task import PreferenceTask
+
+    return PreferenceTask
+
+
+def _grpo_task():
+    from .grpo_task import GRPOTask
+
+    return GRPOTask
+
+
+def _ppo_task():
+    from .ppo_task import PPOTask
+
+    return PPOTask
+
+
+RLHF_TASKS = (
+    TaskSpec(
+        name="rm",
+        summary="a reward model (the Llama with a scalar head) on {prompt, chosen, rejected} records, Bradley-Terry "
+        "loss (the preference section, colo.apps.rlhf)",
+        load=_preference_task,
+        section="preference",
+        section_type=PreferenceSection,
+        rules=_preference_rules("rm"),
+        reads_chat_template=True,
+    ),
+    TaskSpec(
+        name="dpo",
+        summary="the DPO family (preference.loss_type) on the same records",
+        load=_preference_task,
+        section="preference",
+        section_type=PreferenceSection,
+        rules=_preference_rules("dpo"),
+        reads_chat_template=True,
+    ),
+    TaskSpec(
+        name="grpo",
+        summary="online RL on {prompt, ...} records with reward functions (GRPO / Dr. GRPO / RLOO, the grpo section)",
+        load=_grpo_task,
+        section="grpo",
+        section_type=GRPOSection,
+        rules=_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid")),
+    ),
+    TaskSpec(
+        name="ppo",
+        summary="online RL on the same records with a critic, GAE and reward functions or a reward model (the ppo "
+        "section)",
+        load=_ppo_task,
+        section="ppo",
+        section_type=PPOSection,
+        rules=(*_rollout_rules("ppo", plugins=("ddp", "zero", "gemini")), *_PPO_RULES),
+        check=critic_plugin_section,
+    ),
+)
+"""The RLHF tasks' registry entries (registered by `colo.apps.recipes`)."""
