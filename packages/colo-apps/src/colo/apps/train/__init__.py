@@ -3,7 +3,10 @@
 - `RunConfig` (`config.py`): the pydantic run config (model preset + overrides, plugin, optimizer, schedule, data,
   checkpoint, logging, eval, sample); `load_config` reads YAML / TOML files, run presets (`RUN_PRESETS`) and
   ``a.b=c`` overrides, raising `ConfigError` with the field's name.
-- `Trainer` / `train` (`trainer.py`): the training loop with checkpoints, exact resume, eval and a final sample.
+- `Trainer` / `train` (`trainer.py`): the one training loop of every task, with checkpoints, exact resume, eval and
+  the task's final samples.
+- `TrainTask`, `TaskContext`, `TaskSpec`, `TaskRule`, `register_task` (`task.py`): the seam a recipe plugs into and
+  the registry ``data.task`` is looked up in; `LanguageModelTask` (`language_model.py`): ``pretrain`` / ``sft``.
 - `optim.py` (AdamW groups, warmup + cosine), `state.py` (RNG states as JSON, checkpoint pruning and resume),
   `metrics.py` (progress bar, JSONL, TensorBoard), `generate.py` (`load_llama`, `generate`).
 
@@ -16,15 +19,25 @@ Example::
 
 from .config import RunConfig
 from .generate import generate, load_llama
+from .language_model import ChatTask, LanguageModelTask
 from .loading import ConfigError, apply_overrides, load_config, read_config_file, validate_config
 from .optim import WarmupCosine, build_optimizer, build_scheduler, param_groups
 from .presets import RUN_PRESETS
 from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
 from .state import committed_checkpoints, prune_checkpoints, resolve_resume, rng_state, set_rng_state
+from .task import TaskContext, TaskRule, TaskSpec, TrainTask, register_task, task_specs
 from .trainer import Trainer, TrainResult, train
 
 __all__ = [
     "RUN_PRESETS",
+    "ChatTask",
+    "LanguageModelTask",
+    "TaskContext",
+    "TaskRule",
+    "TaskSpec",
+    "TrainTask",
+    "register_task",
+    "task_specs",
     "PretrainedLlamaWeights",
     "ConfigError",
     "RunConfig",
