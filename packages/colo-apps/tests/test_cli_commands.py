@@ -291,3 +291,22 @@ def test_data_errors_found_while_setting_up_are_one_line_and_exit_2(tmp_path, ta
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("colo: ") and words in lines[0], done.stderr
+
+
+def test_under_colo_launch_a_setup_time_data_error_also_exits_2(tmp_path):
+    """A data error found while the ranks set up is one ``colo:`` line from rank 0, and ``colo launch`` exits 2 (as an
+    unlaunched ``colo train`` does), not with torchrun's failure code 1."""
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n" + '{"messages": [{"role": "user"' + "\n")
+    sets = [f"output_dir={tmp_path / 'run'}", "data.task=sft", f"data.paths=[{path}]", "data.max_tokens=null"]
+    command = [sys.executable, "-m", "colo.apps.cli", "launch", "--nproc-per-node", "2", "--", "train"]
+    command += ["--preset", "tiny-llama", *(part for value in sets for part in ("--set", value))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "COLO_DEBUG", "COLO_INPUT_ERROR_FILE"):
+        env.pop(name, None)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    colo_lines = [line for line in done.stderr.splitlines() if line.startswith("colo: ")]
+    assert len(colo_lines) == 1 and "line 2: not valid JSON" in colo_lines[0], done.stderr
+    assert "the run's input was refused while it was set up" in done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Annotated
 
@@ -112,6 +113,11 @@ def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetO
         raise typer.Exit(PREEMPTED_EXIT_CODE)
 
 
+INPUT_ERROR_FILE_ENV = "COLO_INPUT_ERROR_FILE"
+"""Set by ``colo launch`` for its workers: where rank 0 writes an input error found while a run is set up, so the
+launcher exits 2 (as an unlaunched ``colo train`` does) instead of with torchrun's failure code."""
+
+
 def _input_error(error: Exception):
     """Report an error about the user's input (data, sizes, paths) found while a run is set up: one line from rank
     0, exit code 2 on every rank; the traceback only with ``COLO_DEBUG=1``."""
@@ -119,6 +125,10 @@ def _input_error(error: Exception):
         raise error
     if os.environ.get("RANK", "0") == "0":
         typer.echo(f"colo: {error} (COLO_DEBUG=1 shows the traceback)", err=True)
+        marker = os.environ.get(INPUT_ERROR_FILE_ENV)
+        if marker:  # under colo launch: it exits 2 too, not with torchrun's code
+            with open(marker, "w") as file:
+                file.write(str(error))
     raise typer.Exit(2) from None
 
 
@@ -192,7 +202,12 @@ def launch(
     env = launch_environment(nproc_per_node=nproc_per_node, cuda=cuda)
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_seconds)  # torchrun's SIGTERM -> SIGKILL grace
     started = time.time()
-    code, signalled = run_forwarding_signals(command, env=env)
+    with tempfile.TemporaryDirectory(prefix="colo-launch-") as scratch:
+        env[INPUT_ERROR_FILE_ENV] = os.path.join(scratch, "input-error")
+        code, signalled = run_forwarding_signals(command, env=env)
+        if code != 0 and os.path.exists(env[INPUT_ERROR_FILE_ENV]):
+            typer.echo("colo launch: the run's input was refused while it was set up (the colo: line above)", err=True)
+            raise typer.Exit(2)
     raise typer.Exit(launch_outcome(code, signalled, run=run, max_restarts=max_restarts, since=started))
 
 
