@@ -130,6 +130,11 @@ class ExpertParallelZero:
         self.config = self.dense.config
         self.last_grad_norm: float | None = None
 
+    @property
+    def reduces_every_microbatch(self) -> bool:
+        """As `ZeroOptimizer.reduces_every_microbatch` (both parts run the same stage)."""
+        return self.dense.reduces_every_microbatch
+
     # --- the training-loop API (as `ZeroOptimizer`) -----------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -108,6 +108,13 @@ class ZeroOptimizer(ChunkOptimizer):
         self.gatherer = self.param_sync.gatherer
         """Stage 3's `ChunkGatherer` (``None`` at stages 0/1/2)."""
 
+    @property
+    def reduces_every_microbatch(self) -> bool:
+        """Whether gradients are reduced in every microbatch's backward (stages 0, 2, 3; a training loop accumulating
+        microbatches then runs the others under ``no_sync`` only if it wants to skip that), or accumulate in full
+        buffers and reduce once, in the last microbatch's backward (stage 1)."""
+        return self._grad_strategy is not PersistentGradSync
+
     # --- the one place the stage is read ----------------------------------------------------------------------
 
     def _select_strategies(self) -> bool:

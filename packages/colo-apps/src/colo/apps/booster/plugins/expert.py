@@ -113,7 +113,7 @@ class ExpertParallelEngine(OptimizerDriver, Engine):
             optimizer=optimizer,
             mesh=mesh,
             criterion=criterion,
-            sync_every_microbatch=optimizer.config.stage != 1,
+            sync_every_microbatch=optimizer.reduces_every_microbatch,
         )
         self.uses_expert_bias = any(block.config.expert_bias for _, block in moe_blocks(model))
 

@@ -97,7 +97,7 @@ class ZeroEngine(OptimizerDriver, Engine):
     def __init__(self, plugin, *, model, optimizer: ZeroOptimizer, mesh, criterion, accumulate_without_sync=False):
         # stage 1 accumulates in its full buffers and reduces (overlapped) in the last microbatch's backward, the
         # others under no_sync; stages 0/2/3 reduce every microbatch unless told to accumulate
-        sync_every = optimizer.config.stage != 1 and not accumulate_without_sync
+        sync_every = optimizer.reduces_every_microbatch and not accumulate_without_sync
         super().__init__(
             plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion, sync_every_microbatch=sync_every
         )
