@@ -24,7 +24,7 @@ order rotating each repeat, medians reported:
   "auto", device_capacity=--gemini-budget))`` on 2 (without a GPU Gemini's device tier is a preallocated arena of
   host memory, so the budget is host memory here too). The boosted module is `DenoiserLoss` (the UNet and its MSE);
   `DiffusionBatchBuilder` runs the frozen VAE and text encoder on each rank for its own rows, then
-  ``booster.train_step(batch)``, as `colo.apps.diffusion.DiffusionTrainer` does. Step time covers both.
+  ``booster.train_step(batch)``, as `colo.apps.diffusion.task.DiffusionTask` does. Step time covers both.
 - ``diffusers_single`` / ``diffusers_ddp``: the loop of ``packages/colo-apps/tests/test_diffusion_recipe.py``
   (``train_text_to_image.py``'s step with diffusers' own calls: ``vae.encode(...).latent_dist``, scaling factor,
   ``noise_scheduler.add_noise``, ``text_encoder(input_ids)``, ``unet(...)``, ``F.mse_loss``), under an

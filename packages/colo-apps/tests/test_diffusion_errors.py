@@ -60,7 +60,7 @@ def _trainer_outcomes(root):
 
     from colo.apps.diffusion import build_text_encoder, caption_vocabulary, save_caption_tokenizer
     from colo.apps.diffusion.testing import tiny_config, tiny_run_config
-    from colo.apps.diffusion.trainer import DiffusionTrainer
+    from colo.apps.train import Trainer
 
     def pretrained(name, words, hidden):
         tokenizer = save_caption_tokenizer(words, os.path.join(root, name, "tokenizer"), max_length=16)
@@ -82,11 +82,11 @@ def _trainer_outcomes(root):
             fields["tokenizer_from"] = os.path.join(root, case, "tokenizer")
         config = tiny_run_config(os.path.join(root, f"run-{case}"), plugin={"name": "ddp"}, **fields)
         try:
-            trainer = DiffusionTrainer(config)
+            trainer = Trainer(config)
         except ValueError as error:
             outcomes[case] = str(error)
         else:
-            outcomes[case] = trainer.tokenizer.get_vocab() == wide.get_vocab() and os.path.exists(
+            outcomes[case] = trainer.task.tokenizer.get_vocab() == wide.get_vocab() and os.path.exists(
                 os.path.join(config.output_dir, "tokenizer", "tokenizer_config.json")
             )
     return outcomes

@@ -93,12 +93,12 @@ def test_the_cache_is_reused_unchanged_and_rebuilt_for_other_images_or_another_v
 
 
 def _train(output_dir, cache_latents):
-    from colo.apps.diffusion.trainer import DiffusionTrainer
+    from colo.apps.train import Trainer
 
-    trainer = DiffusionTrainer(tiny_run_config(output_dir, cache_latents=cache_latents))
+    trainer = Trainer(tiny_run_config(output_dir, cache_latents=cache_latents))
     result = trainer.fit()
-    grid = trainer.sample_grid(3)  # loads the VAE for the grid only
-    return result["losses"], trainer.vae is None, grid
+    grid = trainer.task.sample_grid(trainer.ctx, 3)  # loads the VAE for the grid only
+    return [result.losses[step] for step in sorted(result.losses)], trainer.task.vae is None, grid
 
 
 def test_the_trainer_with_cached_latents_matches_on_the_fly_latents(tmp_path):

@@ -108,30 +108,15 @@ def _boosted_lora(plugin_name):
     per_rank = GLOBAL_BATCH // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     losses = [booster.train_step(_batch(builder, step, rows)).loss for step in range(NUM_STEPS)]
-    optimizer = booster.engine.optimizer
-    if hasattr(optimizer, "full_params"):
-        adapters = optimizer.full_params()  # the fp32 masters of what ZeRO steps: the adapters alone
-    else:
-        adapters = {n: p.detach().clone() for n, p in booster.unwrap().named_parameters() if p.requires_grad}
-    return losses, adapters, _frozen_weights(booster)
+    return losses, *_adapters_and_base(booster)
 
 
-def _frozen_weights(booster):
-    """The frozen base weights as the ranks hold them: whole under DDP / ZeRO 1-2, gathered from the frozen chunks'
-    shards under ZeRO-3 / Gemini (a collective)."""
-    from colo.comm import all_gather
-
-    optimizer = booster.engine.optimizer
-    if not hasattr(optimizer, "chunks") or optimizer.num_shards == 1 or not hasattr(optimizer, "group"):
-        return {n: p.detach().clone() for n, p in booster.unwrap().named_parameters() if not p.requires_grad}
-    frozen = {}
-    for chunk in optimizer.chunks:
-        if chunk.trainable:
-            continue
-        full = all_gather(optimizer.shard_tensors(chunk)["master"].contiguous(), group=optimizer.group)
-        for slot in chunk.slots:
-            frozen[slot.name] = chunk.slot_view(full, slot).detach().clone()
-    return frozen
+def _adapters_and_base(booster):
+    """``(adapters, frozen base)`` by name, whole (`Booster.full_state_dict`: gathered from the chunks' shards under
+    ZeRO-3 / Gemini, a collective; the adapters as the fp32 masters the optimizer steps)."""
+    weights = booster.full_state_dict()
+    adapters = {name: value for name, value in weights.items() if ".lora_" in name}
+    return adapters, {name: value for name, value in weights.items() if name not in adapters}
 
 
 @pytest.fixture(scope="module")
@@ -156,19 +141,15 @@ def test_lora_under_each_plugin_matches_single_process_peft(plugin_name, referen
 
 
 def _lora_resume_run(output_dir, plugin, stop_at_step):
-    from colo.apps.diffusion.trainer import DiffusionTrainer
+    from colo.apps.train import Trainer
 
     schedule = {"total_steps": 4, **({"stop_at_step": stop_at_step} if stop_at_step else {})}
     lora = {"enabled": True, "r": RANK, "alpha": ALPHA}
     config = tiny_run_config(output_dir, lora=lora, plugin=plugin, schedule=schedule, checkpoint_every=2)
-    trainer = DiffusionTrainer(config)
+    trainer = Trainer(config)
     result = trainer.fit()
-    optimizer = trainer.booster.engine.optimizer
-    if hasattr(optimizer, "full_params"):
-        adapters = optimizer.full_params()
-    else:
-        adapters = {n: p.detach().clone() for n, p in trainer.booster.unwrap().named_parameters() if p.requires_grad}
-    return result, adapters, trainer.ema.full(), _frozen_weights(trainer.booster)
+    adapters, base = _adapters_and_base(trainer.booster)
+    return result, adapters, trainer.task.ema.full(), base
 
 
 @pytest.mark.parametrize("plugin", [{"name": "ddp"}, {"name": "zero", "stage": 3}], ids=["ddp", "zero3"])
@@ -179,8 +160,9 @@ def test_a_resumed_lora_run_reproduces_the_uninterrupted_one_exactly(plugin, tmp
     run_distributed(_lora_resume_run, str(tmp_path / "cut"), plugin, 3, world_size=2, timeout=240)
     resumed = run_distributed(_lora_resume_run, str(tmp_path / "cut"), plugin, None, world_size=2, timeout=240)
     for (whole_result, *whole_tensors), (resumed_result, *resumed_tensors) in zip(whole, resumed):
-        assert resumed_result["start_step"] == 2
-        assert len(whole_result["losses"]) == 4 and resumed_result["losses"] == whole_result["losses"][2:]
+        assert resumed_result.start_step == 2
+        assert sorted(whole_result.losses) == [1, 2, 3, 4]
+        assert resumed_result.losses == {step: whole_result.losses[step] for step in (3, 4)}
         for kind, expected, got in zip(("adapters", "ema", "base"), whole_tensors, resumed_tensors):
             assert expected and set(got) == set(expected), kind
             for name, value in expected.items():
@@ -191,15 +173,16 @@ def test_a_resumed_lora_run_reproduces_the_uninterrupted_one_exactly(plugin, tmp
 
 
 def _lora_run(output_dir):
+    from colo.apps.diffusion.components import initial_unet
     from colo.apps.diffusion.lora import add_unet_lora, lora_settings
-    from colo.apps.diffusion.trainer import DiffusionTrainer, initial_unet
+    from colo.apps.train import Trainer
 
     lora = {"enabled": True, "r": RANK, "alpha": ALPHA}
-    trainer = DiffusionTrainer(tiny_run_config(output_dir, lora=lora, cache_latents=True))
+    trainer = Trainer(tiny_run_config(output_dir, lora=lora, cache_latents=True))
     trainer.fit()
-    grid = trainer.sample_grid(3)  # the base UNet with the averaged adapters (and the VAE loaded for it)
+    grid = trainer.task.sample_grid(trainer.ctx, 3)  # the base UNet with the averaged adapters (and the VAE loaded)
     assert grid is None or os.path.exists(grid)
-    averaged = trainer.ema.full()  # the adapters' average: what the export writes
+    averaged = trainer.task.ema.full()  # the adapters' average: what the export writes
     unet = add_unet_lora(initial_unet(trainer.config), **lora_settings(trainer.config.lora))
     unet.load_state_dict({n.removeprefix("unet."): v for n, v in averaged.items()}, strict=False)
     return sorted(averaged), unet.eval()

@@ -124,10 +124,7 @@ def _boosted_run(plugin_name, precision="fp32"):
     if plugin_name == "gemini-below":
         device = optimizer.memory_report().tiers["device"]
         assert device.capacity < unet_bytes and device.high_water <= device.capacity, (device, unet_bytes)
-    if hasattr(optimizer, "full_params"):
-        params = optimizer.full_params()
-    else:
-        params = {name: p.detach().clone() for name, p in booster.unwrap().named_parameters()}
+    params = booster.full_state_dict()
     shard_numel = sum(value.numel() for value, _ in ema.shadow.values())
     return losses, params, ema.full(), ema.full(to_rank=0), shard_numel, unet_bytes // 4
 
@@ -180,8 +177,8 @@ def _checkpointed_run(checkpointing):
     counts the calls of one resnet block (recomputed in backward when checkpointing)."""
     from colo.apps.booster import Booster
     from colo.apps.diffusion import DenoiserLoss
+    from colo.apps.diffusion.components import initial_unet
     from colo.apps.diffusion.testing import tiny_run_config
-    from colo.apps.diffusion.trainer import initial_unet
 
     rank = torch.distributed.get_rank()
     config = tiny_run_config("unused", gradient_checkpointing=checkpointing)
@@ -204,7 +201,7 @@ def _checkpointed_run(checkpointing):
             global_rows=GLOBAL_BATCH,
         )
         losses.append(booster.train_step(batch).loss)
-    return losses, booster.engine.optimizer.full_params(), len(calls)
+    return losses, booster.full_state_dict(), len(calls)
 
 
 def test_gradient_checkpointing_recomputes_and_changes_nothing_under_zero3():

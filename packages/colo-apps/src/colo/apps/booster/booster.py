@@ -132,6 +132,61 @@ class Booster:
         return self._require_engine().unwrap()
 
     @torch.no_grad()
+    def full_state_dict(self, *, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The boosted model's whole weights, named as ``unwrap().state_dict()`` names them: the fp32 masters of the
+        trainable parameters where the plugin keeps masters (mixed precision), the frozen ones as stored, and the
+        persistent buffers. E.g. the weights to sample from, or to load into an unsharded copy of the model.
+
+        Every rank calls it: where the plugin shards parameters over the data ranks (`Zero`, `Gemini`) the chunks
+        are all-gathered one at a time, so besides the result a rank holds at most one gathered chunk.
+
+        Args:
+            to_rank (int | None): only this global rank keeps the weights (the others return ``{}`` and never hold
+                more than one chunk); ``None``: every rank gets them. Default: ``None``.
+
+        Returns:
+            dict[str, torch.Tensor]: fresh tensors (not views of the model's), on the compute device.
+
+        Raises:
+            ValueError: the plugin splits the model itself (tensor, pipeline or expert parallelism): each rank
+                holds pieces; read the weights from a checkpoint (`save`) instead.
+        """
+        import torch.distributed as dist
+
+        from colo.comm import all_gather
+        from colo.zero import ChunkOptimizer
+
+        engine = self._require_engine()
+        mesh, optimizer = engine.mesh, engine.optimizer
+        data_axes = self.plugin.data_axes(mesh)
+        split = [f"{axis}={size}" for axis, size in mesh.shape.items() if size > 1 and axis not in data_axes]
+        if split or not isinstance(optimizer, ChunkOptimizer | torch.optim.Optimizer):
+            layout = ", ".join(split) or type(optimizer).__name__
+            raise ValueError(
+                f"Booster.full_state_dict: under {type(self.plugin).__name__} ({layout}) each rank holds pieces of "
+                "the model; save a checkpoint (booster.save) and read it with colo.tensor.checkpoint.load_checkpoint"
+            )
+        keep = to_rank is None or dist.get_rank() == to_rank
+        module = engine.unwrap()  # waits for a parameter all-gather in flight (ZeRO 1/2)
+        result: dict[str, torch.Tensor] = {}
+        if isinstance(optimizer, ChunkOptimizer):
+            optimizer.before_checkpoint()
+            for chunk in optimizer.chunks:
+                shard = optimizer.shard_tensors(chunk)["master"].to(optimizer.device).contiguous()
+                full = shard if optimizer.num_shards == 1 else all_gather(shard, group=optimizer.group)
+                if keep:
+                    for slot in chunk.slots:
+                        result[slot.name] = chunk.slot_view(full, slot).clone()
+        elif keep:
+            result = {name: param.detach().clone() for name, param in module.named_parameters()}
+        if keep:
+            for prefix, owner in module.named_modules():
+                for name, buffer in owner.named_buffers(recurse=False):
+                    if name not in owner._non_persistent_buffers_set:
+                        result[f"{prefix}.{name}" if prefix else name] = buffer.detach().clone()
+        return result
+
+    @torch.no_grad()
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The loss of ``batch`` (this data-parallel rank's rows), forward only, for every plugin: the model's own
         forward and loss (or the boost ``criterion``) weighted as a training step weights it, and with a pipeline

@@ -3,7 +3,9 @@
 Only the denoiser (a diffusers ``UNet2DConditionModel`` inside `DenoiserLoss`) is boosted; the frozen CLIP text
 encoder and ``AutoencoderKL`` run beside it on every rank (`DiffusionBatchBuilder`), or the VAE encodes the images
 once into a `LatentCache`; `add_unet_lora` trains peft LoRA adapters on the UNet's attention instead of the UNet.
-diffusers is imported lazily: ``import colo.apps.diffusion`` works without it, building a model needs it.
+``data.task: diffusion`` runs on the one training loop (`colo.apps.train.Trainer`) as
+`colo.apps.diffusion.task.DiffusionTask` (imported when a run builds it). diffusers is imported lazily:
+``import colo.apps.diffusion`` works without it, building a model needs it.
 """
 
 from .data import COLORS, SHAPES, ImageCaptionFolder, ShapesDataset, caption_vocabulary, collate

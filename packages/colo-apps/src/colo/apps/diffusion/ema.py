@@ -7,7 +7,9 @@ average. The decay schedule is ``diffusers.training_utils.EMAModel``'s (``decay`
 ``s -= (1 - d) * (s - p)``, so it equals ``EMAModel(unet.parameters()).step(...)`` on the same updates.
 
 Saved in the common checkpoint format (``ema/<parameter name>``, flat ranges under ZeRO / Gemini), so an average
-saved at one layout loads at another, or in one process for sampling and export.
+saved at one layout loads at another, or in one process for sampling and export. A run keeps the average of its
+checkpoint ``<checkpoint dir>/step-N`` in ``<checkpoint dir>/ema/step-N`` (`ema_checkpoint`), written before the
+checkpoint commits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ import torch
 from colo.tensor.checkpoint import FlatShard, load_checkpoint, save_checkpoint
 
 PREFIX = "ema/"
+EMA_DIR = "ema"
+"""The directory beside a run's checkpoints (``<checkpoint dir>/ema/step-N``) that holds their averages."""
+
+
+def ema_checkpoint(checkpoint: str | os.PathLike) -> str:
+    """Where the EMA of the run checkpoint ``checkpoint`` (``<root>/step-N``) is: ``<root>/ema/step-N``; inside
+    the checkpoint (``<checkpoint>/ema``) for a checkpoint of an earlier colo version that kept it there."""
+    checkpoint = os.path.normpath(os.fspath(checkpoint))
+    inside = os.path.join(checkpoint, EMA_DIR)
+    if os.path.isdir(inside):
+        return inside
+    return os.path.join(os.path.dirname(checkpoint), EMA_DIR, os.path.basename(checkpoint))
 
 
 def _master_pieces(engine) -> Iterator[tuple[str, torch.Tensor, dict | None]]:

@@ -13,6 +13,10 @@ import torch
 from colo.tensor.checkpoint import load_checkpoint, read_index
 
 from .ema import PREFIX as EMA_PREFIX
+from .ema import ema_checkpoint
+
+LEGACY_RUN_KEY = "diffusion_run"
+"""Where checkpoints of colo's earlier diffusion trainer kept their run metadata (now the trainer's ``run``)."""
 
 SAMPLEABLE = ("epsilon", "v_prediction")
 """Objectives ``StableDiffusionPipeline``'s schedulers can sample (their ``prediction_type``)."""
@@ -31,11 +35,8 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     from .lora import add_unet_lora, lora_settings, save_unet_lora, unet_lora_state
     from .models import build_text_encoder, build_unet, build_vae, require_diffusers
     from .sampling import build_pipeline
-    from .trainer import EMA_DIR, RUN_KEY
 
-    run = read_index(checkpoint).metadata.get(RUN_KEY)
-    if run is None:
-        raise ValueError(f"{checkpoint} is not a checkpoint of a data.task=diffusion run; use --to hf or --to peft")
+    run = diffusion_run(checkpoint)
     config = RunConfig.model_validate(run["config"])
     section = config.diffusion
     if section.prediction_type not in SAMPLEABLE:  # room for objectives (flow matching) the pipeline cannot run
@@ -62,8 +63,9 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
         add_unet_lora(unet, **lora_settings(config.lora))
     state = {name: torch.empty_like(value) for name, value in unet.state_dict().items()}
     load_checkpoint(checkpoint, {"unet." + name: value for name, value in state.items()}, strict=False)
-    ema_path = os.path.join(checkpoint, EMA_DIR)
-    if use_ema and os.path.isdir(ema_path):  # the averaged trainable weights (a LoRA run's: the adapters)
+    ema_path = ema_checkpoint(checkpoint)
+    # the averaged trainable weights (a LoRA run's: the adapters)
+    if use_ema and os.path.isfile(os.path.join(ema_path, "index.json")):
         averaged = set(read_index(ema_path).tensors)
         prefix = EMA_PREFIX + "unet."
         targets = {prefix + name: value for name, value in state.items() if prefix + name in averaged}
@@ -81,6 +83,20 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     if adapters is None:
         return [out]
     return [out, save_unet_lora(out, adapters, **_adapter_config(config.lora))]
+
+
+def diffusion_run(checkpoint: str) -> dict:
+    """The run metadata of a ``data.task: diffusion`` checkpoint (its config, ``vae_dir``, ``tokenizer_dir``); a
+    `ValueError` for any other checkpoint."""
+    from ..train.generate import RUN_KEY
+
+    metadata = read_index(checkpoint).metadata
+    run = metadata.get(RUN_KEY)
+    if not (isinstance(run, dict) and (run.get("config") or {}).get("data", {}).get("task") == "diffusion"):
+        run = metadata.get(LEGACY_RUN_KEY)
+    if run is None:
+        raise ValueError(f"{checkpoint} is not a checkpoint of a data.task=diffusion run; use --to hf or --to peft")
+    return run
 
 
 def _unet_like(directory: str):

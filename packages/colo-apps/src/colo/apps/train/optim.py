@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,12 +24,26 @@ def layer_id(name: str, num_layers: int) -> int:
     return 0 if name.startswith("embed_tokens") else num_layers + 1
 
 
-def param_groups(model: nn.Module, settings: OptimizerSection, *, num_layers: int) -> list[dict]:
+def param_groups(
+    model: nn.Module,
+    settings: OptimizerSection,
+    *,
+    num_layers: int,
+    depth: Callable[[str], int] | None = None,
+) -> list[dict]:
     """AdamW parameter groups of ``model``: weight decay or not (1-D parameters: norms and biases) x LR scale.
 
     Each group carries ``lr = settings.lr * scale`` (the LR schedule multiplies it) and a ``"name"`` for logs.
     Tied parameters appear once.
+
+    Args:
+        model: the model, before boosting.
+        settings: the ``optimizer`` section.
+        num_layers: the model's layers for layer-wise LR decay (a depth runs from 0, the input side, to
+            ``num_layers + 1``, the output side, which gets the full LR).
+        depth: a parameter name's depth in ``0 .. num_layers + 1``; ``None``: `layer_id` (a Llama's names).
     """
+    depth_of = depth if depth is not None else lambda name: layer_id(name, num_layers)
     groups: dict[tuple[bool, int], dict] = {}
     seen: set[int] = set()
     for name, param in model.named_parameters():
@@ -36,32 +51,40 @@ def param_groups(model: nn.Module, settings: OptimizerSection, *, num_layers: in
             continue
         seen.add(id(param))
         decay = not (settings.no_decay_norms_and_biases and param.dim() < 2)
-        depth = layer_id(name, num_layers) if settings.layerwise_lr_decay != 1.0 else num_layers + 1
-        key = (decay, depth)
+        level = depth_of(name) if settings.layerwise_lr_decay != 1.0 else num_layers + 1
+        key = (decay, level)
         if key not in groups:
-            scale = settings.layerwise_lr_decay ** (num_layers + 1 - depth)
+            scale = settings.layerwise_lr_decay ** (num_layers + 1 - level)
             groups[key] = {
                 "params": [],
                 "weight_decay": settings.weight_decay if decay else 0.0,
                 "lr": settings.lr * scale,
-                "name": f"{'decay' if decay else 'no_decay'}/depth{depth}",
+                "name": f"{'decay' if decay else 'no_decay'}/depth{level}",
             }
         groups[key]["params"].append(param)
     return [groups[key] for key in sorted(groups)]
 
 
-def build_optimizer(model: nn.Module, settings: OptimizerSection, *, num_layers: int) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module,
+    settings: OptimizerSection,
+    *,
+    num_layers: int,
+    depth: Callable[[str], int] | None = None,
+) -> torch.optim.AdamW:
     """AdamW over ``model``'s parameters with `param_groups`.
 
     Args:
         model: the model, before boosting.
         settings: the ``optimizer`` section.
-        num_layers: the model's decoder layers (for layer-wise LR decay).
+        num_layers: the model's layers (for layer-wise LR decay): a Llama's decoder layers.
+        depth: a parameter name's depth for layer-wise LR decay (`param_groups`); ``None``: a Llama's (`layer_id`).
     """
     kwargs = {"betas": tuple(settings.betas), "eps": settings.eps}
     if settings.fused is not None:
         kwargs["fused"] = settings.fused
-    return torch.optim.AdamW(param_groups(model, settings, num_layers=num_layers), lr=settings.lr, **kwargs)
+    groups = param_groups(model, settings, num_layers=num_layers, depth=depth)
+    return torch.optim.AdamW(groups, lr=settings.lr, **kwargs)
 
 
 class WarmupCosine:
