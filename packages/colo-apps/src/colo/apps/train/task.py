@@ -180,13 +180,15 @@ class TaskContext:
         return self._save(step, path)
 
     def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> None:
-        """Boost ``model`` and ``optimizer`` under a fresh plugin of the run's layout (``kwargs``: the Booster's
-        ``criterion``, ``lr_scheduler``, ``example_batch``) and make them the run's: the trainer steps, saves and
-        loads them from now on."""
+        """Boost ``model`` and ``optimizer`` (``kwargs``: the Booster's ``criterion``, ``lr_scheduler``,
+        ``example_batch``) and make them the run's: the trainer steps, saves and loads them from now on. The first
+        call boosts under ``plugin``; a later one (a second stage's model) under a fresh plugin of the same layout."""
         from ..booster import Booster
 
         config = self.config
-        plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
+        plugin = self.plugin
+        if plugin is None or self.booster is not None:
+            plugin = config.plugin.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
         booster = Booster(plugin)
         self.model, self.optimizer, *_ = booster.boost(model, optimizer, **kwargs)
         self.plugin, self.booster, self.mesh = plugin, booster, booster.mesh
