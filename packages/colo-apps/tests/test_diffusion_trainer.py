@@ -173,6 +173,12 @@ def test_a_preempted_run_resumes_exactly_from_its_background_checkpoint(tmp_path
     assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()
     again = CliRunner().invoke(app, ["convert", str(checkpoint), str(out), "--to", "diffusers"])
     assert again.exit_code == 2 and "--overwrite" in again.output
+    # a checkpoint copied without the EMA beside it exports the trained weights, and says so
+    from colo.apps.diffusion.export import export_diffusers
+
+    (checkpoint.parent / "ema").rename(tmp_path / "ema-elsewhere")
+    with pytest.warns(UserWarning, match="kept an EMA but .* is missing"):
+        export_diffusers(str(checkpoint), str(out), overwrite=True)
 
 
 def test_the_unet_depth_orders_its_blocks_from_input_to_output():

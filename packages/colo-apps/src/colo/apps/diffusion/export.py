@@ -7,6 +7,7 @@ kept) beside it as ``OUT/pytorch_lora_weights.safetensors``: ``pipeline.load_lor
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -70,6 +71,12 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
         prefix = EMA_PREFIX + "unet."
         targets = {prefix + name: value for name, value in state.items() if prefix + name in averaged}
         load_checkpoint(ema_path, targets, strict=False)
+    elif use_ema and section.ema_decay is not None:
+        warnings.warn(
+            f"the run of {checkpoint} kept an EMA but {ema_path} is missing (copy it along with the checkpoint): "
+            "exporting the trained weights instead",
+            stacklevel=2,
+        )
     adapters = None
     if lora:  # the frozen base into the pipeline, the adapters beside it
         adapters = unet_lora_state({"unet." + name: value for name, value in state.items()})
