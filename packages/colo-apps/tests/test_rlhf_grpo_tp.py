@@ -32,7 +32,7 @@ TOKEN_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _stats_case(entropy_grad: bool) -> dict:
-    from colo.apps.models.llama.token_stats import token_logprobs_and_entropy, vocab_parallel_token_stats
+    from colo.apps.rlhf.token_logps import token_logps, vocab_parallel_token_stats
     from colo.comm import CommTracker, Mesh
 
     mesh = Mesh(tp=2)
@@ -44,7 +44,7 @@ def _stats_case(entropy_grad: bool) -> dict:
     grad_logps, grad_entropy = torch.randn(2, 2, rows // 2, generator=generator)
 
     whole = logits[..., :vocab].clone().requires_grad_(True)
-    logps, entropy = token_logprobs_and_entropy(whole / TEMPERATURE, tokens, entropy_grad=True)
+    logps, entropy = token_logps(whole, tokens, temperature=TEMPERATURE, entropy=True, entropy_grad=True)
     (logps * grad_logps + (entropy * grad_entropy if entropy_grad else 0)).sum().backward()
 
     local = logits[..., group.rank * 6 : (group.rank + 1) * 6].clone().requires_grad_(True)
@@ -189,28 +189,29 @@ def _tp_reference(booster, engine):
 
 
 def _policy_forward_traffic(booster, micro: dict) -> dict:
-    """What one policy forward sends over tp, and what the same forward sends when its objective gathers the logits
+    """What one policy forward sends over tp, and what the same forward sends when its log-probs gather the logits
     (the check must catch that)."""
-    from colo.apps.models.llama import CausalLMObjective
+    import importlib
+
     from colo.comm import CommTracker
     from colo.tensor import all_gather_split
 
+    token_logps = importlib.import_module("colo.apps.rlhf.token_logps")
+
     with torch.no_grad(), CommTracker() as tracker:
         booster.forward(micro)
-    objective = booster.unwrap().objective
+    vocab_parallel = token_logps.vocab_parallel_token_stats
 
-    def gathering(hidden, lm_head, tokens, **settings):
-        def whole(h):
-            return all_gather_split(lm_head(h), group=objective.group, dim=-1)
+    def gathering(local_logits, tokens, *, group, vocab_size=None, entropy_grad=False):
+        whole = all_gather_split(local_logits, group=group, dim=-1)
+        return token_logps.token_logps(whole, tokens, vocab_size=vocab_size, entropy=True, entropy_grad=entropy_grad)
 
-        return CausalLMObjective.token_logprobs_and_entropy(objective, hidden, whole, tokens, **settings)
-
-    objective.token_logprobs_and_entropy = gathering
+    token_logps.vocab_parallel_token_stats = gathering  # (this rank's process only)
     try:
         with torch.no_grad(), CommTracker() as mutated:
             booster.forward(micro)
     finally:
-        del objective.token_logprobs_and_entropy
+        token_logps.vocab_parallel_token_stats = vocab_parallel
     return {
         "all_gathers": tracker.calls("all_gather", axis="tp"),
         "all_reduce_bytes": tracker.bytes("all_reduce", axis="tp"),

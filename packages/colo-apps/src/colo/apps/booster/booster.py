@@ -207,6 +207,49 @@ class Booster:
             raise RuntimeError("Booster.forward runs one model; with pp > 1 use booster.eval_step(batch)")
         return engine.forward(dict(batch))
 
+    def frozen_copy(
+        self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.nn.Module:
+        """``model`` laid out as the boosted model is, loaded with ``state_dict`` and frozen: e.g. the frozen
+        reference policy of GRPO and PPO, which must compute with the same shards as the policy it is compared with.
+
+        ``model`` is built as the boosted model was before `boost` (unsharded; on the meta device for a plugin that
+        materializes meta models, `HybridParallel`). Under a plugin with a model plan the plan is applied on the
+        booster's mesh (each rank materializes only its tensor-parallel shards); other plugins keep it whole. No
+        optimizer and no data-parallel sharding: every data-parallel rank holds its whole copy (of its shards).
+
+        Args:
+            model (torch.nn.Module): the unsharded model, changed in place.
+            state_dict (Mapping[str, torch.Tensor] | None): the values to load, in the boosted model's layout (e.g.
+                `colo.apps.generation.RolloutEngine.full_state_dict`, or a file of them); ``None``: keep the values
+                the plan materialized. Default: ``None``.
+
+        Returns:
+            torch.nn.Module: ``model``, with no parameter requiring gradients, in eval mode.
+
+        Raises:
+            ValueError: a pipeline (``pp > 1``: a copy of one stage cannot run a forward), or a meta-device model
+                under a plugin that does not materialize one.
+        """
+        engine = self._require_engine()
+        plan = getattr(engine, "plan", None)
+        if getattr(self.plugin, "pp", 1) > 1:
+            raise ValueError(
+                f"Booster.frozen_copy: the boosted model runs as pp={self.plugin.pp} pipeline stages; a frozen copy "
+                "needs the whole model on every rank (use pp=1)"
+            )
+        if plan is not None:
+            plan.apply(model, mesh=engine.mesh, plugin=self.plugin)
+        elif any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"Booster.frozen_copy: {type(self.plugin).__name__} does not materialize a meta-device model; build "
+                "the copy on a real device"
+            )
+        if state_dict is not None:
+            model.load_state_dict(state_dict)
+        model.requires_grad_(False)
+        return model.eval()
+
     def mean_over_data_ranks(self, value: torch.Tensor | float) -> float:
         """The mean of a scalar over the data-parallel ranks (one tiny all-reduce; every rank calls it)."""
         return self._require_engine().mean_over_data_ranks(torch.as_tensor(value, dtype=torch.float64))

@@ -16,12 +16,15 @@
   trainer's `GRPOTask`).
 - PPO (``data.task: ppo``): `ppo` (KL-shaped rewards, GAE, global whitening, the clipped value loss, the clipped
   policy loss with dual clip and entropy bonus, fixed / adaptive KL controllers, `PPOCriterion`), `critic`
-  (`add_value_head`, `attach_ppo_forward`: per-token log-probs, entropies and values), `ppo_learner`
-  (`PPOLearner`: experience and updates of boosted actor and critic), `ppo_task` (the trainer's `PPOTask`).
+  (`add_value_head`, `attach_ppo_forward`: per-token log-probs, entropies and values; `critic_from_policy`),
+  `ppo_learner` (`PPOLearner`: experience and updates of boosted actor and critic), `ppo_task` (the trainer's
+  `PPOTask`).
+- `token_logps`: the one per-token log-prob / entropy path of DPO, GRPO and PPO, from whole or vocabulary-parallel
+  logits (`token_logps`, `target_logps`, `llama_token_logps`, `vocab_parallel_token_stats`).
 """
 
 from .advantages import ADVANTAGE_ESTIMATORS, group_advantages
-from .critic import add_value_head, attach_ppo_forward
+from .critic import add_value_head, attach_ppo_forward, critic_from_policy
 from .data import PreferenceDataset, read_preference_records
 from .grpo import GRPOCriterion, attach_rollout_forward
 from .losses import PREFERENCE_LOSSES, bradley_terry_loss, dpo_loss, ipo_loss, preference_loss, simpo_loss
@@ -67,6 +70,7 @@ __all__ = [
     "add_value_head",
     "attach_ppo_forward",
     "clipped_value_loss",
+    "critic_from_policy",
     "gae",
     "kl_shaped_rewards",
     "ppo_policy_loss",

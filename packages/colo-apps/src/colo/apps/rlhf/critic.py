@@ -20,6 +20,10 @@ Heads:
   ``LlamaForSequenceClassification`` with one label (its ``score`` read at every position, not only the last);
 - a shared backbone gets a ``value_head`` (``hidden -> 1``, no bias) beside its ``lm_head`` (`add_value_head`; colo's
   `Llama` or a ``transformers`` causal LM).
+
+`critic_from_policy` starts a separate critic from the policy's weights (the frozen reference's) with a fresh scalar
+head, under any layout of either (`PolicyWeights`): under `HybridParallel` tensor parallelism the critic is laid out
+by its own plan, as the actor is (module docstring of `colo.apps.rlhf.ppo_task`).
 """
 
 from __future__ import annotations
@@ -29,8 +33,13 @@ import types
 import torch
 from torch import nn
 
-from ..generation.rollout import token_logprobs
+from colo.tensor import gather, layout_of
+
+from ..booster.llama_plan import materialize_fn_of, set_materialize_fn
+from ..booster.plans import find_plan
 from ..models.llama import Llama
+from .modeling import make_reward_model
+from .token_logps import llama_token_logps, token_logps
 
 ROLES = ("actor", "critic", "actor_critic")
 _MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
@@ -46,13 +55,121 @@ def add_value_head(model: nn.Module, *, seed: int = 0) -> nn.Module:
     hidden = config.hidden_size
     weight = model.get_input_embeddings().weight if not isinstance(model, Llama) else model.embed_tokens.weight
     head = nn.Linear(hidden, 1, bias=False, device=weight.device, dtype=weight.dtype)
+    std = getattr(config, "initializer_range", 0.02)
     if weight.device.type != "meta":
-        with torch.no_grad():
-            generator = torch.Generator().manual_seed(seed)
-            std = getattr(config, "initializer_range", 0.02)
-            head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+        _init_value_head(head, std, seed)
+    elif materialize_fn_of(model) is not None:  # materialized by the plugin (e.g. from init_from): the head from seed
+        set_materialize_fn(model, _ValueHeadThen(materialize_fn_of(model), std, seed))
     model.value_head = head
     return model
+
+
+@torch.no_grad()
+def _init_value_head(head: nn.Linear, std: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+
+
+class _ValueHeadThen:
+    """A meta-device model's ``init_fn``: the value head drawn from the seed as `add_value_head` draws it, every
+    other module by ``init_fn``."""
+
+    def __init__(self, init_fn, std: float, seed: int) -> None:
+        self.init_fn, self.std, self.seed = init_fn, std, seed
+
+    def __call__(self, name: str, module: nn.Module) -> None:
+        if name == "value_head":
+            _init_value_head(module, self.std, self.seed)
+        else:
+            self.init_fn(name, module)
+
+
+class PolicyWeights:
+    """``init_fn(name, module)`` that fills module ``name`` of a model with the values of the module of that name
+    in ``source``, a model of the same architecture: whole, or laid out tensor-parallel by a plan (each sharded
+    tensor all-gathered over its group, `colo.tensor.gather`; a fused q/k/v weight reassembled from its q, k and v
+    shards by the plan's checkpoint names). Given to `colo.apps.booster.llama_plan.set_materialize_fn`, it lets the
+    plugin materialize a meta-device model module by module, each rank keeping its own shards; neither model is
+    ever gathered whole. Every rank must fill the same modules in the same order (the gathers are collectives).
+
+    Args:
+        source (nn.Module): the model whose weights are copied (e.g. a frozen reference from `Booster.frozen_copy`).
+    """
+
+    def __init__(self, source: nn.Module) -> None:
+        self.source = source
+        plan = find_plan(source)
+        self.names = plan.checkpoint_names(source) if plan is not None else None
+
+    def _pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int, int]] | None:
+        """``[(checkpoint name, first row, rows), ...]`` of a whole tensor, or ``None``: itself, by its name."""
+        return self.names(name, tensor) if self.names is not None else None
+
+    @torch.no_grad()
+    def __call__(self, name: str, module: nn.Module) -> None:
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if not own:
+            return
+        try:
+            source = self.source.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"PolicyWeights: the source model has no module {name!r} to copy") from None
+        values: dict[str, torch.Tensor] = {}
+        for leaf, tensor in [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]:
+            qualified = f"{name}.{leaf}" if name else leaf
+            whole = gather(tensor) if layout_of(tensor) is not None else tensor
+            pieces = self._pieces(qualified, whole)
+            if pieces is None:
+                values[qualified] = whole
+            for key, first, rows in pieces or ():
+                values[key] = whole.narrow(0, first, rows)
+        for leaf, tensor in own:
+            qualified = f"{name}.{leaf}" if name else leaf
+            keys = [key for key, _, _ in self._pieces(qualified, tensor) or [(qualified, 0, 0)]]
+            missing = [key for key in keys if key not in values]
+            if missing:
+                raise ValueError(f"PolicyWeights: the source model has no tensor {missing[0]!r} for {qualified!r}")
+            value = torch.cat([values[key] for key in keys]) if len(keys) > 1 else values[keys[0]]
+            if value.shape != tensor.shape:
+                raise ValueError(
+                    f"PolicyWeights: {qualified} is {tuple(value.shape)} in the source model and "
+                    f"{tuple(tensor.shape)} here; give a source of the same architecture"
+                )
+            tensor.copy_(value)
+
+
+def critic_from_policy(model: Llama, policy: nn.Module, *, seed: int, device=None) -> Llama:
+    """Make ``model`` a separate PPO critic that starts from ``policy``'s weights with a fresh scalar head
+    (`colo.apps.rlhf.modeling.make_reward_model` from ``seed``), trainable, with the critic's forward.
+
+    Args:
+        model (Llama): a freshly built model of the policy's architecture: whole, or on the meta device for a
+            plugin that materializes it (`HybridParallel`: each rank then fills only its shards, module by module,
+            from ``policy``, `PolicyWeights`).
+        policy (nn.Module): the weights to start from (the frozen reference), whole or laid out tensor-parallel.
+        seed (int): the scalar head's seed.
+        device: materialize a meta-device ``model`` here, whole (for a plugin that keeps models whole: DDP or ZeRO
+            beside a tensor-parallel actor); ``None``: leave it to the plugin. Default: ``None``.
+
+    Returns:
+        Llama: ``model``, changed in place.
+    """
+    weights = PolicyWeights(policy)
+    if any(p.is_meta for p in model.parameters()):
+        set_materialize_fn(model, weights)
+        make_reward_model(model, seed=seed)  # wraps weights: the head from the seed, every other module from policy
+        if device is not None:
+            init_fn = materialize_fn_of(model)
+            model.to_empty(device=device)
+            for name, module in model.named_modules():
+                init_fn(name, module)
+    else:
+        make_reward_model(model, seed=seed)
+        for name, module in model.named_modules():
+            if name != "lm_head":
+                weights(name, module)
+    model.requires_grad_(True)
+    return attach_ppo_forward(model, role="critic")
 
 
 def _backbone_hidden(model: nn.Module, native: bool, inputs: dict, input_ids: torch.Tensor) -> torch.Tensor:
@@ -63,15 +180,6 @@ def _backbone_hidden(model: nn.Module, native: bool, inputs: dict, input_ids: to
     return model.model(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
 
 
-def _entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-position entropy of ``softmax(logits / temperature)`` in fp32, differentiable."""
-    scaled = logits.float()
-    if temperature not in (0, 1):
-        scaled = scaled / temperature
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    return -(log_probs.exp() * log_probs).sum(-1)
-
-
 def attach_ppo_forward(
     model: nn.Module, *, role: str, temperature: float = 1.0, vocab_limit: int | None = None
 ) -> nn.Module:
@@ -79,7 +187,9 @@ def attach_ppo_forward(
     docstring); every other call is the model's own forward.
 
     Args:
-        model (nn.Module): ``"actor"``: colo's `Llama` or a ``transformers`` causal LM; ``"critic"``: colo's `Llama`
+        model (nn.Module): ``"actor"``: colo's `Llama` (under tensor parallelism its log-probs and entropies come from
+            this rank's vocabulary columns, never gathered: `colo.apps.rlhf.token_logps`) or a ``transformers`` causal
+            LM; ``"critic"``: colo's `Llama`
             after `make_reward_model` or a ``transformers`` ``...ForSequenceClassification`` with one label;
             ``"actor_critic"``: a causal LM after `add_value_head`.
         role (str): one of `ROLES`.
@@ -140,14 +250,13 @@ def attach_ppo_forward(
             head = self.score if classifier else self.lm_head
             result["values"] = head(hidden)[..., 0].float()
             return result
-        if native:  # the model's objective: under tensor parallelism it gathers the vocabulary-parallel logits
-            logits = self.objective(hidden, self.lm_head, None, return_logits=True)[1]
+        tokens = input_ids[:, prompt:]
+        settings = dict(temperature=temperature, entropy=True, entropy_grad=True)  # (the entropy bonus' gradient)
+        if native:  # under tensor parallelism from this rank's vocabulary columns, never gathered
+            logps, entropy = llama_token_logps(self, hidden, tokens, vocab_limit=vocab_limit, **settings)
         else:
-            logits = self.lm_head(hidden)
-        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-            logits = logits[..., :vocab_limit]
-        result["logps"] = token_logprobs(logits, input_ids[:, prompt:], temperature)
-        result["entropy"] = _entropy(logits, temperature)
+            logps, entropy = token_logps(self.lm_head(hidden), tokens, vocab_size=vocab_limit, **settings)
+        result["logps"], result["entropy"] = logps, entropy
         if role == "actor_critic":
             result["values"] = self.value_head(hidden)[..., 0].float()
         return result

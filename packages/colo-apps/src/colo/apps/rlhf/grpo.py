@@ -34,7 +34,6 @@ from ..generation.rollout import (
     hf_shared_prompt_logits,
     native_shared_prompt_hidden,
     shared_prompt_rows,
-    token_logprobs,
 )
 from ..models.llama import Llama
 from .policy_loss import (
@@ -43,8 +42,8 @@ from .policy_loss import (
     AggregationCounts,
     aggregate_loss,
     clipped_policy_loss,
-    token_entropy,
 )
+from .token_logps import llama_token_logps, token_logps
 
 _MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
 
@@ -57,8 +56,8 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
     model (a frozen reference) computes with the copy's weights.
 
     Args:
-        model (nn.Module): colo's `Llama` (its objective's log-probs and entropies: under tensor parallelism from
-            this rank's vocabulary columns, never gathered) or a ``transformers`` causal LM.
+        model (nn.Module): colo's `Llama` (under tensor parallelism its log-probs and entropies come from this rank's
+            vocabulary columns, never gathered: `colo.apps.rlhf.token_logps`) or a ``transformers`` causal LM.
         temperature (float): the sampling temperature the log-probs are taken at (0, greedy, is taken as 1).
         share_prompts (bool): run each distinct prompt of the batch once and the responses of its rows over its
             keys and values (`colo.apps.generation.rollout.hf_shared_prompt_logits`, `native_shared_prompt_hidden`)
@@ -86,7 +85,7 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
                 f"a rollout batch holds (R, P + T) input_ids with P >= 1 prompt columns before the {length} response "
                 f"columns of response_mask, got input_ids {tuple(input_ids.shape)}"
             )
-        if native:  # the objective's form: under tensor parallelism from the vocabulary-parallel logit columns
+        if native:  # under tensor parallelism from this rank's vocabulary columns (token_logps)
             inputs.pop("attention_mask", None)
             shared = None
             if share_prompts and "document_ids" in inputs and "position_ids" in inputs and can_share_prompts(self):
@@ -98,9 +97,8 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
                 hidden = self.hidden_states(
                     input_ids, inputs.get("position_ids"), document_ids=inputs.get("document_ids")
                 )[:, prompt - 1 : -1]
-            logps, entropy = self.objective.token_logprobs_and_entropy(
-                hidden, self.lm_head, input_ids[:, prompt:], temperature=temperature
-            )
+            tokens = input_ids[:, prompt:]
+            logps, entropy = llama_token_logps(self, hidden, tokens, temperature=temperature, entropy=True)
             return {"logps": logps, "entropy": entropy}
         inputs.pop("document_ids", None)
         shared = None
@@ -112,8 +110,8 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
         else:
             output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
             logits = output.logits[:, :-1]
-        logps = token_logprobs(logits, input_ids[:, prompt:], temperature)
-        return {"logps": logps, "entropy": token_entropy(logits, temperature)}
+        logps, entropy = token_logps(logits, input_ids[:, prompt:], temperature=temperature, entropy=True)
+        return {"logps": logps, "entropy": entropy}
 
     model.forward = types.MethodType(rollout_forward, model)
     model._colo_rollout_forward = True

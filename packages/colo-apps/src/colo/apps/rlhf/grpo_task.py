@@ -397,14 +397,9 @@ class GRPOTask(LanguageModelTask):
         trainer.log.print(f"{name} reference: the policy after step {step}, frozen (a copy on every rank)")
 
     def _build_reference(self, trainer, state: dict) -> torch.nn.Module:
+        """The frozen policy ``state`` laid out as the policy is (`Booster.frozen_copy`: under tp its shards)."""
         with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream
-            model = trainer.build_model()
-            if any(p.is_meta for p in model.parameters()):  # HybridParallel: laid out as the policy (tp shards)
-                engine = trainer.booster.engine
-                engine.plan.apply(model, mesh=engine.mesh, plugin=trainer.plugin)
-        model.load_state_dict(state)
-        model.requires_grad_(False)
-        model.eval()
+            model = trainer.booster.frozen_copy(trainer.build_model(), state)
         return attach_rollout_forward(model, temperature=self.settings.temperature)
 
     # --- metrics --------------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ batch's ``(pairs, 2, seq)`` tensors, runs chosen and rejected rows in one forwar
 (``width`` the longest row of the microbatch: padding past it is not computed) and returns per-row quantities:
 
 - ``head="logps"`` (DPO family): ``{"logps": (pairs, 2) sums of log pi over the response tokens, "num_tokens":
-  (pairs, 2)}``, from the model's logits (a ``transformers`` causal LM), or for colo's `Llama` from its objective's
-  per-token log-probs (under tensor parallelism computed from the vocabulary-parallel logit columns, never gathered);
+  (pairs, 2)}``, from the model's logits (a ``transformers`` causal LM) or, for colo's `Llama`, its ``lm_head``'s
+  (under tensor parallelism this rank's vocabulary columns, never gathered), through `colo.apps.rlhf.token_logps`;
 - ``head="reward"`` (reward model): ``{"rewards": (pairs, 2)}``, the scalar head read at the rightmost token that is
   not ``pad_id``, the rule ``transformers``' ``LlamaForSequenceClassification`` applies (so an exported model scores
   the same).
@@ -28,12 +28,14 @@ from torch import nn
 
 from ..data import IGNORE_INDEX
 from ..models.llama import Llama
+from .token_logps import target_logps, vocabulary_split
 
 HEADS = ("logps", "reward")
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the sum of ``log softmax(logits)[t, labels[t + 1]]`` over labelled tokens, and their count.
+    """Per row, the sum of ``log softmax(logits)[t, labels[t + 1]]`` over labelled tokens, and their count
+    (`colo.apps.rlhf.token_logps.target_logps` of whole logits).
 
     Args:
         logits (torch.Tensor): ``(rows, seq, vocab)``.
@@ -44,10 +46,8 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
         ``(logps, num_tokens)``, each ``(rows,)``; logps in fp32.
     """
     targets = labels[:, 1:]
-    mask = targets != IGNORE_INDEX
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * mask).sum(-1), mask.sum(-1)
+    picked = target_logps(logits[:, :-1], targets, ignore_index=IGNORE_INDEX)
+    return picked.sum(-1), (targets != IGNORE_INDEX).sum(-1)
 
 
 def last_non_pad_index(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -117,13 +117,16 @@ def attach_pair_forward(model: nn.Module, *, head: str, pad_id: int) -> nn.Modul
 
 
 def _native_pair_logps(model: Llama, ids, labels, pairs: int, seq: int, width: int) -> dict:
-    """colo's `Llama`: per-token log-probs from the model's own objective, so a vocabulary-parallel ``lm_head``
-    (tensor parallelism) gives them from its logit columns without gathering whole rows."""
+    """colo's `Llama`: per-token log-probs of the shifted labels (`colo.apps.rlhf.token_logps.target_logps`), under
+    tensor parallelism from this rank's vocabulary columns without gathering them."""
     if labels is None:
         raise ValueError("a DPO batch needs 'labels' (-100 outside the responses)")
-    rows = labels.reshape(2 * pairs, seq)[:, :width]
-    token_logps = model.objective.token_logprobs(model.hidden_states(ids), model.lm_head, rows)
-    counts = (model.objective.targets(rows) != model.objective.ignore_index).sum(-1)
+    objective = model.objective
+    targets = objective.targets(labels.reshape(2 * pairs, seq)[:, :width])
+    group, vocab_size = vocabulary_split(model)
+    logits = model.lm_head(model.hidden_states(ids))  # under tp: this rank's vocabulary columns
+    token_logps = target_logps(logits, targets, ignore_index=objective.ignore_index, vocab_size=vocab_size, group=group)
+    counts = (targets != objective.ignore_index).sum(-1)
     return {"logps": token_logps.sum(-1).reshape(pairs, 2), "num_tokens": counts.reshape(pairs, 2)}
 
 

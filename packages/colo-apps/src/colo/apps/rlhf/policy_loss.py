@@ -196,21 +196,3 @@ def aggregate_loss(
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / max(counts.num_sequences * counts.max_new_tokens, 1.0)
     raise ValueError(f"loss aggregation {mode!r} is unknown; use one of {LOSS_AGGREGATIONS}")
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-position entropy of ``softmax(logits / temperature)`` in fp32 (temperature 0 taken as 1), detached.
-
-    Args:
-        logits (torch.Tensor): ``(..., vocab)``.
-        temperature (float): the sampling temperature. Default: ``1.0``.
-
-    Returns:
-        torch.Tensor: ``(...)`` float32.
-    """
-    with torch.no_grad():
-        scaled = logits.detach().float()
-        if temperature not in (0, 1):
-            scaled = scaled / temperature
-        log_probs = torch.log_softmax(scaled, dim=-1)
-        return -(log_probs.exp() * log_probs).sum(-1)

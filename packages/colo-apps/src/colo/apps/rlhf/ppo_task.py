@@ -17,6 +17,17 @@ is given, else from the policy then (with a fresh scalar head), boosted by its o
 its own AdamW and LR schedule) on the same ranks. Its checkpoint is ``checkpoint_dir/critic/step-N``, written before
 the actor's of the same step commits; the KL controller's state goes in the actor's checkpoint metadata. A resumed
 run restores actor, critic, both optimizers and the controller exactly.
+
+Under `HybridParallel` tensor parallelism (tp x dp, pp = 1) the actor's log-probs and entropies come from each rank's
+vocabulary columns (`colo.apps.rlhf.token_logps`), and the frozen reference is laid out as the policy
+(`Booster.frozen_copy`, GRPO's). The separate critic runs under ``ppo.critic_plugin``, by default the actor's own
+plugin section: a critic is as large as the policy, so where the policy needs tensor parallelism the critic gets it
+too, from its own plan (its scalar head replicated over tp), and on the same ranks its mesh is the actor's, so the
+rows a rank's critic scores and averages over ``dp`` are the rows its actor holds. A ``ppo.critic_plugin`` of
+``ddp`` / ``zero`` runs the critic whole over every rank instead: the tp peers of a data-parallel rank hold the same
+rows, so its mean over all ranks equals the mean over the data-parallel ranks (at tp times the critic's compute).
+Either way the critic starts from the reference's weights module by module
+(`colo.apps.rlhf.critic.critic_from_policy`: tp shards all-gathered, re-split by the critic's layout).
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import torch
 
 from ..generation import rollout_model_inputs
 from ..train.language_model import LanguageModelTask
-from .critic import add_value_head, attach_ppo_forward
+from .critic import add_value_head, attach_ppo_forward, critic_from_policy
 from .grpo_task import GRPOTask, _fields, _seed
 from .modeling import make_reward_model
 from .ppo import PPOCriterion, build_kl_controller
@@ -171,10 +182,7 @@ class PPOTask(GRPOTask):
         sampling vocabulary as the actor's."""
         state = {name: tensor for name, tensor in state.items() if not name.startswith("value_head.")}
         with torch.random.fork_rng(devices=[]):
-            model = trainer.build_model()
-        model.load_state_dict(state)
-        model.requires_grad_(False)
-        model.eval()
+            model = trainer.booster.frozen_copy(trainer.build_model(), state)  # under tp: laid out as the policy
         return attach_ppo_forward(
             model, role="actor", temperature=self.settings.temperature, vocab_limit=self.tokenizer.vocab_size
         )
@@ -203,20 +211,17 @@ class PPOTask(GRPOTask):
         from ..train.optim import build_optimizer, build_scheduler
 
         config = self.config
-        if self.reward_model is not None:
-            model = load_reward_model(config.ppo.reward_model, device=trainer.device)
-            model.train()
-        else:
-            with torch.random.fork_rng(devices=[]):
-                model = trainer.build_model()
-            state = {k: v for k, v in self.reference.state_dict().items() if not k.startswith("lm_head.")}
-            make_reward_model(model, seed=config.seed + 2)
-            state["lm_head.weight"] = model.lm_head.weight.detach().clone()
-            model.load_state_dict(state)
-        model.requires_grad_(True)
-        attach_ppo_forward(model, role="critic")
         section = critic_plugin_section(config)
         plugin = section.build(num_microbatches=config.schedule.num_microbatches, seed=config.seed)
+        if self.reward_model is not None:
+            model = load_reward_model(config.ppo.reward_model, device=trainer.device)
+            model.train().requires_grad_(True)
+            attach_ppo_forward(model, role="critic")
+        else:  # the reference's weights (under tp: gathered module by module, each rank keeping the critic's shards)
+            with torch.random.fork_rng(devices=[]):
+                model = trainer.build_model()
+            device = None if plugin.materializes_meta_models else trainer.device
+            critic_from_policy(model, self.reference, seed=config.seed + 2, device=device)
         lr = config.ppo.critic_lr or config.optimizer.lr
         optimizer = build_optimizer(
             model, config.optimizer.model_copy(update={"lr": lr}), num_layers=model.config.num_hidden_layers

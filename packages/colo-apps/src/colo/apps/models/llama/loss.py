@@ -14,7 +14,6 @@ from torch import nn
 
 from colo.kernels import cross_entropy, fused_linear_cross_entropy
 
-from .token_stats import scale_logits, token_logprobs_and_entropy
 
 IGNORE_INDEX = -100
 """The label value of tokens that add no loss (Hugging Face's and PyTorch's default)."""
@@ -157,47 +156,6 @@ class CausalLMObjective(nn.Module):
         return cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=self.ignore_index
         ), logits
-
-    def token_logprobs(self, hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        """The log-probability of each position's target (``labels`` shifted, as for the loss) under the softmax of
-        the logits, 0 where the target is ignored: ``(batch, seq)`` in fp32. Sequence-level quantities (DPO's
-        summed response log-probs) are sums of these along a row.
-
-        Args:
-            hidden (torch.Tensor): ``(batch, seq, hidden)`` final hidden states (after the last norm).
-            lm_head (nn.Module): the output projection ``hidden -> vocab``.
-            labels (torch.Tensor): ``(batch, seq)`` labels aligned with the inputs, ``ignore_index`` for none.
-        """
-        targets = self.targets(labels)
-        log_probs = torch.log_softmax(lm_head(hidden).float(), dim=-1)
-        picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        return picked.masked_fill(targets == self.ignore_index, 0.0)
-
-    def token_logprobs_and_entropy(
-        self,
-        hidden: torch.Tensor,
-        lm_head: nn.Module,
-        tokens: torch.Tensor,
-        *,
-        temperature: float = 1.0,
-        entropy_grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log-prob of each position's given token and the entropy there, under ``softmax(logits / temperature)``
-        (temperature 0, greedy, taken as 1), in fp32: an online-RL policy forward (GRPO, PPO's actor). ``hidden``
-        holds the positions that predict ``tokens`` (no shift here).
-
-        Args:
-            hidden (torch.Tensor): ``(batch, seq, hidden)`` final hidden states of the predicting positions.
-            lm_head (nn.Module): the output projection ``hidden -> vocab``.
-            tokens (torch.Tensor): ``(batch, seq)`` the tokens whose log-probs are taken.
-            temperature (float): the sampling temperature. Default: ``1.0``.
-            entropy_grad (bool): keep the entropy differentiable (an entropy bonus); else it is detached. Default:
-                ``False``.
-
-        Returns:
-            tuple[torch.Tensor, torch.Tensor]: ``(logps, entropy)``, each ``(batch, seq)``; ``logps`` differentiable.
-        """
-        return token_logprobs_and_entropy(scale_logits(lm_head(hidden), temperature), tokens, entropy_grad=entropy_grad)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, fused={self.fused}"

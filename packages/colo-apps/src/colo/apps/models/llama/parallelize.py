@@ -46,7 +46,6 @@ from colo.tensor import (
 from .config import LlamaConfig
 from .loss import IGNORE_INDEX, CausalLMObjective, LMHead
 from .model import init_llama_module
-from .token_stats import scale_logits, vocab_parallel_token_stats
 
 
 class VocabParallelCausalLMObjective(CausalLMObjective):
@@ -97,42 +96,6 @@ class VocabParallelCausalLMObjective(CausalLMObjective):
             self.labels_checked = True
         # the mean over non-ignored targets, 0 when all are ignored (as colo.kernels.cross_entropy)
         return total / (targets != self.ignore_index).sum().clamp(min=1), logits
-
-    def token_logprobs(self, hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        """As `CausalLMObjective.token_logprobs`, from this rank's logit columns without gathering them: the
-        negated per-token `colo.tensor.vocab_parallel_cross_entropy` (two small all-reduces per token row)."""
-        targets = self.targets(labels)
-        losses = vocab_parallel_cross_entropy(
-            lm_head(hidden).float(),
-            targets,
-            group=self.group,
-            ignore_index=self.ignore_index,
-            vocab_size=self.vocab_size,
-            reduction="none",
-            check=not self.labels_checked,
-        )
-        if not torch.compiler.is_compiling():  # (a compiled forward does not check: vocab_parallel_cross_entropy)
-            self.labels_checked = True
-        return -losses
-
-    def token_logprobs_and_entropy(
-        self,
-        hidden: torch.Tensor,
-        lm_head: nn.Module,
-        tokens: torch.Tensor,
-        *,
-        temperature: float = 1.0,
-        entropy_grad: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `CausalLMObjective.token_logprobs_and_entropy`, from this rank's logit columns without gathering them
-        (`vocab_parallel_token_stats`: two small all-reduces per token row, none in the backward)."""
-        return vocab_parallel_token_stats(
-            scale_logits(lm_head(hidden), temperature),
-            tokens,
-            group=self.group,
-            vocab_size=self.vocab_size,
-            entropy_grad=entropy_grad,
-        )
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, vocab_size={self.vocab_size}, tp={self.group.size}"
