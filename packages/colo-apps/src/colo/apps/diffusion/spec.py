@@ -3,8 +3,24 @@ task class (`colo.apps.diffusion.task.DiffusionTask`) is imported only when a ru
 
 from __future__ import annotations
 
-from ..train.task import TaskSpec
+from ..train.task import TaskRule, TaskSpec
 from .config import DiffusionSection
+
+_RULES = (
+    TaskRule(
+        "plugin.name",
+        lambda c: c.plugin.name not in ("ddp", "zero", "gemini"),
+        lambda c: f"data.task='diffusion' trains the UNet under plugin.name 'ddp', 'zero' (stage 0-3) or 'gemini': "
+        f"plugin.name={c.plugin.name!r} has no plan for it (no tensor, pipeline or expert layout of the UNet); choose "
+        "one of those",
+    ),
+    TaskRule(
+        "model.init_from",
+        lambda c: c.model.init_from is not None,
+        lambda c: "model.init_from starts a Llama; data.task='diffusion' reads diffusion.unet_from (and vae_from, "
+        "text_encoder_from): set model.init_from=null",
+    ),
+)
 
 
 def _diffusion_task():
@@ -19,6 +35,7 @@ DIFFUSION_TASK = TaskSpec(
     load=_diffusion_task,
     section="diffusion",
     section_type=DiffusionSection,
+    rules=_RULES,
     trains_llama=False,
     reads_data_files=False,
 )

@@ -128,8 +128,10 @@ class OptimizerSection(_Section):
         default=1.0,
         gt=0,
         le=1,
-        description="Layer-wise LR decay (Clark et al., 2020): layer i of L gets lr * decay**(L + 1 - i), the "
-        "embedding decay**(L + 1), the final norm and lm_head lr. 1.0: off.",
+        description="Layer-wise LR decay (Clark et al., 2020): depth i of L gets lr * decay**(L + 1 - i). A Llama: "
+        "layer i is depth i + 1, the embedding 0, the final norm and lm_head L + 1; a diffusion UNet: its input "
+        "convolution and time / text embeddings 0, then its down blocks, mid block and up blocks, the output last "
+        "(colo.apps.diffusion.task.UNetDepth). 1.0: off.",
     )
     fused: bool | None = Field(default=None, description="torch AdamW's fused kernel (None: torch's default).")
 
