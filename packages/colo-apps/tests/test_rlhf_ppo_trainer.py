@@ -39,10 +39,11 @@ def test_bad_ppo_runs_name_the_field(tmp_path):
     config = load_config(preset="tiny-ppo")
     assert config.data.task == "ppo" and config.ppo.critic == "separate"
     cases = [
-        (["ppo.critic_plugin={name: hybrid, tp: 2}"], "ppo.critic_plugin: name='hybrid' cannot hold the critic"),
+        (["ppo.critic_plugin={name: hybrid, tp: 2}"], "a hybrid critic runs on the actor's mesh"),
+        (["ppo.critic_plugin={name: gemini}"], "name='gemini' cannot hold the critic"),
         (["ppo.critic_plugin={name: nothing}"], "ppo.critic_plugin=.* is not a plugin section"),
         (["ppo.critic=shared", "ppo.critic_plugin={name: ddp}"], "drop ppo.critic_plugin"),
-        (["plugin.name=hybrid"], "plugin.name='hybrid' is not supported"),
+        (["plugin.name=hybrid", "plugin.tp=2", "plugin.pp=2", "schedule.num_microbatches=2"], "set plugin.pp=1"),
         (["ppo.synthetic_prompts=0"], "needs data.paths"),
         (["ppo.sft_steps=600"], "leaves no PPO step"),
         (["ppo.reward_functions=[]"], "give the policy a reward"),

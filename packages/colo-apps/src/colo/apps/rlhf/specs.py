@@ -220,8 +220,10 @@ _PPO_RULES = (
 
 def critic_plugin_section(config):
     """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
-    actor's ``plugin``. Raises a `ValueError` naming ``ppo.critic_plugin`` for a layout the critic cannot take
-    (its scalar head cannot be split over tp; the trainer supports DDP and ZeRO 0-3 for it)."""
+    actor's ``plugin``. The critic scores the actor's rows, so its data-parallel ranks must see the actor's rows: a
+    ``ddp`` / ``zero`` critic over every rank (tensor-parallel peers of the actor hold the same rows), or, beside a
+    ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp`` (its own plan on the actor's mesh). Raises a
+    `ValueError` naming ``ppo.critic_plugin`` otherwise."""
     from pydantic import TypeAdapter
 
     from ..train.plugin_config import PluginConfig
@@ -232,11 +234,19 @@ def critic_plugin_section(config):
         section = TypeAdapter(PluginConfig).validate_python(config.ppo.critic_plugin)
     except Exception as error:  # pydantic's ValidationError, reworded with the field
         raise ValueError(f"ppo.critic_plugin={config.ppo.critic_plugin!r} is not a plugin section: {error}") from None
-    if section.name not in ("ddp", "zero"):
+    actor = config.plugin
+    if section.name == "hybrid":
+        if actor.name != "hybrid" or section.tp != actor.tp or section.pp != 1 or section.sp != 1:
+            raise ValueError(
+                "ppo.critic_plugin: a hybrid critic runs on the actor's mesh, so it needs a hybrid actor with the "
+                f"same tp, and pp=1, sp=1 (actor: name={actor.name!r}, tp={getattr(actor, 'tp', 1)}; critic: tp="
+                f"{section.tp}, pp={section.pp}, sp={section.sp}); match them, or use name 'ddp' or 'zero'"
+            )
+    elif section.name not in ("ddp", "zero"):
         raise ValueError(
-            f"ppo.critic_plugin: name={section.name!r} cannot hold the critic in the trainer: the critic scores "
-            "the actor's rows, so its data-parallel ranks must be the actor's (every rank, as ddp / zero; tp or "
-            "pp would split them), and Gemini / experts are not wired for it; use name 'ddp' or 'zero' (stage 0-3)"
+            f"ppo.critic_plugin: name={section.name!r} cannot hold the critic in the trainer: its data-parallel ranks "
+            "must see the actor's rows (every rank, as ddp / zero, or the actor's tp layout as hybrid), and Gemini / "
+            "experts are not wired for it; use name 'ddp', 'zero' (stage 0-3) or, beside a hybrid actor, 'hybrid'"
         )
     if section.loss_weighting != "microbatch":
         raise ValueError(
@@ -298,7 +308,7 @@ RLHF_TASKS = (
         load=_ppo_task,
         section="ppo",
         section_type=PPOSection,
-        rules=(*_rollout_rules("ppo", plugins=("ddp", "zero", "gemini")), *_PPO_RULES),
+        rules=(*_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid")), *_PPO_RULES),
         check=critic_plugin_section,
     ),
 )
