@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Text generation with and without the KV cache: `colo.apps.train.generate` on the native Llama, one process.
+"""Text generation with and without the KV cache: `colo.apps.generation.continue_prompt` on the native Llama, one
+process.
 
 Rows: ``cache`` (``use_cache=True``: the prompt prefilled once, then one single-token forward per new token over
 the cached keys and values) and ``no_cache`` (``use_cache=False``: every new token re-runs the model over the whole
@@ -11,7 +12,7 @@ window never slides). One short untimed warm-up generation (8 tokens) per row, t
 the row order alternating per repeat; one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``) unless the
 device is a GPU.
 
-Reported per model: tokens/s of each row (new tokens / wall time of the whole ``generate`` call, prefill
+Reported per model: tokens/s of each row (new tokens / wall time of the whole ``continue_prompt`` call, prefill
 included), medians over the repeats, the ratio ``cache / no_cache`` of the medians, and whether both rows produced
 the same tokens (they must: the cached path is exact up to floating-point rounding).
 
@@ -38,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zero_dp import RESULTS  # noqa: E402
 
+from colo.apps.generation import continue_prompt  # noqa: E402
 from colo.apps.models.llama import Llama, get_preset  # noqa: E402
-from colo.apps.train import generate  # noqa: E402
 
 MODELS = {"tiny-llama": {"vocab_size": 320}, "bench-25m": {}}
 """Preset name -> overrides of its config."""
@@ -59,12 +60,12 @@ def build_model(preset: str, seed: int, device: torch.device) -> Llama:
 
 
 def timed_generate(model: Llama, prompt: list[int], *, new_tokens: int, use_cache: bool) -> tuple[float, list[int]]:
-    """Wall seconds of one greedy ``generate`` call, and the tokens it produced."""
+    """Wall seconds of one greedy ``continue_prompt`` call, and the tokens it produced."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     begin = time.perf_counter()
-    tokens = generate(model, prompt, max_new_tokens=new_tokens, use_cache=use_cache)
+    tokens = continue_prompt(model, prompt, max_new_tokens=new_tokens, use_cache=use_cache)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - begin, tokens

@@ -75,7 +75,7 @@ def has_torchao() -> bool:
 
 def base_model(name: str, checkpoint: str | None, seed: int) -> tuple[Llama, dict | None]:
     if checkpoint is not None:
-        from colo.apps.train.generate import load_llama
+        from colo.apps.runs import load_llama
 
         return load_llama(checkpoint)
     model = Llama(get_preset(name))

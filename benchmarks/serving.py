@@ -50,9 +50,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zero_dp import RESULTS  # noqa: E402
 
-from colo.apps.generation import RequestParams, ServingEngine  # noqa: E402
 from colo.apps.models.llama import Llama, get_preset  # noqa: E402
 from colo.apps.quant import quantize_model  # noqa: E402
+from colo.apps.serving import RequestParams, ServingEngine  # noqa: E402
 
 FORMATS = {"fp32": (None, None), "int8": ("int8", None), "int4-g32": ("int4", 32)}
 """Format -> (quantize_model mode, int4 group size); fp32 is the float model."""

@@ -36,8 +36,7 @@ def _start_server(model) -> str:
     import uvicorn
 
     from colo.apps.data import load_tokenizer
-    from colo.apps.generation import ServingEngine
-    from colo.apps.serving import InVocabularyTokenizer, ServeSettings, create_app
+    from colo.apps.serving import InVocabularyTokenizer, ServeSettings, ServingEngine, create_app
     from colo.comm import find_free_port
 
     tokenizer = InVocabularyTokenizer(load_tokenizer(None))  # prompts are ids: text is only for the response

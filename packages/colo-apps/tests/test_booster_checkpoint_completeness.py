@@ -135,8 +135,7 @@ def test_colo_convert_refuses_a_checkpoint_without_every_layer_of_its_config(tmp
     import dataclasses
 
     from colo.apps import get_preset
-    from colo.apps.train.convert import export_llama_hf
-    from colo.apps.train.generate import RUN_KEY
+    from colo.apps.runs import RUN_KEY, export_llama_hf
     from colo.tensor.checkpoint import CheckpointError, save_checkpoint
 
     config = get_preset("tiny", num_hidden_layers=4)

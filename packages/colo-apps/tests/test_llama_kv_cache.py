@@ -1,4 +1,4 @@
-"""Incremental decoding with a `KVCache` computes what the full forward computes, and `generate` with the cache
+"""Incremental decoding with a `KVCache` computes what the full forward computes, and `continue_prompt` with the cache
 produces the tokens of the full-recompute reference.
 
 - Logits: a prompt prefilled into the cache, then one token (and once a chunk of three) at a time, gives at every
@@ -7,9 +7,9 @@ produces the tokens of the full-recompute reference.
   CPU). Tolerance atol=rtol=1e-5, not zero: a query attends over ``length + seq`` keys instead of the full
   sequence's masked row, and the projections multiply matrices of other heights, so sums run in other orders
   (observed on CPU: within 2.4e-6 of logits with std 0.8, under a fifth of the tolerance).
-- ``generate(use_cache=True)`` equals ``generate(use_cache=False)`` token for token, greedy and seeded top-p, also
-  when prompt + new tokens pass ``max_position_embeddings`` (the window slides) and when the prompt alone does;
-  the cached path really prefills once and then feeds one token per forward.
+- ``continue_prompt(use_cache=True)`` equals ``continue_prompt(use_cache=False)`` token for token, greedy and seeded
+  top-p, also when prompt + new tokens pass ``max_position_embeddings`` (the window slides) and when the prompt alone
+  does; the cached path really prefills once and then feeds one token per forward.
 - A cache that does not fit the input fails with a message naming what to change.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from colo.apps.generation import continue_prompt
 from colo.apps.models.llama import KVCache, Llama, get_preset
-from colo.apps.train import generate
 from colo.kernels import use_backend
 
 SEED = 1234
@@ -104,9 +104,9 @@ def _forward_lengths(model: Llama) -> list[int]:
 def test_greedy_generate_with_cache_equals_full_recompute(prompt_len, max_new_tokens, window):
     model = _model(max_position_embeddings=window)
     prompt = _tokens(1, prompt_len, seed=3)[0].tolist()
-    reference = generate(model, prompt, max_new_tokens=max_new_tokens, use_cache=False)
+    reference = continue_prompt(model, prompt, max_new_tokens=max_new_tokens, use_cache=False)
     lengths = _forward_lengths(model)
-    cached = generate(model, prompt, max_new_tokens=max_new_tokens)
+    cached = continue_prompt(model, prompt, max_new_tokens=max_new_tokens)
     assert cached == reference
     assert len(cached) == max_new_tokens and len(set(cached)) > 1  # a real continuation, not one repeated id
     # one prefill of the (windowed) prompt, then one token per forward until the window is full, then a re-prefill
@@ -122,9 +122,9 @@ def test_top_p_sampling_with_cache_equals_full_recompute(window):
     model = _model(max_position_embeddings=window)
     prompt = _tokens(1, 8, seed=4)[0].tolist()
     settings = {"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.9, "vocab_limit": 100}
-    reference = generate(model, prompt, generator=torch.Generator().manual_seed(7), use_cache=False, **settings)
-    cached = generate(model, prompt, generator=torch.Generator().manual_seed(7), **settings)
-    greedy = generate(model, prompt, max_new_tokens=24, vocab_limit=100)
+    reference = continue_prompt(model, prompt, generator=torch.Generator().manual_seed(7), use_cache=False, **settings)
+    cached = continue_prompt(model, prompt, generator=torch.Generator().manual_seed(7), **settings)
+    greedy = continue_prompt(model, prompt, max_new_tokens=24, vocab_limit=100)
     assert cached == reference
     assert cached != greedy and max(cached) < 100  # sampled, within the vocabulary limit
 
@@ -132,9 +132,9 @@ def test_top_p_sampling_with_cache_equals_full_recompute(window):
 def test_generate_stops_at_eos_with_cache():
     model = _model()
     prompt = _tokens(1, 5, seed=5)[0].tolist()
-    free = generate(model, prompt, max_new_tokens=12)
+    free = continue_prompt(model, prompt, max_new_tokens=12)
     eos = free[4]
-    stopped = generate(model, prompt, max_new_tokens=12, eos_id=eos)
+    stopped = continue_prompt(model, prompt, max_new_tokens=12, eos_id=eos)
     assert stopped == free[: free.index(eos) + 1]
 
 

@@ -92,8 +92,7 @@ def test_moe_run_logs_router_stats_resumes_exactly_and_converts_to_mixtral(tmp_p
 
     # colo convert --to hf: a Mixtral directory with the logits of the run's model (loaded whole, every expert)
     transformers = pytest.importorskip("transformers")
-    from colo.apps.train import load_llama
-    from colo.apps.train.convert import export_llama_hf
+    from colo.apps.runs import export_llama_hf, load_llama
 
     checkpoint = os.path.join(straight_dir, "checkpoints", f"step-{TOTAL_STEPS:08d}")
     model, run = load_llama(checkpoint)

@@ -43,7 +43,7 @@ def _materialized_run(base: str, settings: dict):
     from colo.apps.booster import HybridParallel
     from colo.apps.booster.llama_plan import set_materialize_fn
     from colo.apps.hf.llama_io import load_llama_from_hf
-    from colo.apps.train import PretrainedLlamaWeights, pretrained_llama_config
+    from colo.apps.runs import PretrainedLlamaWeights, pretrained_llama_config
     from colo.tensor import layout_of
 
     reference = load_llama_from_hf(base)
@@ -86,8 +86,7 @@ def test_meta_model_materializes_pretrained_shards(tmp_path, settings):
 
 def test_a_lora_checkpoint_source_gives_the_merged_weights(tmp_path):
     from colo.apps import Llama, get_preset
-    from colo.apps.train import PretrainedLlamaWeights
-    from colo.apps.train.generate import RUN_KEY
+    from colo.apps.runs import RUN_KEY, PretrainedLlamaWeights
     from colo.tensor.checkpoint import save_checkpoint
 
     config = get_preset("tiny", vocab_size=128)
@@ -150,7 +149,7 @@ def _meta_lora_run(base: str):
     from colo.apps.booster.llama_plan import set_materialize_fn
     from colo.apps.hf.llama_io import load_llama_from_hf
     from colo.apps.lora import add_lora, lora_layers
-    from colo.apps.train import PretrainedLlamaWeights, pretrained_llama_config
+    from colo.apps.runs import PretrainedLlamaWeights, pretrained_llama_config
     from colo.comm import all_gather_object
 
     expected_loss = load_llama_from_hf(base)(**batch()).loss.item()

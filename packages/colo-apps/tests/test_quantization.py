@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from colo.apps.cli import app
 from colo.apps.data import load_tokenizer
-from colo.apps.generation import SamplingParams, generate
+from colo.apps.generation import SamplingParams, complete, generate
 from colo.apps.models.llama import Llama, get_preset, llama_state_dict_to_hf
 from colo.apps.quant import (
     QuantConfig,
@@ -30,7 +30,6 @@ from colo.apps.quant import (
     storage_report,
     unpack_int4,
 )
-from colo.apps.train.generate import complete
 from colo.tensor.checkpoint import read_index, save_checkpoint
 
 EPS32 = torch.finfo(torch.float32).eps

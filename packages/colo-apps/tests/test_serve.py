@@ -2,7 +2,7 @@
 an SFT run (byte tokenizer, the run's chat template), driven by the official ``openai`` client.
 
 The claim is exactness against direct generation: every served request's tokens equal single-request greedy
-`colo.apps.train.generate.generate` on the same model, whatever else is in the batch (16 concurrent clients of mixed
+`colo.apps.generation.continue_prompt` on the same model, whatever else is in the batch (16 concurrent clients of mixed
 prompt lengths and lengths, half of them streamed), and ``--tp 2`` gives the tokens ``--tp 1`` gives. The prompts
 are fixtures whose greedy path keeps the top-2 logit gap >= 1e-3 at every step, so the argmax cannot flip on the
 float rounding that batching (padded rows, other reduction orders) or tensor-parallel matmuls change. Bad requests
@@ -34,8 +34,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from colo.apps.data import ChatTemplate, load_tokenizer  # noqa: E402
+from colo.apps.generation import continue_prompt  # noqa: E402
 from colo.apps.models.llama import Llama, get_preset, llama_state_dict_to_hf  # noqa: E402
-from colo.apps.train.generate import generate  # noqa: E402
 from colo.comm import find_free_port  # noqa: E402
 from colo.tensor.checkpoint import save_checkpoint  # noqa: E402
 
@@ -149,7 +149,7 @@ def served(tmp_path_factory):
 
 def _greedy(model: Llama, prompt_ids: list[int], max_tokens: int, *, eos: int | None = EOS) -> tuple[list[int], float]:
     """Single-request greedy generation and the smallest top-2 logit gap along its path."""
-    new = generate(model, prompt_ids, max_new_tokens=max_tokens, eos_id=eos)
+    new = continue_prompt(model, prompt_ids, max_new_tokens=max_tokens, eos_id=eos)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + new]), return_logits=True).logits[0].float()
     steps = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(new)]

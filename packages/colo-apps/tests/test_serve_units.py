@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from colo.apps.cli import app
 from colo.apps.data import load_tokenizer
+from colo.apps.generation import continue_prompt
 from colo.apps.hf.llama_io import save_llama_as_hf
 from colo.apps.models.llama import Llama, get_preset, llama_state_dict_to_hf
 from colo.apps.quant import QuantizedLinear, quantize_model, save_quantized
 from colo.apps.serving import EngineOptions, TextStream, load_for_serving
 from colo.apps.serving.model import build_engine
-from colo.apps.train.generate import generate
 from colo.tensor.checkpoint import save_checkpoint
 
 TOKENIZER = load_tokenizer(None)
@@ -80,7 +80,7 @@ def test_load_for_serving_reads_run_hf_and_quantized_checkpoints(tmp_path):
     assert torch.equal(_logits(loaded, ids), _logits(model, ids)) and run["llama_config"]["vocab_size"] == 260
     # the model's 260 output rows pad the byte tokenizer's 259 ids: the engine never samples the padding row, even
     # where its logit is the largest (an id the tokenizer could not decode)
-    from colo.apps.generation import RequestParams
+    from colo.apps.serving import RequestParams
 
     with torch.no_grad():
         last = loaded.hidden_states(torch.tensor([ids]))[0, -1]
@@ -112,12 +112,12 @@ def test_load_for_serving_reads_run_hf_and_quantized_checkpoints(tmp_path):
         load_for_serving(tmp_path / "missing")
 
     engine = build_engine(stored, TOKENIZER, EngineOptions(max_batch_size=2))
-    from colo.apps.generation.serving import RequestParams
+    from colo.apps.serving import RequestParams
 
     prompts = [[5, 6, 7], [80, 81]]
     served = engine.generate(prompts, RequestParams(max_tokens=6, temperature=0))
     for prompt, tokens in zip(prompts, served, strict=True):
-        assert tokens == generate(stored, prompt, max_new_tokens=6, eos_id=EOS)
+        assert tokens == continue_prompt(stored, prompt, max_new_tokens=6, eos_id=EOS)
 
 
 @pytest.mark.parametrize(

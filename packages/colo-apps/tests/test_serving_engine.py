@@ -20,8 +20,9 @@ import threading
 import pytest
 import torch
 
-from colo.apps.generation import PagedKVCache, RequestParams, SamplingParams, ServingEngine, generate
+from colo.apps.generation import PagedKVCache, SamplingParams, generate
 from colo.apps.models.llama import Llama, get_preset
+from colo.apps.serving import RequestParams, ServingEngine
 from colo.comm.testing import run_distributed
 
 SEED = 1234

@@ -330,14 +330,15 @@ def test_an_sft_sample_answers_the_prompt_through_the_chat_template():
     marker (the same ids the template gives a generation prompt) and the eos is not shown."""
     from colo.apps import Llama, get_preset
     from colo.apps.data import ByteTokenizer, ChatTemplate
-    from colo.apps.train.generate import chat_template_of, complete, generate
+    from colo.apps.generation import complete, continue_prompt
+    from colo.apps.runs import chat_template_of
 
     torch.manual_seed(0)
     model = Llama(get_preset("tiny", vocab_size=320)).eval()
     tokenizer, template = ByteTokenizer(), ChatTemplate()
     messages = [{"role": "user", "content": "2+2?"}]
     ids, _ = template.tokenize(messages, tokenizer, add_generation_prompt=True)
-    expected = generate(model, ids, max_new_tokens=6, vocab_limit=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
+    expected = continue_prompt(model, ids, max_new_tokens=6, vocab_limit=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
     text = complete(model, tokenizer, "2+2?", chat_template=template, max_new_tokens=6)
     rendered = template.render(messages, add_generation_prompt=True)
     assert text == rendered + tokenizer.decode([t for t in expected if t != tokenizer.eos_id])

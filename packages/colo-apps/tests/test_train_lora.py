@@ -77,7 +77,7 @@ def test_lora_fine_tuning_from_a_pretrained_model_trains_resumes_and_exports(tmp
     from peft import PeftModel
 
     from colo.apps.hf.llama_io import read_hf_state_dict
-    from colo.apps.train.convert import export_llama_hf, export_lora_adapter
+    from colo.apps.runs import export_llama_hf, export_lora_adapter
 
     corpus, base = write_corpus(tmp_path), write_base_model(tmp_path)
     straight = run_distributed(_train, run_config(corpus, base, str(tmp_path / "straight")), world_size=2)[0]

@@ -46,9 +46,9 @@ def _train(config: dict):
 
 def test_pipeline_eval_matches_the_single_process_loss_of_the_checkpoint(tmp_path):
     from colo.apps.data import collate, load_tokenizer
+    from colo.apps.runs import load_llama
     from colo.apps.train import validate_config
     from colo.apps.train.data_setup import build_data
-    from colo.apps.train.generate import load_llama
 
     config = run_config(write_corpus(tmp_path), str(tmp_path / "run"))
     eval_losses, checkpoints = run_distributed(_train, config, world_size=2)[0]

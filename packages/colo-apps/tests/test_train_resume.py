@@ -100,8 +100,7 @@ def test_final_checkpoint_loads_in_one_process_and_converts_to_hf(tmp_path):
     import safetensors.torch
     import torch
 
-    from colo.apps.train import load_llama
-    from colo.apps.train.convert import export_llama_hf
+    from colo.apps.runs import export_llama_hf, load_llama
 
     corpus = write_corpus(tmp_path)
     output = str(tmp_path / "run")

@@ -264,7 +264,13 @@ config_command = app.registered_commands[-1]  # its epilog (the presets) is fill
 
 @app.command()
 def generate(
-    checkpoint: Annotated[str, typer.Argument(help="A checkpoint directory written by `colo train`.")],
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            help="A checkpoint directory written by `colo train`, a quantized one written by `colo convert "
+            "--quantize`, or a Hugging Face Llama directory."
+        ),
+    ],
     prompt: Annotated[str, typer.Option(help="The text to continue.")] = "def ",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy; else the sampling temperature.")] = 0.0,
@@ -291,22 +297,16 @@ def generate(
 
     from colo.tensor.checkpoint import CheckpointError
 
-    from ..data import load_tokenizer
-    from ..quant import is_quantized_checkpoint, load_quantized
-    from ..train import load_llama
-    from ..train.generate import chat_template_of, complete
+    from ..generation import complete
+    from ..runs import chat_template_of
+    from ..serving import load_for_serving
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        if is_quantized_checkpoint(checkpoint):  # written by `colo convert --quantize`: the quantized model as stored
-            model, metadata = load_quantized(checkpoint, device=device)
-            run = metadata["run"]
-        else:
-            model, run = load_llama(checkpoint, device=device)
+    try:  # a quantized checkpoint loads as stored; a run checkpoint merges its LoRA adapters
+        model, run, tok = load_for_serving(checkpoint, tokenizer=tokenizer, device=device)
     except (ValueError, CheckpointError) as error:  # a damaged or malformed checkpoint: the line naming it
         typer.echo(f"colo: {error}", err=True)
         raise typer.Exit(2) from None
-    tok = load_tokenizer(tokenizer if tokenizer is not None else run.get("tokenizer"))
     template = chat_template_of(run)
     if chat and template is None:
         typer.echo("colo: --chat needs a checkpoint of an SFT run (data.task='sft'); use --raw", err=True)
@@ -370,7 +370,7 @@ def convert(
 
     from colo.tensor.checkpoint import CheckpointError
 
-    from ..train.convert import export_llama_hf, export_lora_adapter
+    from ..runs import export_llama_hf, export_lora_adapter
 
     torch_dtype = None
     if dtype is not None:

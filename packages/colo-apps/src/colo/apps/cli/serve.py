@@ -58,7 +58,7 @@ def serve(
     """Serve a checkpoint behind OpenAI's API: /v1/completions, /v1/chat/completions (the run's chat template),
     streaming (SSE), /v1/models, /health.
 
-    Continuous batching over a paged KV cache (colo.apps.generation.ServingEngine). Limits: --max-prompt-tokens
+    Continuous batching over a paged KV cache (colo.apps.serving.ServingEngine). Limits: --max-prompt-tokens
     (400 past it), --max-concurrent (429). SIGTERM or Ctrl-C drains: new requests get 503, in-flight ones get
     --grace seconds, then are cancelled (streams end with an error event); the command exits 0.
 
@@ -85,9 +85,9 @@ def serve(
         raise fail("serving needs FastAPI and uvicorn: pip install 'colo-apps[serve]'") from None
     from colo.tensor.checkpoint import CheckpointError
 
+    from ..runs import chat_template_of
     from ..serving import ServeSettings, create_app, load_rank, serve_app
     from ..serving.server import start_followers, stop_followers
-    from ..train.generate import chat_template_of
 
     if tp > 1 and quantize is not None:
         raise fail("--quantize serves on one rank: quantized weights are not sharded; use --tp 1")

@@ -143,9 +143,13 @@ def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Evaluation mode for the duration (Hugging Face models turn the cache off under training with checkpointing),
-    every module's own flag restored afterwards."""
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Put ``model`` in evaluation mode for the duration of the ``with`` block (Hugging Face models turn the KV
+    cache off under training with checkpointing), then restore every module's own ``training`` flag.
+
+    Args:
+        model (nn.Module): the model to decode with.
+    """
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -155,7 +159,8 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (CPU for a model without parameters)."""
     for tensor in model.parameters():
         return tensor.device
     return torch.device("cpu")
@@ -214,7 +219,7 @@ def generate(
             f"generate: the longest prompt ({prompt_length} tokens) plus max_new_tokens={params.max_new_tokens} "
             f"exceeds the model's max_position_embeddings={window}; shorten the prompts or lower max_new_tokens"
         )
-    device = _model_device(model)
+    device = model_device(model)
     if generator is None:
         generator = _default_generator(params, device)
     n, steps = params.n, params.max_new_tokens
@@ -237,7 +242,7 @@ def generate(
     eos = torch.tensor(params.eos_ids, dtype=torch.long, device=device)
 
     decoder_cls = _HFDecoder if hf else _NativeDecoder
-    with _eval_mode(model):
+    with eval_mode(model):
         decoder = decoder_cls(model, rows, max(prompt_length, total - 1))  # the last token is never fed back
         # each prompt is prefilled once, not n times: its n rows share the keys and values (copied) and the logits
         logits = decoder.prefill(prompt_ids[::n], positions[::n, :prompt_length], keys[::n, :prompt_length], repeats=n)

@@ -11,6 +11,8 @@
 
 Example::
 
+    from colo.apps.runs import load_llama
+
     model, run = load_llama("runs/tiny-llama/checkpoints/step-00000300")
     quantize_model(model, "int4", group_size=32)
     save_quantized(model, "tiny-llama-int4", run=run)

@@ -4,7 +4,7 @@ A quantized checkpoint is an ordinary colo checkpoint directory: the quantized l
 (``<layer>.qweight``, ``<layer>.scale``, ``<layer>.zero`` for int4, ``<layer>.bias`` if any), every other
 parameter in the model's float dtype, and the index metadata ``"quantization"``: ``{"format": 1, "mode",
 "group_size", "skip", "model": "colo-llama" | "hf-llama", "dtype", "layers"}``, plus what rebuilds the model
-(``"run"`` for the native Llama, as the trainer writes it; ``"hf_config"`` for Hugging Face's).
+(`colo.apps.runs.RUN_KEY` for the native Llama, as the trainer writes it; ``"hf_config"`` for Hugging Face's).
 
 Names are those of the model's trainer checkpoints: for the native Llama the fused ``qkv_proj`` is saved as
 ``q_proj``, ``k_proj`` and ``v_proj`` (its rows split, which is exact: see `colo.apps.quant.model`), and loading
@@ -22,6 +22,7 @@ from torch import nn
 
 from colo.tensor.checkpoint import INDEX_FILE, CheckpointError, load_checkpoint, read_index, save_checkpoint
 
+from ..runs import RUN_KEY, load_llama
 from .formats import QuantConfig
 from .linear import QuantizedLinear
 from .model import DEFAULT_SKIP, quantize_model, quantize_structure
@@ -91,7 +92,7 @@ def save_quantized(
         }
     }
     if native:
-        metadata["run"] = run
+        metadata[RUN_KEY] = run
     else:
         metadata["hf_config"] = model.config.to_dict()
     if os.path.exists(path):
@@ -196,7 +197,6 @@ def quantize_checkpoint(
         The files written.
     """
     from ..models.llama import Llama
-    from ..train.generate import load_llama
 
     config = QuantConfig(mode=mode, group_size=group_size)  # a bad mode or group size fails before any read
     model, run = load_llama(checkpoint)
@@ -238,7 +238,7 @@ def _module_names(layers: list[str], native: bool) -> list[str]:
 def _build_native(metadata: dict) -> nn.Module:
     from ..models.llama import Llama, LlamaConfig
 
-    run = metadata.get("run") or {}
+    run = metadata.get(RUN_KEY) or {}
     fields = run.get("llama_config")
     if not isinstance(fields, dict) or "num_local_experts" in fields:
         raise CheckpointError("the quantized checkpoint's run metadata has no dense 'llama_config'")

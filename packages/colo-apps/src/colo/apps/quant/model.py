@@ -9,7 +9,7 @@ dtype by default: they are the layers most sensitive to quantization, and a tied
 
 Tensor-parallel layers (`colo.tensor` ``ColumnParallelLinear``, ``RowParallelLinear``, ``QKVParallelLinear``) are
 refused: quantize the unsharded model. (Row-parallel shards would get per-shard int8 scales that differ from the
-unsharded model's.) LoRA layers are refused too: merge the adapters first (`colo.apps.train.generate.load_llama`
+unsharded model's.) LoRA layers are refused too: merge the adapters first (`colo.apps.runs.load_llama`
 merges them).
 """
 

@@ -24,6 +24,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 
+from .engine import RequestParams
 from .engine_loop import EngineFailure, EngineLoop
 from .protocol import (
     ERROR_TYPES,
@@ -151,8 +152,6 @@ def _prompt_ids(state: ServingState, request: CompletionRequest | ChatCompletion
 
 
 def _params(state: ServingState, request, prompt_len: int):
-    from ..generation.serving import RequestParams
-
     max_tokens = request.max_tokens
     if isinstance(request, ChatCompletionRequest):
         max_tokens = max_tokens or request.max_completion_tokens or state.max_model_len - prompt_len
@@ -188,7 +187,7 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
     """The FastAPI application serving ``engine``.
 
     Args:
-        engine: a `colo.apps.generation.ServingEngine` (rank 0's under tensor parallelism).
+        engine: a `colo.apps.serving.ServingEngine` (rank 0's under tensor parallelism).
         tokenizer: the run's tokenizer (``encode`` / ``decode``, ``eos_id``).
         settings (ServeSettings): names and limits.
         chat_template: the run's `colo.apps.data.ChatTemplate`; ``None``: ``/v1/chat/completions`` answers 400.

@@ -31,7 +31,7 @@ class EngineLoop:
     """Run ``engine.step()`` on a thread while requests are unfinished; deliver outputs to per-request queues.
 
     Args:
-        engine: a `colo.apps.generation.ServingEngine` (rank 0's under tensor parallelism).
+        engine: a `colo.apps.serving.ServingEngine` (rank 0's under tensor parallelism).
         loop (asyncio.AbstractEventLoop): the event loop of the handlers.
         idle_step_seconds (float | None): step this often while idle (tensor parallelism: keeps the followers'
             collectives alive); ``None``: sleep until a request arrives. Default: ``None``.

@@ -3,7 +3,7 @@ sharded over a tensor-parallel group, wrapped in a `ServingEngine`.
 
 A checkpoint is one of
 
-- a colo run checkpoint (`colo.apps.train.generate.load_llama`: any layout, LoRA adapters merged);
+- a colo run checkpoint (`colo.apps.runs.load_llama`: any layout, LoRA adapters merged);
 - a quantized colo checkpoint written by ``colo convert --quantize`` (`colo.apps.quant.load_quantized`);
 - a Hugging Face ``LlamaForCausalLM`` directory, e.g. one ``colo convert --to hf`` wrote
   (`colo.apps.hf.llama_io.load_llama_from_hf`); its tokenizer is the directory's ``tokenizer.json`` when it has one.
@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from colo.tensor.checkpoint.index import INDEX_FILE
+
+from ..runs import RUN_KEY, load_llama
+from .engine import ServingEngine
 
 
 @dataclass(kw_only=True)
@@ -63,7 +66,6 @@ def load_for_serving(
     """
     from ..data import load_tokenizer
     from ..quant import is_quantized_checkpoint, load_quantized, quantize_model
-    from ..train import load_llama
 
     path = os.fspath(checkpoint)
     if not os.path.isdir(path):
@@ -78,7 +80,7 @@ def load_for_serving(
         if quantize is not None:
             raise ValueError(f"{path} is already quantized; leave out --quantize")
         model, metadata = load_quantized(path, device=device)
-        run = metadata.get("run") or {}
+        run = metadata.get(RUN_KEY) or {}
     else:
         model, run = load_llama(path, device=device)
     if quantize is not None:
@@ -103,8 +105,6 @@ def build_engine(model, tokenizer, options: EngineOptions, *, group=None):
         options (EngineOptions): sizes.
         group: the tensor-parallel group, or ``None``.
     """
-    from ..generation.serving import ServingEngine
-
     return ServingEngine(
         model,
         tokenizer=tokenizer,

@@ -8,7 +8,9 @@
 - `TrainTask`, `TaskContext`, `TaskSpec`, `TaskRule`, `register_task` (`task.py`): the seam a recipe plugs into and
   the registry ``data.task`` is looked up in; `LanguageModelTask` (`language_model.py`): ``pretrain`` / ``sft``.
 - `optim.py` (AdamW groups, warmup + cosine), `state.py` (RNG states as JSON, checkpoint pruning and resume),
-  `metrics.py` (progress bar, JSONL, TensorBoard), `generate.py` (`load_llama`, `generate`).
+  `metrics.py` (progress bar, JSONL, TensorBoard).
+- Re-exported from `colo.apps.runs` (where a run's checkpoint is opened as a model): `load_llama`,
+  `pretrained_llama_config`, `load_pretrained_llama`, `PretrainedLlamaWeights`.
 
 Example::
 
@@ -17,13 +19,13 @@ Example::
     result = train(load_config("run.yaml", overrides=["optimizer.lr=1e-3"]))  # on every rank of the job
 """
 
+from ..runs import PretrainedLlamaWeights, load_llama, load_pretrained_llama, pretrained_llama_config
 from .config import RunConfig
-from .generate import generate, load_llama
+from .generate import generate as generate  # the former name of colo.apps.generation.continue_prompt, not in __all__
 from .language_model import ChatTask, LanguageModelTask
 from .loading import ConfigError, apply_overrides, load_config, read_config_file, validate_config
 from .optim import WarmupCosine, build_optimizer, build_scheduler, param_groups
 from .presets import RUN_PRESETS
-from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
 from .state import committed_checkpoints, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 from .task import TaskContext, TaskRule, TaskSpec, TrainTask, register_task, task_specs
 from .trainer import Trainer, TrainResult, train
@@ -48,7 +50,6 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "committed_checkpoints",
-    "generate",
     "load_config",
     "load_llama",
     "load_pretrained_llama",

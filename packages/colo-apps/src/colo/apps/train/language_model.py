@@ -20,13 +20,13 @@ from colo.tensor.moe import moe_aux_loss, moe_blocks
 
 from ..booster.llama_plan import set_materialize_fn
 from ..data import check_token_ids, collate, load_tokenizer
+from ..generation import complete
 from ..lora import add_lora, lora_layers
 from ..mfu import mfu, peak_flops
 from ..models.llama import Llama, flops_per_token
 from ..models.moe_llama import MoELlama, MoELlamaConfig
+from ..runs import PretrainedLlamaWeights, load_llama, load_pretrained_llama, pretrained_llama_config
 from .data_setup import RunData, build_data, build_dataset
-from .generate import complete, load_llama
-from .pretrained import PretrainedLlamaWeights, load_pretrained_llama, pretrained_llama_config
 from .task import TaskContext, TaskRule, TaskSpec, TrainTask
 
 

@@ -74,7 +74,7 @@ def _init_from(config: RunConfig) -> str | None:
             f"{field} holds no weights: neither a Hugging Face Llama (config.json + model.safetensors) nor a "
             "colo checkpoint (index.json)"
         )
-    from .pretrained import pretrained_llama_config
+    from ..runs import pretrained_llama_config
 
     try:
         pretrained_llama_config(path)
@@ -89,7 +89,7 @@ def _tensor_parallel(config: RunConfig) -> str | None:
         return None
     from ..data import load_tokenizer
     from ..models.llama import check_tp_size
-    from .pretrained import pretrained_llama_config
+    from ..runs import pretrained_llama_config
 
     if config.model.init_from is not None:
         llama = pretrained_llama_config(config.model.init_from)

@@ -14,9 +14,10 @@ from torch import nn
 
 from colo.tensor.checkpoint import load_checkpoint, read_index
 
-from ..lora import lora_scaling
+from ..lora import merge_lora_tensors
 from ..models.llama import Llama, LlamaConfig, RMSNorm, RotaryEmbedding, llama_config_from_hf
-from .generate import RUN_KEY, load_llama
+from .load import load_llama
+from .metadata import RUN_KEY, has_lora, lora_scaling_of, run_of
 
 
 def _is_hf_directory(path: str) -> bool:
@@ -37,14 +38,12 @@ def pretrained_llama_config(path: str | os.PathLike) -> LlamaConfig:
 
         return llama_config_from_hf(SimpleNamespace(**read_hf_config(path)))
     try:
-        run = read_index(path).metadata.get(RUN_KEY)
+        index = read_index(path)
     except Exception as error:  # not a checkpoint at all
         raise ValueError(
             f"model.init_from={path!r} has no config.json (Hugging Face) and is not a colo checkpoint: {error}"
         ) from None
-    if not isinstance(run, dict) or "llama_config" not in run:
-        raise ValueError(f"model.init_from={path!r} is a checkpoint without colo trainer metadata (no model shape)")
-    return LlamaConfig(**run["llama_config"])
+    return LlamaConfig(**run_of(index, source=f"model.init_from={path!r}")["llama_config"])
 
 
 def load_pretrained_llama(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> Llama:
@@ -91,12 +90,7 @@ class PretrainedLlamaWeights:
             checkpoint = read_index(self.path)
             self.entries = checkpoint.tensors
             run = checkpoint.metadata.get(RUN_KEY) or {}
-            lora = (run.get("config") or {}).get("lora") or {}
-            self.scaling = (
-                lora_scaling(lora["r"], lora["alpha"], use_rslora=lora.get("use_rslora", False))
-                if lora.get("enabled")
-                else None
-            )
+            self.scaling = lora_scaling_of(run) if has_lora(run) else None
 
     def _stored(self, name: str) -> torch.Tensor:
         """One tensor by its stored name (Hugging Face's without the ``model.`` prefix)."""
@@ -111,8 +105,6 @@ class PretrainedLlamaWeights:
         if base in self.entries:  # a LoRA run's checkpoint: merge this module's adapters
             names = [base] + [n for n in self.entries if n.startswith(f"{module}.lora_")]
             tensors = self._read(names)
-            from ..lora import merge_lora_tensors
-
             return merge_lora_tensors(tensors, scaling=self.scaling)[name]
         if name not in self.entries:
             raise ValueError(f"model.init_from={self.path!r} has no tensor {name!r}")

@@ -47,13 +47,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .engine import _eval_mode, _model_device
-from .paged_cache import PagedKVCache
-from .params import SamplingParams, _is_int
-from .rollout import is_hf_model
-from .sampling import next_tokens
+from ..generation.engine import eval_mode, model_device
+from ..generation.paged_cache import PagedKVCache
+from ..generation.params import SamplingParams
+from ..generation.rollout import is_hf_model
+from ..generation.sampling import next_tokens
+from ..models.llama import Llama, llama_config_from_hf, llama_state_dict_from_hf
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -173,9 +178,6 @@ def _native_model(model: nn.Module) -> nn.Module:
                 f"{type(model).__name__}"
             )
         return model
-    from ..models.llama import Llama
-    from ..models.llama.hf import llama_config_from_hf, llama_state_dict_from_hf
-
     if any(not isinstance(m, nn.Linear) and "Quantized" in type(m).__name__ for m in model.modules()):
         raise ValueError(
             "ServingEngine: a quantized Hugging Face model cannot be converted; quantize the native Llama instead "
@@ -274,7 +276,7 @@ class ServingEngine:
         elif not _is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"ServingEngine: num_blocks={num_blocks!r} must be an int >= 1")
         self.cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=block_size)
-        self.device = _model_device(self.model)
+        self.device = model_device(self.model)
         self.group = group if group is not None and _group_size(group) > 1 else None
         self.rank = _group_rank(group) if self.group is not None else 0
         self.is_shut_down = False
@@ -410,7 +412,7 @@ class ServingEngine:
             self._apply(op, outputs)
         if self.is_shut_down:
             return self._report(outputs)
-        mode = _eval_mode(self.model) if self.model.training else contextlib.nullcontext()  # walks every module
+        mode = eval_mode(self.model) if self.model.training else contextlib.nullcontext()  # walks every module
         with torch.no_grad(), mode:
             admitted = self._admit()
             if admitted:

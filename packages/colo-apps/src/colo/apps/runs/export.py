@@ -15,7 +15,8 @@ from colo.tensor.checkpoint import CheckpointError, export_hf, load_checkpoint, 
 from ..hf.llama_io import llama_config_to_hf, save_llama_as_hf
 from ..lora import has_lora_tensors, write_peft_adapter
 from ..models.llama import Llama, LlamaConfig
-from .generate import RUN_KEY, load_llama, model_config_of
+from .load import load_llama
+from .metadata import RUN_KEY, model_config_of, run_of
 
 _INDEX = "model.safetensors.index.json"
 
@@ -80,9 +81,7 @@ def export_llama_hf(
     """
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     index = read_index(checkpoint)
-    run = index.metadata.get(RUN_KEY)
-    if not isinstance(run, dict) or "llama_config" not in run:
-        raise ValueError(f"{checkpoint} has no '{RUN_KEY}' metadata: only checkpoints of colo's trainer convert")
+    run = run_of(index, source=checkpoint)
     if "num_local_experts" in run["llama_config"]:  # MoE: a Mixtral directory, the model whole in host memory
         return _export_mixtral(checkpoint, out_dir, model_config_of(run), dtype=dtype, overwrite=overwrite)
     if has_lora_tensors(index.tensors):  # merge in one process (the whole model in host memory), then write
