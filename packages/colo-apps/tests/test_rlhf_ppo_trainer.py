@@ -20,7 +20,7 @@ def _save_reward_checkpoint(path: str, *, task: str = "rm", tokenizer=None):
     from colo.apps import Llama, get_preset
     from colo.apps.models.llama.hf import llama_state_dict_to_hf
     from colo.apps.rlhf import make_reward_model
-    from colo.apps.train.generate import RUN_KEY
+    from colo.apps.runs import RUN_KEY
     from colo.tensor.checkpoint import save_checkpoint
 
     model = Llama(get_preset("tiny", initializer_range=0.1, vocab_size=320))
@@ -75,7 +75,8 @@ def test_bad_ppo_runs_name_the_field(tmp_path):
 
 def test_reward_model_scores_the_last_response_token(tmp_path):
     from colo.apps.generation import Rollout
-    from colo.apps.rlhf.ppo_task import PPOTask, load_reward_model, reward_model_scores
+    from colo.apps.rlhf.ppo_task import PPOTask, reward_model_scores
+    from colo.apps.runs import load_reward_model
     from colo.apps.train import load_config
 
     original = _save_reward_checkpoint(str(tmp_path / "rm"))

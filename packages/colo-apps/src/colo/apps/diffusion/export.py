@@ -95,7 +95,7 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
 def diffusion_run(checkpoint: str) -> dict:
     """The run metadata of a ``data.task: diffusion`` checkpoint (its config, ``vae_dir``, ``tokenizer_dir``); a
     `ValueError` for any other checkpoint."""
-    from ..train.generate import RUN_KEY
+    from ..runs import RUN_KEY
 
     metadata = read_index(checkpoint).metadata
     run = metadata.get(RUN_KEY)

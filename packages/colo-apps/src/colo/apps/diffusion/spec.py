@@ -10,15 +10,19 @@ _RULES = (
     TaskRule(
         "plugin.name",
         lambda c: c.plugin.name not in ("ddp", "zero", "gemini"),
-        lambda c: f"data.task='diffusion' trains the UNet under plugin.name 'ddp', 'zero' (stage 0-3) or 'gemini': "
-        f"plugin.name={c.plugin.name!r} has no plan for it (no tensor, pipeline or expert layout of the UNet); choose "
-        "one of those",
+        lambda c: (
+            f"data.task='diffusion' trains the UNet under plugin.name 'ddp', 'zero' (stage 0-3) or 'gemini': "
+            f"plugin.name={c.plugin.name!r} has no plan for it (no tensor, pipeline or expert layout of the UNet); choose "
+            "one of those"
+        ),
     ),
     TaskRule(
         "model.init_from",
         lambda c: c.model.init_from is not None,
-        lambda c: "model.init_from starts a Llama; data.task='diffusion' reads diffusion.unet_from (and vae_from, "
-        "text_encoder_from): set model.init_from=null",
+        lambda c: (
+            "model.init_from starts a Llama; data.task='diffusion' reads diffusion.unet_from (and vae_from, "
+            "text_encoder_from): set model.init_from=null"
+        ),
     ),
 )
 

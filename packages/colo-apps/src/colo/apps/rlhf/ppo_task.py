@@ -38,10 +38,10 @@ import time
 import torch
 
 from ..generation import rollout_model_inputs
+from ..runs import load_reward_model, run_of
 from ..train.language_model import LanguageModelTask
 from .critic import add_value_head, attach_ppo_forward, critic_from_policy
 from .grpo_task import GRPOTask, _fields, _seed
-from .modeling import make_reward_model
 from .ppo import PPOCriterion, build_kl_controller
 from .ppo_learner import PPOLearner
 from .rewards import compute_rewards
@@ -309,15 +309,11 @@ def check_reward_model(path: str, config) -> dict:
     whose tokenizer is the run's (``data.tokenizer``); a clear `ValueError` otherwise (before any collective)."""
     from colo.tensor.checkpoint import CheckpointError, read_index
 
-    from ..train.generate import RUN_KEY
-
     try:
         index = read_index(path)
     except (CheckpointError, OSError) as error:
         raise ValueError(f"ppo.reward_model={path!r} is not a committed colo checkpoint: {error}") from None
-    run = index.metadata.get(RUN_KEY)
-    if not isinstance(run, dict) or "llama_config" not in run:
-        raise ValueError(f"ppo.reward_model={path!r} was not written by colo's trainer (no run metadata)")
+    run = run_of(index, source=f"ppo.reward_model={path!r}")
     task = ((run.get("config") or {}).get("data") or {}).get("task")
     if task != "rm":
         raise ValueError(
@@ -360,31 +356,6 @@ def _same_tokenizer(a, b) -> bool:
         and (first.bos_id, first.eos_id, first.pad_id) == (second.bos_id, second.eos_id, second.pad_id)
         and list(first.encode(probe)) == list(second.encode(probe))
     )
-
-
-def load_reward_model(path: str, *, device) -> torch.nn.Module:
-    """The reward model of a ``data.task: rm`` checkpoint as colo's `Llama` with its scalar head, frozen, in eval
-    mode (any layout saved it)."""
-    from colo.tensor.checkpoint import load_checkpoint, read_index
-
-    from ..models.llama import Llama
-    from ..models.llama.hf import llama_state_dict_from_hf
-    from ..train.generate import RUN_KEY, model_config_of
-
-    index = read_index(path)
-    config = model_config_of(index.metadata[RUN_KEY])
-    targets = {
-        name: torch.empty(entry.shape, dtype=entry.dtype)
-        for name, entry in index.tensors.items()
-        if not name.startswith("optim/")
-    }
-    load_checkpoint(path, targets, strict=False)
-    state = llama_state_dict_from_hf(targets, config)
-    with torch.device(device), torch.random.fork_rng(devices=[]):
-        model = make_reward_model(Llama(config))
-    model.load_state_dict({name: state[name] for name in model.state_dict()})
-    model.requires_grad_(False)
-    return model.eval()
 
 
 @torch.no_grad()

@@ -24,7 +24,13 @@ def run_of(index: CheckpointIndex, *, source: str) -> dict:
         ValueError: the checkpoint holds no run metadata with a model shape (another writer saved it).
     """
     run = index.metadata.get(RUN_KEY)
-    if not isinstance(run, dict) or "llama_config" not in run:
+    if isinstance(run, dict) and "llama_config" not in run:
+        task = ((run.get("config") or {}).get("data") or {}).get("task")
+        raise ValueError(
+            f"{source} is a checkpoint of a data.task={task!r} run, which holds no Llama (a diffusion run exports "
+            "with colo convert --to diffusers)"
+        )
+    if not isinstance(run, dict):
         raise ValueError(
             f"{source} has no '{RUN_KEY}' metadata: it was not written by colo's trainer, so the model shape is unknown"
         )

@@ -21,7 +21,6 @@ Example::
 
 from ..runs import PretrainedLlamaWeights, load_llama, load_pretrained_llama, pretrained_llama_config
 from .config import RunConfig
-from .generate import generate as generate  # the former name of colo.apps.generation.continue_prompt, not in __all__
 from .language_model import ChatTask, LanguageModelTask
 from .loading import ConfigError, apply_overrides, load_config, read_config_file, validate_config
 from .optim import WarmupCosine, build_optimizer, build_scheduler, param_groups

@@ -306,7 +306,7 @@ class LanguageModelTask(TrainTask):
             ctx.data.sampler.load_state_dict(state)
 
     def run_metadata(self, ctx: TaskContext) -> dict:
-        """The model's shape and tokenizer (how `colo.apps.train.generate.load_llama` opens the checkpoint), and an
+        """The model's shape and tokenizer (how `colo.apps.runs.load_llama` opens the checkpoint), and an
         SFT run's chat template (how ``colo generate --chat`` and serving render conversations)."""
         metadata = {"llama_config": dataclasses.asdict(self.llama_config), "tokenizer": self.config.data.tokenizer}
         if self.chats:

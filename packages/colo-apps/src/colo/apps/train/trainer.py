@@ -26,8 +26,8 @@ import torch.distributed as dist
 from colo.comm import all_gather_object, barrier, init_distributed
 from colo.tensor.checkpoint import read_index
 
+from ..runs import RUN_KEY
 from .config import RunConfig
-from .generate import RUN_KEY
 from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line, throughput_text
 from .resilience import RunGuard
 from .state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume, rng_state, set_rng_state

@@ -15,6 +15,7 @@ from .task import task_spec
 if TYPE_CHECKING:
     from .config import RunConfig
 
+
 def check_world_size(config: RunConfig, world_size: int) -> None:
     """Raise `ConfigError` (``invalid run config: FIELD: what is wrong; what to change``) when the run cannot be laid
     out on ``world_size`` processes.

@@ -14,7 +14,6 @@ from torch import nn
 
 from colo.kernels import cross_entropy, fused_linear_cross_entropy
 
-
 IGNORE_INDEX = -100
 """The label value of tokens that add no loss (Hugging Face's and PyTorch's default)."""
 
