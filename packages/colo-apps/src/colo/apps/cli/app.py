@@ -406,6 +406,30 @@ def convert(
         typer.echo(path)
 
 
+@app.command()
+def report(
+    run_dirs: Annotated[list[str], typer.Argument(metavar="RUN_DIR...", help="Runs' output_dir (with metrics.jsonl).")],
+    out: Annotated[
+        str, typer.Option("--out", "-o", help="The PNG to write; the HTML page goes beside it (.html).")
+    ] = "colo-report.png",
+    title: Annotated[str | None, typer.Option(help="The title (default: the runs' names).")] = None,
+) -> None:
+    """Plot runs' metrics.jsonl: loss, eval loss, learning rate, throughput, MFU, memory (an RL run's reward, KL and
+    response length; a diffusion run's newest sample grid), runs overlaid, into a PNG and a self-contained HTML page."""
+    from ..report import write_report
+
+    try:
+        result = write_report(run_dirs, out, title=title)
+    except (ValueError, OSError, ImportError) as error:  # no metrics.jsonl, a bad --out, no matplotlib: one line
+        typer.echo(f"colo: {error}", err=True)
+        raise typer.Exit(2) from None
+    for label, run in result["runs"].items():
+        if run.skipped_lines:
+            typer.echo(f"colo: {label}: skipped {run.skipped_lines} line(s) of metrics.jsonl that are not records")
+    typer.echo(result["png"])
+    typer.echo(result["html"])
+
+
 from .serve import serve as _serve  # noqa: E402  (colo serve: an OpenAI-compatible server, in its own module)
 
 app.command(name="serve")(_serve)
