@@ -174,6 +174,7 @@ def all_reduce(
         finish,
         async_op,
         lambda: f"of {tuple(tensor.shape)} {tensor.dtype}",
+        nbytes=_nbytes(tensor),
     )
 
 
@@ -207,6 +208,7 @@ def broadcast(
         lambda: tensor,
         async_op,
         lambda: f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
+        nbytes=_nbytes(tensor),
     )
 
 
@@ -347,7 +349,8 @@ def all_gather(
             parts = [part.narrow(dim, 0, size) for part, size in zip(parts, sizes)]
         return torch.cat(parts, dim=dim)
 
-    return issue("all_gather", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
+    detail = lambda: f"of {tuple(tensor.shape)} {tensor.dtype}"  # noqa: E731
+    return issue("all_gather", group, start, finish, async_op, detail, nbytes=_nbytes(tensor))
 
 
 def _gather_one(piece: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -508,7 +511,8 @@ def reduce_scatter(
             result.div_(n)
         return result.movedim(0, dim) if dim else result
 
-    handle = issue("reduce_scatter", group, start, finish, async_op, lambda: f"of {tuple(tensor.shape)} {tensor.dtype}")
+    detail = lambda: f"of {tuple(tensor.shape)} {tensor.dtype}"  # noqa: E731
+    handle = issue("reduce_scatter", group, start, finish, async_op, detail, nbytes=_nbytes(tensor))
     if async_op:
         handle.input_reduced = reduced_in_place
     return handle
@@ -610,6 +614,7 @@ def all_to_all(
         lambda: output,
         async_op,
         lambda: f"of {tuple(tensor.shape)} {tensor.dtype}",
+        nbytes=_nbytes(tensor),
     )
 
 

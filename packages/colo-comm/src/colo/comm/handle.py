@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .errors import CommError, CommTimeoutError
 from .group import Group
+from .regions import _NO_REGION, region, size_text
 
 Detail = str | Callable[[], str]
 """What the call was about, for error messages; a callable is only formatted when an error happens."""
@@ -98,6 +99,7 @@ class Handle:
         self._finish = finish
         self._detail = detail
         self._done = False
+        self._async = True  # a synchronous call's wait is inside the call's own profiler range: no range of its own
         self._result: Any = None
         self.input_reduced = False
         """Whether the call reduced its (donated) input in place, all of it: every element holds the group's
@@ -106,13 +108,19 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation completes; return its result (a tensor, a list, or ``None``)."""
         if not self._done:
-            with translate_errors(self._op, self._group, self._detail):
+            with (
+                translate_errors(self._op, self._group, self._detail),
+                region(self._wait_name) if self._async else _NO_REGION,
+            ):
                 for work in self._works:
                     work.wait()
             self._result = self._finish() if self._finish is not None else None
             self._done = True
             self._works = []
         return self._result
+
+    def _wait_name(self) -> str:
+        return f"colo.wait {self._op}[{self._group.name}]"
 
     def is_completed(self) -> bool:
         """Whether the operation has finished (``wait()`` would not block)."""
@@ -126,9 +134,21 @@ def issue(
     finish: Callable[[], Any] | None,
     async_op: bool,
     detail: Detail = "",
+    *,
+    nbytes: int | None = None,
 ) -> Any:
-    """Start an operation (``start`` returns its torch works) and return a `Handle` or, if synchronous, the result."""
-    with translate_errors(op, group, detail):
-        works = start()
-    handle = Handle(op, group, works, finish, detail)
-    return handle if async_op else handle.wait()
+    """Start an operation (``start`` returns its torch works) and return a `Handle` or, if synchronous, the result.
+
+    Under a torch profiler the call is a range ``colo.<op>[<group>] <nbytes>`` (`colo.comm.regions`; ``nbytes``:
+    this rank's buffer), holding the wait when synchronous; an asynchronous call's wait is its own range."""
+
+    def name() -> str:
+        size = f" {size_text(nbytes)}" if nbytes is not None else ""
+        return f"colo.{op}[{group.name}]{size}{'' if not async_op else ' (async)'}"
+
+    with region(name):
+        with translate_errors(op, group, detail):
+            works = start()
+        handle = Handle(op, group, works, finish, detail)
+        handle._async = async_op
+        return handle if async_op else handle.wait()

@@ -62,6 +62,7 @@ def isend(tensor: torch.Tensor, *, dst: int, group: Group | dist.ProcessGroup | 
         None,
         True,
         lambda: f"of {tuple(tensor.shape)} {tensor.dtype} to group rank {dst}",
+        nbytes=_nbytes(tensor),
     )
 
 
@@ -77,6 +78,7 @@ def irecv(tensor: torch.Tensor, *, src: int, group: Group | dist.ProcessGroup | 
         lambda: tensor,
         True,
         lambda: f"of {tuple(tensor.shape)} {tensor.dtype} from group rank {src}",
+        nbytes=_nbytes(tensor),
     )
 
 
@@ -125,4 +127,5 @@ def batch_send_recv(ops: list[P2POp], *, group: Group | dist.ProcessGroup | None
         lambda: received,
         async_op,
         lambda: f"[{summary()}]",
+        nbytes=sum(_nbytes(op.tensor) for op in ops),
     )

@@ -20,11 +20,15 @@ import torch
 from torch import nn
 
 from colo.comm import Group, Mesh, P2POp, all_gather_object, all_reduce, batch_send_recv, broadcast, new_group
+from colo.comm.regions import region
 
 from .actions import Action, Schedule
 from .backward import PendingWeightGrad, backward_input, backward_weight
 from .p2p import META_BYTES, StageMeta, call_stage, empty_like_meta, flatten, split_microbatches, unflatten
 from .validate import validate
+
+_PHASES = {"F": "forward", "B": "backward", "BW": "backward", "W": "backward"}
+"""What a compute action counts as in per-rank timing."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,9 @@ class PipelineExecutor:
         self._meta_recv: dict[int, StageMeta] = {}  # stage -> metadata of its input
         self._meta_sent: dict[int, StageMeta] = {}  # stage -> metadata of the input we send it
         self._ties = self._setup_ties(mesh, axis, tied_parameters or {})
+        self.timer = None
+        """An optional step timer (``timer.phase(kind, label)`` is a context timing its block as ``"forward"``,
+        ``"backward"`` or ``"comm_wait"``), e.g. colo.apps's per-rank timing; ``None``: nothing is timed."""
 
     # --- tied parameters ---------------------------------------------------------------------------------------
 
@@ -200,10 +207,12 @@ class PipelineExecutor:
         with torch.enable_grad():
             for item in self.schedule.batches(self.rank):
                 if isinstance(item, tuple):
-                    self._communicate(item)
+                    with self._phase("comm_wait", item):
+                        self._communicate(item)
                     done = list(item)
                 else:
-                    self._compute(item)
+                    with self._phase(_PHASES[item.op], item):
+                        self._compute(item)
                     done = [item]
                     peak = max(peak, len(self._slots))
                 for action in done:
@@ -284,6 +293,20 @@ class PipelineExecutor:
         return unflatten(tensors, meta)
 
     # --- compute ------------------------------------------------------------------------------------------------
+
+    def _phase(self, kind: str, item: Action | tuple[Action, ...]):
+        """The context an action (or a batch of communication actions) runs in: a profiler range named after it
+        (``colo.pp F mb3 chunk0``, ``colo.pp comm SEND_F mb0 chunk0, RECV_B mb0 chunk0``), timed as ``kind`` when
+        a timer is set."""
+
+        def name() -> str:
+            actions = item if isinstance(item, tuple) else (item,)
+            text = ", ".join(f"{a.op} mb{a.microbatch} chunk{a.chunk}" for a in actions)
+            return f"colo.pp {'comm ' if isinstance(item, tuple) else ''}{text}"
+
+        if self.timer is not None:
+            return self.timer.phase(kind, name)
+        return region(name)
 
     def _chunk_for_stage(self, stage: int) -> int | None:
         return self.stages.index(stage) if stage in self.stages else None

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from colo.comm.debug import debug_checks, disagreement, exchange, fingerprint
+from colo.comm.regions import region
 
 from .plans import checkpoint_manifest
 from .plugins.base import Engine, Plugin, StepResult
@@ -119,6 +120,12 @@ class Booster:
         return StepResult(
             loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, num_microbatches=self.plugin.num_microbatches
         )
+
+    def set_step_timer(self, timer) -> None:
+        """Time the phases of every later `train_step` on this rank (forward, backward, optimizer step,
+        communication wait) into ``timer``, a `colo.apps.booster.timing.StepTimer` (``None``: stop timing). Off by
+        default: nothing is timed."""
+        self._require_engine().set_timer(timer)
 
     def unwrap(self) -> torch.nn.Module:
         """The boosted model without the plugin's wrapper (DDP's), its parameters current: a parameter all-gather
@@ -294,9 +301,10 @@ class Booster:
                     "scheduler whose state is numbers and lists (LambdaLR with plain functions drops them)"
                 ) from None
             booster_state["lr_scheduler"] = state
-        return engine.save(
-            os.fspath(path), metadata={**(metadata or {}), BOOSTER_KEY: booster_state}, checkpointer=checkpointer
-        )
+        with region(lambda: f"colo.checkpoint save{' (async copy)' if asynchronous else ''}"):
+            return engine.save(
+                os.fspath(path), metadata={**(metadata or {}), BOOSTER_KEY: booster_state}, checkpointer=checkpointer
+            )
 
     def wait_for_saves(self) -> None:
         """Wait until the background save in flight (if any) is committed, and close the background checkpointer

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from colo.comm.regions import region
+
 from .params import SamplingParams
 from .rollout import Rollout, is_hf_model, padded_document_ids, padded_positions
 from .sampling import next_tokens
@@ -242,7 +244,7 @@ def generate(
     eos = torch.tensor(params.eos_ids, dtype=torch.long, device=device)
 
     decoder_cls = _HFDecoder if hf else _NativeDecoder
-    with eval_mode(model):
+    with eval_mode(model), region(lambda: f"colo.generate {len(prompts)} prompts x {params.n}"):
         decoder = decoder_cls(model, rows, max(prompt_length, total - 1))  # the last token is never fed back
         # each prompt is prefilled once, not n times: its n rows share the keys and values (copied) and the logits
         logits = decoder.prefill(prompt_ids[::n], positions[::n, :prompt_length], keys[::n, :prompt_length], repeats=n)

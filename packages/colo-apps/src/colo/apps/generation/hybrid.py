@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from colo.comm.regions import region
+
 from .engine import TokenSync, generate
 from .params import SamplingParams
 from .rollout import Rollout
@@ -156,7 +158,7 @@ class RolloutEngine:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         stats: dict = {}
-        with self._rollout_layout() as (module, sync):
+        with region("colo.rollout"), self._rollout_layout() as (module, sync):
             if cuda:
                 torch.cuda.synchronize(device)
             synced = time.perf_counter()

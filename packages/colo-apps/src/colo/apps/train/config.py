@@ -324,6 +324,51 @@ class LoggingSection(_Section):
         description="Peak FLOP/s of one device for MFU; None: colo.apps.peak_flops() (known GPUs in bf16/fp16, "
         "else MFU shows n/a).",
     )
+    report_to: list[Literal["wandb", "mlflow"]] = Field(
+        default=[],
+        description="Experiment trackers that also get the resolved run config, every logged metric and the samples "
+        "(rank 0): 'wandb' (Weights & Biases; WANDB_MODE=offline works without an account) and / or 'mlflow' "
+        "(MLFLOW_TRACKING_URI; unset: MLflow's default, sqlite:///mlflow.db in the working directory). Optional "
+        "extras (pip install 'colo-apps[wandb]' / 'colo-apps[mlflow]'), imported only when listed.",
+    )
+    project: str | None = Field(
+        default=None, description="The tracker's project (W&B) / experiment (MLflow); None: 'colo'."
+    )
+    rank_timing: bool = Field(
+        default=False,
+        description="Time each rank's forward, backward, optimizer step and communication wait, gather them every "
+        "logging.every_steps steps (one small all-gather) and log the slowest rank and its lag (the whole table in "
+        "metrics.jsonl). Off: no timing code runs.",
+    )
+
+
+class ProfileSection(_Section):
+    """torch.profiler traces over windows of steps: one Chrome / Perfetto JSON trace per profiled rank in
+    output_dir/profile/, with colo's regions named (forward, backward, optimizer step, collectives with their axis and
+    bytes, pipeline actions, rollout, checkpoint save). Off (every_steps unset): no profiler and no hooks run."""
+
+    every_steps: int | None = Field(
+        default=None, ge=1, description="Profile a window every this many steps, ending at its multiples (None: never)."
+    )
+    warmup_steps: int = Field(default=1, ge=0, description="Steps the profiler runs untraced before each window.")
+    active_steps: int = Field(default=2, ge=1, description="Steps traced in each window.")
+    ranks: list[int] | None = Field(default=[0], description="The ranks that profile (None: every rank).")
+    record_shapes: bool = Field(default=False, description="Record the ops' input shapes (larger traces).")
+    memory_history: bool = Field(
+        default=False,
+        description="CUDA only (refused elsewhere): record the allocator's history from the first step (the newest "
+        "100,000 events) and write a snapshot (output_dir/profile/memory-rank-R-step-N.pickle, the format torch's "
+        "memory_viz reads; pickle, written only when asked) at the end of each window and on an out-of-memory error.",
+    )
+
+    @model_validator(mode="after")
+    def _window_fits(self):
+        if self.every_steps is not None and self.warmup_steps + self.active_steps > self.every_steps:
+            raise ValueError(
+                f"profile.warmup_steps={self.warmup_steps} + profile.active_steps={self.active_steps} do not fit in "
+                f"profile.every_steps={self.every_steps}; raise every_steps or shorten the window"
+            )
+        return self
 
 
 class EvalSection(_Section):
@@ -398,6 +443,7 @@ class BaseRunConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description=CheckpointSection.__doc__)
     resilience: ResilienceSection = Field(default_factory=ResilienceSection, description=ResilienceSection.__doc__)
     logging: LoggingSection = Field(default_factory=LoggingSection, description=LoggingSection.__doc__)
+    profile: ProfileSection = Field(default_factory=ProfileSection, description=ProfileSection.__doc__)
     eval: EvalSection = Field(default_factory=EvalSection, description=EvalSection.__doc__)
     sample: SampleSection = Field(default_factory=SampleSection, description=SampleSection.__doc__)
 

@@ -29,6 +29,8 @@ from colo.tensor.checkpoint import read_index
 from ..runs import RUN_KEY
 from .config import RunConfig
 from .metrics import MetricsLogger, format_bytes, memory_bytes, step_line, throughput_text
+from .profiling import build_profiler
+from .rank_timing import RankTiming, timing_text
 from .resilience import RunGuard
 from .state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 from .task import TaskContext, build_task
@@ -104,6 +106,7 @@ class Trainer:
             _task=self.task,
             _save=lambda step, path: self.save(step, path),
         )
+        self.profiler = build_profiler(config.profile, output_dir=config.output_dir, rank=rank, device=ctx.device)
         model = self.task.build_model(ctx)
         self.task.prepare_model(model)
         optimizer = self.task.build_optimizer(ctx, model)
@@ -111,6 +114,7 @@ class Trainer:
         example = self.task.example_batch(ctx) if plugin.packs_chunks else None
         ctx.boost(model, optimizer, criterion=self.task.criterion, lr_scheduler=scheduler, example_batch=example)
         ctx.data = self.task.build_data(ctx)
+        self.rank_timing = RankTiming(ctx.booster, device=ctx.device) if config.logging.rank_timing else None
         self.layout = {
             "plugin": config.plugin.model_dump(mode="json"),
             "mesh": dict(ctx.mesh.shape),
@@ -230,7 +234,8 @@ class Trainer:
         if report is not None:
             self.log.print(f"restarted (torchrun restart {guard.attempt}) after a failure: {report}")
         try:
-            result = self._fit(guard)
+            with self.profiler:  # profile.*: stops it (and writes a memory snapshot on CUDA out-of-memory)
+                result = self._fit(guard)
         except BaseException as error:
             guard.finished("failed", error)
             raise
@@ -249,11 +254,14 @@ class Trainer:
         began = window_start = time.perf_counter()
         window_units = 0
         step = start
+        self.profiler.start(start)
         while step < end:
             guard.step_begins(step + 1)
             task.before_step(ctx, step)
             outcome, units = task.train_step(ctx, step)
             step += 1
+            if self.rank_timing is not None:
+                self.rank_timing.step_done()
             window_units += units
             result.losses[step] = outcome.loss
             result.last_step = step
@@ -277,9 +285,10 @@ class Trainer:
                     "skipped": outcome.skipped,
                     **guard.straggler_metrics(),
                     **task.take_metrics(ctx),
+                    **(self.rank_timing.gather() if self.rank_timing is not None else {}),
                 }
                 self.log.log(record)
-                self.log.print(step_line(record, total_steps=total))
+                self.log.print(step_line(record, total_steps=total) + timing_text(record))
                 self.log.advance(step, f"loss {outcome.loss:.3f} | {throughput_text(throughput)}")
                 window_start, window_units = time.perf_counter(), 0
             else:
@@ -292,6 +301,7 @@ class Trainer:
             if config.checkpoint.enabled and ((every and step % every == 0) or agreed.save or agreed.stop):
                 result.checkpoints.append(self.save(step))
                 guard.saved()
+            self.profiler.step(step)
             if agreed.stop:
                 result.preempted = True
                 break

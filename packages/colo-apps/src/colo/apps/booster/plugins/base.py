@@ -16,6 +16,7 @@ from ...checkpointing import MODES as CHECKPOINTING_MODES
 from ...checkpointing import apply_activation_checkpointing
 from ..precision import check_precision
 from ..replicas import comm_device
+from ..timing import StepTimer, phase
 from .runner import MicrobatchRunner
 
 
@@ -190,6 +191,15 @@ class Engine:
         self.runner = MicrobatchRunner(self)
         """What a step runs before the optimizer step (`colo.apps.booster.plugins.runner`): the microbatch loop here;
         a pipeline engine puts a `PipelineRunner` in its place."""
+        self.timer: StepTimer | None = None
+        """Times the phases of each step when set (`set_timer`); ``None``: nothing is timed."""
+
+    def set_timer(self, timer: StepTimer | None) -> None:
+        """Time every later step's phases with ``timer`` (``None``: stop timing), the pipeline's actions too."""
+        self.timer = timer
+        executor = getattr(self.runner, "executor", None)
+        if executor is not None:
+            executor.timer = timer
 
     # --- per plugin ---------------------------------------------------------------------------------------------
 
@@ -260,9 +270,11 @@ class Engine:
         """One optimizer step over ``batch``: the runner's forwards and backwards, then the driver's step; returns
         ``(mean loss over data ranks, grad norm, skipped)``."""
         loss = self.runner.forward_backward(batch)
-        grad_norm, skipped = self.step()
-        self.zero_grad()
-        return self.mean_over_data_ranks(loss), grad_norm, skipped
+        with phase(self.timer, "optimizer"):
+            grad_norm, skipped = self.step()
+            self.zero_grad()
+        with phase(self.timer, "comm_wait", "colo.loss all-reduce"):
+            return self.mean_over_data_ranks(loss), grad_norm, skipped
 
     def mean_over_data_ranks(self, value: torch.Tensor) -> float:
         """The mean of a scalar over the data-parallel ranks (one tiny all-reduce)."""

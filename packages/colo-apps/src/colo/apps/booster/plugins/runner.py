@@ -24,6 +24,7 @@ from colo.comm import all_reduce
 
 from ..microbatch import loss_of, split_batch
 from ..replicas import comm_device
+from ..timing import phase
 
 IGNORE_INDEX = -100
 """The label of tokens without a loss (Hugging Face's and colo's Llama convention)."""
@@ -51,13 +52,16 @@ class MicrobatchRunner:
         count = len(micro_batches)
         shares = self.token_shares(micro_batches) if engine.plugin.loss_weighting == "token" else [1.0 / count] * count
         total = torch.zeros((), dtype=torch.float64)
+        timer = engine.timer
         for index, micro in enumerate(micro_batches):
             last = index == count - 1
             context = contextlib.nullcontext() if last or engine.sync_every_microbatch else engine.no_sync()
             with context:
-                micro, weight = engine.prepare_micro(micro)
-                loss = loss_of(engine.forward(micro), micro, engine.criterion) * (weight * shares[index])
-                engine.backward(loss)
+                with phase(timer, "forward"):
+                    micro, weight = engine.prepare_micro(micro)
+                    loss = loss_of(engine.forward(micro), micro, engine.criterion) * (weight * shares[index])
+                with phase(timer, "backward"):
+                    engine.backward(loss)
             total += loss.detach().double().cpu()
         return total
 
@@ -85,7 +89,8 @@ class MicrobatchRunner:
         group = engine.mesh.group(*engine.plugin.sample_axes(engine.mesh))
         total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=comm_device(group))
         if group.size > 1:
-            all_reduce(total, group=group)
+            with phase(engine.timer, "comm_wait", "colo.token count all-reduce"):
+                all_reduce(total, group=group)
         total = max(float(total.item()), 1.0)
         return [n * group.size / total for n in counts]
 
