@@ -234,6 +234,7 @@ class DiffusionTask(TrainTask):
         self._grid = (step, path)
         if path:
             ctx.log.print(f"samples at step {step}: {path}")
+            ctx.log.log_sample_image("samples", path, step)
 
     def sample_grid(self, ctx: TaskContext, step: int) -> str | None:
         """Every rank gathers the EMA (or, without one, the weights; a collective); rank 0 samples the fixed prompts

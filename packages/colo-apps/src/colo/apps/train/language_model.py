@@ -292,6 +292,8 @@ class LanguageModelTask(TrainTask):
                 )
                 how = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
                 ctx.log.print(f"sample ({how}{', chat template' if self.chats else ''}, KV cache):\n{text}")
+                kind = "greedy" if temperature == 0 else "sampled"
+                ctx.log.log_sample_text(f"sample/{index}-{kind}", text, self.config.schedule.total_steps)
                 first = text if first is None else first
         return first
 

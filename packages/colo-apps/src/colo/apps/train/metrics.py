@@ -1,5 +1,6 @@
-"""Training metrics on rank 0: a rich progress bar with log lines, a JSONL file and TensorBoard (when installed);
-plus the memory and throughput numbers they show."""
+"""Training metrics on rank 0: a rich progress bar with log lines, a JSONL file, TensorBoard (when installed) and the
+experiment trackers ``logging.report_to`` lists (`colo.apps.train.trackers`); plus the memory and throughput numbers
+they show."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
 from ..mfu import format_mfu
+from .trackers import Tracker, TrackerStatus, build_trackers, numeric_metrics
 
 
 def memory_bytes(device: torch.device) -> tuple[int, str]:
@@ -32,7 +35,7 @@ def format_bytes(count: float) -> str:
 
 
 class MetricsLogger:
-    """Shows and records metrics; only rank 0 makes one (`enabled=False` elsewhere does nothing).
+    """Shows and records metrics and samples; every rank makes one, only rank 0's (``enabled``) does anything.
 
     Args:
         output_dir: where ``metrics.jsonl`` and ``tensorboard/`` go.
@@ -41,6 +44,9 @@ class MetricsLogger:
         jsonl: append records to ``output_dir/metrics.jsonl``.
         tensorboard: write scalars to ``output_dir/tensorboard`` if the ``tensorboard`` package is installed.
         progress_bar: show a rich progress bar on a terminal.
+        report_to: experiment trackers (``"wandb"``, ``"mlflow"``) that get every record and sample once
+            `start_trackers` has opened their runs.
+        project: the trackers' project / experiment (``None``: ``"colo"``).
         enabled: ``False`` on ranks other than 0.
     """
 
@@ -53,12 +59,17 @@ class MetricsLogger:
         jsonl: bool = True,
         tensorboard: bool = True,
         progress_bar: bool = True,
+        report_to: Sequence[str] = (),
+        project: str | None = None,
         enabled: bool = True,
     ) -> None:
         self.enabled = enabled
+        self.output_dir = output_dir
         self.jsonl_path = os.path.join(output_dir, "metrics.jsonl") if jsonl and enabled else None
         self.writer = None
         self.progress = None
+        self._pending_trackers: list[Tracker] = build_trackers(report_to, project=project) if enabled else []
+        self.trackers: list[Tracker] = []  # the started ones
         if not enabled:
             return
         from rich.console import Console
@@ -96,8 +107,18 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)
 
+    def start_trackers(self, config: dict, *, run_name: str, resuming: bool) -> None:
+        """Open the trackers' runs with the resolved run ``config`` (rank 0); ``resuming``: reopen the runs this
+        ``output_dir`` recorded (a run resumed from a checkpoint)."""
+        while self._pending_trackers:
+            tracker = self._pending_trackers.pop(0)
+            for note in tracker.start(config, run_name=run_name, output_dir=self.output_dir, resuming=resuming):
+                self.print(note)
+            self.trackers.append(tracker)
+
     def log(self, record: dict) -> None:
-        """Record one step's metrics (``{"step": ..., "loss": ..., ...}``) to JSONL and TensorBoard."""
+        """Record one step's metrics (``{"step": ..., "loss": ..., ...}``) to JSONL, TensorBoard and the trackers
+        (their numbers, nested dicts flattened with ``'/'``)."""
         if not self.enabled:
             return
         record = {"time": time.time(), **record}
@@ -108,15 +129,33 @@ class MetricsLogger:
             for key, value in record.items():
                 if key not in ("step", "time") and isinstance(value, (int, float)) and value is not None:
                     self.writer.add_scalar(key, value, record["step"])
+        if self.trackers:
+            metrics = numeric_metrics(record)
+            for tracker in self.trackers:
+                tracker.log(metrics, record["step"])
 
-    def close(self) -> None:
-        """Stop the progress bar and flush TensorBoard."""
+    def log_sample_text(self, name: str, text: str, step: int) -> None:
+        """A generated text sample, to the trackers (the console shows it through `print`)."""
+        for tracker in self.trackers:
+            tracker.log_text(name, text, step)
+
+    def log_sample_image(self, name: str, path: str, step: int) -> None:
+        """An image file (a diffusion run's sample grid), to the trackers."""
+        for tracker in self.trackers:
+            tracker.log_image(name, path, step)
+
+    def close(self, status: TrackerStatus = "finished") -> None:
+        """Stop the progress bar, flush TensorBoard and finish the trackers' runs as ``status`` (``"failed"``: the
+        run raised). Closing twice does nothing more."""
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self._pending_trackers = []
+        while self.trackers:
+            self.trackers.pop(0).finish(status)
 
 
 TASK_STEP_METRICS = (

@@ -2,7 +2,8 @@
 
 The pydantic model checks the fields among themselves; these look at the files and the model's shape: data paths
 that do not exist, data files that are not text or hold nothing, a ``model.init_from`` without weights, a
-tensor-parallel size that does not divide the heads, a ``checkpoint.resume`` directory that is not a checkpoint.
+tensor-parallel size that does not divide the heads, a ``checkpoint.resume`` directory that is not a checkpoint, a
+``logging.report_to`` tracker that is not installed.
 ``colo launch`` runs them before torchrun starts and ``colo train`` before it builds anything, so the error is
 printed once, as one line naming the field, instead of a traceback from inside every rank.
 """
@@ -26,7 +27,7 @@ def check_before_start(config: RunConfig) -> None:
     Args:
         config: the validated run config.
     """
-    for check in (_data_paths, _data_files, _init_from, _tensor_parallel, _resume):
+    for check in (_data_paths, _data_files, _init_from, _tensor_parallel, _resume, _trackers):
         problem = check(config)
         if problem is not None:
             raise ConfigError(f"invalid run config: {problem}")
@@ -117,3 +118,9 @@ def _resume(config: RunConfig) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def _trackers(config: RunConfig) -> str | None:
+    from .trackers import missing_tracker
+
+    return missing_tracker(config.logging.report_to)

@@ -34,6 +34,7 @@ from .rank_timing import RankTiming, timing_text
 from .resilience import RunGuard
 from .state import checkpoint_path, pick_device, prune_checkpoints, resolve_resume, rng_state, set_rng_state
 from .task import TaskContext, build_task
+from .trackers import require_trackers
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
+        require_trackers(config.logging.report_to)  # a missing extra: one error on every rank, before any collective
         init_distributed()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.rank, self.world_size = rank, world_size
@@ -86,6 +88,8 @@ class Trainer:
             jsonl=config.logging.jsonl,
             tensorboard=config.logging.tensorboard,
             progress_bar=config.logging.progress_bar,
+            report_to=config.logging.report_to,
+            project=config.logging.project,
             enabled=rank == 0,
         )
         torch.manual_seed(config.seed)
@@ -234,10 +238,13 @@ class Trainer:
         if report is not None:
             self.log.print(f"restarted (torchrun restart {guard.attempt}) after a failure: {report}")
         try:
+            resuming = config.checkpoint.enabled and resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
+            self.log.start_trackers(config.model_dump(mode="json"), run_name=config.name, resuming=bool(resuming))
             with self.profiler:  # profile.*: stops it (and writes a memory snapshot on CUDA out-of-memory)
                 result = self._fit(guard)
         except BaseException as error:
             guard.finished("failed", error)
+            self.log.close(status="failed")  # the trackers' runs end as failed (a no-op once `_fit` closed it)
             raise
         guard.finished("preempted" if result.preempted else "done")
         return result
