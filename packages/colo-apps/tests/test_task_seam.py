@@ -129,3 +129,17 @@ def test_a_name_cannot_be_registered_twice():
     register_task(pretrain)  # the same spec again: a no-op
     with pytest.raises(ValueError, match="registered already"):
         register_task(TaskSpec(name="pretrain", summary="another", load=pretrain.load))
+
+
+def test_the_readme_table_of_refusals_is_the_rule_tables():
+    """The colo-apps README's table of what each task refuses is generated from the tasks' rule tables: a rule added,
+    removed or reworded without the README (or a README edit the code does not back) fails here."""
+    import re
+
+    from colo.apps.train.task import rules_table, task_specs
+
+    readme = (APPS.parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- task-rules:begin -->\n(.*?)\n<!-- task-rules:end -->", readme, re.S)
+    assert block is not None, "the README lost its task-rules block"
+    assert block.group(1) == rules_table(), "regenerate it: colo config --rules"
+    assert all(rule.summary for spec in task_specs().values() for rule in spec.rules), "every rule needs a summary"

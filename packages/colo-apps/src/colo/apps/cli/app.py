@@ -241,8 +241,16 @@ def config(
     list_presets: Annotated[
         bool, typer.Option("--list", help="List the run presets with a line on each, and exit.")
     ] = False,
+    rules: Annotated[
+        bool, typer.Option("--rules", help="Print what each data.task refuses (its rules, a Markdown table).")
+    ] = False,
 ) -> None:
     """Print the resolved run config (YAML) of a file / preset with overrides, or the JSON schema."""
+    if rules:
+        from ..train.task import rules_table
+
+        typer.echo(rules_table())
+        return
     if list_presets:
         from ..train.presets import preset_table
 

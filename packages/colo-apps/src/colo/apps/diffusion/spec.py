@@ -12,9 +12,10 @@ _RULES = (
         lambda c: c.plugin.name not in ("ddp", "zero", "gemini"),
         lambda c: (
             f"data.task='diffusion' trains the UNet under plugin.name 'ddp', 'zero' (stage 0-3) or 'gemini': "
-            f"plugin.name={c.plugin.name!r} has no plan for it (no tensor, pipeline or expert layout of the UNet); choose "
-            "one of those"
+            f"plugin.name={c.plugin.name!r} has no plan for it (no tensor, pipeline or expert layout of the UNet); "
+            "choose one of those"
         ),
+        summary="plugin.name other than ddp, zero, gemini (no UNet layout for tp / pp / experts)",
     ),
     TaskRule(
         "model.init_from",
@@ -23,6 +24,7 @@ _RULES = (
             "model.init_from starts a Llama; data.task='diffusion' reads diffusion.unet_from (and vae_from, "
             "text_encoder_from): set model.init_from=null"
         ),
+        summary="model.init_from set (the UNet starts from diffusion.unet_from)",
     ),
 )
 

@@ -37,6 +37,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
                 f"data.task={task!r} needs data.paths of {{prompt, chosen, rejected}} records, or "
                 "preference.synthetic_records > 0 for the embedded Python-line set"
             ),
+            summary="no data.paths and no preference.synthetic_records",
         ),
     ]
     if task == "rm":
@@ -51,6 +52,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
                     )[0]
                     + " is a DPO setting; data.task='rm' does not read it"
                 ),
+                summary="a DPO setting of the preference section (loss_type, beta, label_smoothing, simpo_gamma)",
             )
         )
     else:
@@ -59,6 +61,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
                 "preference.margin",
                 lambda c: c.preference.margin is not None,
                 lambda c: "preference.margin is a reward-model setting; data.task='dpo' does not read it",
+                summary="preference.margin set (a reward-model setting)",
             )
         )
     rules += [
@@ -69,6 +72,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
                 f"preference.sft_steps={c.preference.sft_steps} leaves no {task.upper()} step of "
                 f"schedule.total_steps={c.schedule.total_steps}; lower it"
             ),
+            summary="preference.sft_steps >= schedule.total_steps",
         ),
         TaskRule(
             "plugin",
@@ -78,11 +82,13 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
                 "pipeline and sequence shards do not give per-sequence log-probs or rewards yet; drop pp / sp, or use "
                 "plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
             ),
+            summary="plugin.name='hybrid' with pp > 1, sp > 1 or an sp_mode",
         ),
         TaskRule(
             "plugin.loss_weighting",
             lambda c: c.plugin.loss_weighting != "microbatch",
             lambda c: f"data.task={task!r} averages pairs: set plugin.loss_weighting='microbatch'",
+            summary="plugin.loss_weighting other than 'microbatch'",
         ),
     ]
     if task == "rm":
@@ -95,11 +101,13 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
                     "preference.sft_steps saves its SFT'd policy to output_dir/sft-policy, which resume=auto would "
                     "take for a checkpoint; use a subdirectory (or leave checkpoint.dir unset)"
                 ),
+                summary="checkpoint.dir = output_dir with preference.sft_steps > 0",
             ),
             TaskRule(
                 "lora.enabled",
                 lambda c: c.lora.enabled,
                 lambda c: "data.task='rm' with LoRA is not supported: the scalar head must train",
+                summary="lora.enabled: the scalar head must train",
             ),
         ]
     return tuple(rules)
@@ -143,6 +151,7 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"data.task='{task}' under plugin.name='hybrid' supports tp x dp "
                 f"only: {field}={_field(c, field)!r} is not supported ({why}); set {field}={fix}"
             ),
+            summary=f"plugin.name='hybrid' with {field} other than {fix} ({why})",
         )
         for field, allowed, fix, why in _HYBRID_ROLLOUT
     )
@@ -155,6 +164,7 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"data.task='{task}' needs data.paths of {{prompt, ...}} records, or {task}.synthetic_prompts > "
                 "0 for the embedded arithmetic prompts"
             ),
+            summary=f"no data.paths and no {task}.synthetic_prompts",
         ),
         TaskRule(
             "plugin.name",
@@ -163,6 +173,7 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"data.task='{task}' runs the policy under plugin.name={', '.join(repr(n) for n in plugins)} in "
                 f"the trainer; plugin.name={c.plugin.name!r} is not supported yet"
             ),
+            summary=f"plugin.name other than {', '.join(plugins)}",
         ),
         *hybrid,
         TaskRule(
@@ -172,6 +183,7 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"data.task='{task}' aggregates its losses itself ({task}.loss_aggregation): set "
                 "plugin.loss_weighting='microbatch'"
             ),
+            summary="plugin.loss_weighting other than 'microbatch'",
         ),
         TaskRule(
             f"{task}.sft_steps",
@@ -180,6 +192,7 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"{task}.sft_steps={section(c).sft_steps} leaves no {task.upper()} step of schedule.total_steps="
                 f"{c.schedule.total_steps}; lower it"
             ),
+            summary=f"{task}.sft_steps >= schedule.total_steps",
         ),
         TaskRule(
             f"{task}.minibatches",
@@ -194,6 +207,10 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"schedule.num_microbatches={c.schedule.num_microbatches} on every data-parallel rank; change one of "
                 "them"
             ),
+            summary=(
+                f"data.global_batch_size x {task}.group_size not divisible by {task}.minibatches x "
+                "schedule.num_microbatches"
+            ),
         ),
         TaskRule(
             f"{task}.max_new_tokens",
@@ -202,6 +219,7 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
                 f"{task}.max_prompt_len={section(c).max_prompt_len} + {task}.max_new_tokens="
                 f"{section(c).max_new_tokens} exceed the model's max_position_embeddings={window(c)}; lower them"
             ),
+            summary=f"{task}.max_prompt_len + {task}.max_new_tokens > the model's max_position_embeddings",
         ),
     )
 
@@ -214,6 +232,7 @@ _PPO_RULES = (
             "data.task='ppo' with LoRA is not supported yet (the critic and the value head train whole); set "
             "lora.enabled=false"
         ),
+        summary="lora.enabled: the critic and the value head train whole",
     ),
 )
 
@@ -310,6 +329,10 @@ RLHF_TASKS = (
         section_type=PPOSection,
         rules=(*_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid")), *_PPO_RULES),
         check=critic_plugin_section,
+        check_summary=(
+            "ppo.critic_plugin",
+            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp)",
+        ),
     ),
 )
 """The RLHF tasks' registry entries (registered by `colo.apps.recipes`)."""

@@ -334,6 +334,7 @@ def record_data_rules(task: str, records: str, one_per_row: str, reads: str) -> 
                 f"data.task={task!r} reads {records}, which data.format='text' cannot hold; set data.format to "
                 "'jsonl', 'hf' or 'auto'"
             ),
+            summary="data.format='text': it reads " + records,
         ),
         TaskRule(
             "data.max_tokens",
@@ -342,6 +343,7 @@ def record_data_rules(task: str, records: str, one_per_row: str, reads: str) -> 
                 f"data.max_tokens={c.data.max_tokens} caps pre-training text; data.task={task!r} reads {reads}: "
                 "set data.max_tokens=null"
             ),
+            summary="data.max_tokens set: it reads " + reads.split(" (")[0],
         ),
     ]
     if one_per_row:
@@ -350,6 +352,7 @@ def record_data_rules(task: str, records: str, one_per_row: str, reads: str) -> 
                 "data.packing",
                 lambda c: c.data.packing != "fixed",
                 lambda c: f"data.task={task!r} {one_per_row}; drop data.packing='documents'",
+                summary="data.packing='documents': it " + one_per_row,
             )
         )
     return tuple(rules)
@@ -364,6 +367,7 @@ _SFT_RULES = (
             "data.task='sft' needs data.paths of chat records (JSONL with a 'messages' field or 'prompt' and "
             "'response' fields, or a saved Hugging Face dataset); the built-in corpus is plain text"
         ),
+        summary="no data.paths: the built-in corpus is plain text, not chats",
     ),
 )
 

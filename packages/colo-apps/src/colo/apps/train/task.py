@@ -37,11 +37,13 @@ class TaskRule(NamedTuple):
         field: the dotted field a user changes to satisfy the rule (``plugin.pp``, ``lora.enabled``).
         applies: whether the config breaks the rule.
         message: what is wrong and what to change (the error's text).
+        summary: when the rule refuses a config, in a few words (the README's table of refusals, `rules_table`).
     """
 
     field: str
     applies: Callable[[Any], bool]
     message: Callable[[Any], str]
+    summary: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class TaskSpec:
         section_type: that section's pydantic model.
         rules: support rules against the whole config (`TaskRule`), checked in order.
         check: a further check of the whole config (raise `ValueError` naming the field), after the rules.
+        check_summary: ``(field, when it refuses)`` of `check`, for `rules_table`.
         trains_llama: the task trains the run's Llama (the ``model`` section; tokenizer, tensor-parallel heads).
         reads_data_files: the task reads ``data.paths`` as text / JSONL / Hugging Face datasets.
         reads_chat_template: the task reads ``data.chat_template``.
@@ -74,6 +77,7 @@ class TaskSpec:
     section_type: type | None = None
     rules: tuple[TaskRule, ...] = ()
     check: Callable[[Any], None] | None = None
+    check_summary: tuple[str, str] | None = None
     trains_llama: bool = True
     reads_data_files: bool = True
     reads_chat_template: bool = False
@@ -126,6 +130,20 @@ def task_spec(name: str) -> TaskSpec:
 def build_task(config) -> TrainTask:
     """The `TrainTask` of ``config.data.task``, built from the config (before any collective runs)."""
     return task_spec(config.data.task).load()(config)
+
+
+def rules_table(specs: Iterable[TaskSpec] | None = None) -> str:
+    """The refusals of the registered tasks (or ``specs``) as a Markdown table: ``data.task``, the field, when the rule
+    refuses a config. The colo-apps README holds it (a test keeps the two equal); ``colo config --rules`` prints it."""
+    rows = ["| data.task | field | refused when |", "|---|---|---|"]
+    for spec in task_specs().values() if specs is None else specs:
+        for rule in spec.rules:
+            rows.append(f"| `{spec.name}` | `{rule.field}` | {rule.summary} |")
+        if spec.check_summary is not None:
+            rows.append(f"| `{spec.name}` | `{spec.check_summary[0]}` | {spec.check_summary[1]} |")
+        if spec.trains_llama and not spec.supports_moe:
+            rows.append(f"| `{spec.name}` | `model.preset` | a mixture-of-experts preset |")
+    return "\n".join(rows)
 
 
 def sections(specs: Iterable[TaskSpec]) -> dict[str, tuple[type, list[str]]]:
