@@ -28,7 +28,7 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.name.removeprefix("colo-") for p in (ROOT / "packages").iterdir() if p.is_dir())
 
-DISTRIBUTION_OF = {"yaml": "pyyaml", "PIL": "pillow", "pil": "pillow"}
+DISTRIBUTION_OF = {"yaml": "pyyaml", "PIL": "pillow", "pil": "pillow", "mlflow": "mlflow-skinny"}
 """Import names that differ from the distribution that provides them (the others are the same, normalised)."""
 
 TORCH_CALLS_NEEDING_NUMPY = {
