@@ -561,11 +561,12 @@ def run_config_class() -> type[BaseRunConfig]:
         names = tuple(specs)
         described = "; ".join(f"'{name}': {spec.summary}" for name, spec in specs.items())
         data = create_model(
-            "DataSection",
+            "RunDataSection",
             __base__=DataSection,
             __doc__=DataSection.__doc__,
             task=(Literal[names], Field(default="pretrain", description=f"What the run trains. {described}")),
         )
+        data.__module__ = __name__  # pickled by name, found through this module's __getattr__
         fields = {"data": (data, Field(default_factory=data, description=DataSection.__doc__))}
         for section, (section_type, _) in sections(specs.values()).items():
             fields[section] = (section_type, Field(default_factory=section_type, description=section_type.__doc__))
@@ -575,7 +576,10 @@ def run_config_class() -> type[BaseRunConfig]:
 
 
 def __getattr__(name: str):
-    """``RunConfig`` is assembled from the registered tasks on first use (`run_config_class`)."""
+    """``RunConfig`` (and its ``RunDataSection``) are assembled from the registered tasks on first use
+    (`run_config_class`)."""
     if name == "RunConfig":
         return run_config_class()
+    if name == "RunDataSection":  # the data section with data.task's registered choices
+        return run_config_class().model_fields["data"].annotation
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
