@@ -197,6 +197,23 @@ class ExpertParallelZero:
 
     # --- inspection and checkpoints -----------------------------------------------------------------------------
 
+    def memory_report(self):
+        """Both parts' buffers as one `colo.zero.MemoryReport` (each storage counted once: the parts share one torch
+        optimizer, whose states `memory_report` reads besides the chunks)."""
+        from types import SimpleNamespace
+
+        from .memory import memory_report
+
+        dense, experts = self.parts
+        both = SimpleNamespace(
+            chunks=[*dense.chunks, *experts.chunks],
+            optimizer=self.optimizer,
+            offload=dense.offload,
+            gatherer=None,  # stages 0-2 only (ExpertParallel refuses stage 3)
+            pool=SimpleNamespace(nbytes=dense.pool.nbytes + experts.pool.nbytes),
+        )
+        return memory_report(both)
+
     def full_params(self) -> dict[str, torch.Tensor]:
         """fp32 masters of every parameter, gathered over the data axes (expert tensors: this rank's experts)."""
         return {**self.dense.full_params(), **self.experts.full_params()}

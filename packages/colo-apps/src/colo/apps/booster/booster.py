@@ -127,6 +127,23 @@ class Booster:
         default: nothing is timed."""
         self._require_engine().set_timer(timer)
 
+    def memory_breakdown(self) -> dict[str, int]:
+        """This rank's memory by kind, in bytes: the model state the plugin holds (`Engine.state_bytes`: ``params``,
+        ``grads``, ``optimizer_states``; under Gemini each tier's use as ``tier_<name>``) and, on CUDA, the
+        allocator's ``allocated``, ``cached`` (reserved but not allocated) and ``activations_estimate`` (the peak
+        allocated since the last reset minus the model state: activations and temporaries, smaller than that when
+        model state lives on the host)."""
+        engine = self._require_engine()
+        breakdown = dict(engine.state_bytes())
+        device = next((p.device for p in engine.model.parameters() if p.device.type != "meta"), None)
+        if device is not None and device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(device)
+            model_state = sum(breakdown.get(kind, 0) for kind in ("params", "grads", "optimizer_states"))
+            breakdown["allocated"] = allocated
+            breakdown["cached"] = torch.cuda.memory_reserved(device) - allocated
+            breakdown["activations_estimate"] = max(0, torch.cuda.max_memory_allocated(device) - model_state)
+        return breakdown
+
     def unwrap(self) -> torch.nn.Module:
         """The boosted model without the plugin's wrapper (DDP's), its parameters current: a parameter all-gather
         still in flight after a step (ZeRO 1/2 overlap it with the next forward) has landed.

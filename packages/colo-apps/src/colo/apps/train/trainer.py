@@ -289,6 +289,7 @@ class Trainer:
                     "grad_norm": outcome.grad_norm,
                     **throughput,
                     "memory_bytes": memory,
+                    **{f"memory/{kind}": value for kind, value in ctx.booster.memory_breakdown().items()},
                     "skipped": outcome.skipped,
                     **guard.straggler_metrics(),
                     **task.take_metrics(ctx),

@@ -253,6 +253,35 @@ class Engine:
     def wait_params(self) -> None:
         """Wait for parameter updates still in flight after a step (none here; ZeRO 1/2 overlap their gather)."""
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by kind (each storage counted once): ``params`` (the module's
+        parameters), ``grads`` (their gradients: under DDP the reducer's buckets they are views of) and
+        ``optimizer_states`` (the torch optimizer's state tensors). The chunk optimizers' engines report their own
+        buffers (`OptimizerDriver.state_bytes`)."""
+        seen: set[int] = set()
+
+        def nbytes(tensors) -> int:
+            total = 0
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if tensor.device.type != "meta" and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        params = list(self.model.parameters())
+        states = [
+            value
+            for state in self.torch_optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        return {
+            "params": nbytes(params),
+            "grads": nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer_states": nbytes(states),
+        }
+
     def unwrap(self) -> torch.nn.Module:
         """The model without the plugin's wrapper, its parameters current (`wait_params`)."""
         self.wait_params()

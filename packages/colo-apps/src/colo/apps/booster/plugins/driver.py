@@ -39,6 +39,26 @@ class OptimizerDriver:
     def torch_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer.optimizer
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by kind, from the chunk optimizer's own ``memory_report()``:
+        `colo.zero.MemoryReport` gives ``params`` (compute copies), ``grads`` (gradient buffers and shards) and
+        ``optimizer_states`` (fp32 masters and the optimizer's states); `colo.gemini.GeminiMemoryReport` gives
+        ``params`` (compute copies, gathered copies and buckets, every tier) and ``optimizer_states`` (masters,
+        gradient shards and states, every tier), plus each tier's use (``tier_<name>``)."""
+        report = self.optimizer.memory_report()
+        tiers = getattr(report, "tiers", None)
+        if tiers is None:  # ZeRO
+            return {
+                "params": report.params,
+                "grads": report.grads,
+                "optimizer_states": report.masters + report.optimizer_states,
+            }
+        return {
+            "params": sum(tier.params for tier in tiers.values()),
+            "optimizer_states": sum(tier.optimizer for tier in tiers.values()),
+            **{f"tier_{name}": tier.used for name, tier in tiers.items()},
+        }
+
     def checkpoint_state(self) -> tuple[dict, dict]:
         return self.optimizer.checkpoint_state()
 
