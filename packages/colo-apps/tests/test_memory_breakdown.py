@@ -18,20 +18,24 @@ def _numel(model) -> int:
 
 def _breakdowns() -> dict:
     """One AdamW step of the same tiny Llama under DDP, ZeRO-2 (fp32, dp2) and the expert plugin on an MoE Llama."""
-    from colo.apps.booster import DDP, Booster, Zero
+    from colo.apps.booster import DDP, Booster, Gemini, Zero
     from colo.apps.booster.plugins.expert import ExpertParallel
     from colo.apps.models.llama import Llama, get_preset
     from colo.apps.models.moe_llama import MoELlama, get_moe_preset
 
     out = {}
-    for name in ("ddp", "zero2", "expert"):
+    for name in ("ddp", "zero2", "gemini", "expert"):
         torch.manual_seed(0)
         if name == "expert":
             model = MoELlama(get_moe_preset("tiny-moe", vocab_size=64))
             plugin = ExpertParallel(ep=2, stage=2, precision="fp32")
         else:
             model = Llama(get_preset("tiny", vocab_size=64))
-            plugin = DDP() if name == "ddp" else Zero(stage=2, precision="fp32")
+            plugin = {
+                "ddp": DDP,
+                "zero2": lambda: Zero(stage=2, precision="fp32"),
+                "gemini": lambda: Gemini(placement="static", optim_fractions={"host": 1.0}, chunk_numel=4096),
+            }[name]()
         numel = _numel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         booster = Booster(plugin)
@@ -56,7 +60,7 @@ def _breakdowns() -> dict:
 def test_model_state_by_kind_follows_the_plugin():
     results = run_distributed(_breakdowns, world_size=2)
     for rank in results:
-        ddp, zero, expert = rank["ddp"], rank["zero2"], rank["expert"]
+        ddp, zero, gemini, expert = rank["ddp"], rank["zero2"], rank["gemini"], rank["expert"]
         numel = ddp["numel"]
         # DDP: every parameter and its gradient (the reducer's buckets they are views of), both Adam moments and a
         # 4-byte step per parameter tensor: nothing sharded
@@ -67,6 +71,15 @@ def test_model_state_by_kind_follows_the_plugin():
         assert zero["breakdown"]["params"] >= 4 * numel
         assert 4 * numel <= zero["breakdown"]["optimizer_states"] * 2 <= 4 * numel * 2 * 1.1 + 8192
         assert zero["breakdown"]["grads"] > 0
+        # Gemini (static placement, optimizer state on the host tier): like ZeRO-3, this rank's half of the compute
+        # copies on the device tier; its half's fp32 master, gradient shard and both moments (16 bytes an element) on
+        # the host; chunks of 4096 elements add padding
+        breakdown = gemini["breakdown"]
+        assert 2 * numel <= breakdown["params"] <= 2 * numel * 1.2
+        assert 8 * numel <= breakdown["optimizer_states"] <= 8 * numel * 1.2
+        assert (
+            breakdown["tier_device"] == breakdown["params"] and breakdown["tier_host"] == breakdown["optimizer_states"]
+        )
         # expert plugin: the parts share one torch optimizer; their moments are counted once
         states = expert["breakdown"]["optimizer_states"]
         assert expert["chunk_optim"] <= states <= expert["chunk_optim"] + 4096, (states, expert["chunk_optim"])
