@@ -133,18 +133,14 @@ def load_moe_llama_checkpoint(
     Raises:
         ValueError: the checkpoint lacks parameters of the model (another config?).
     """
-    from colo.tensor.checkpoint import load_checkpoint, read_index
+    from colo.tensor.checkpoint import read_index
 
     from ..models.moe_llama import moe_llama_state_dict_from_hf
+    from ..runs.load import read_model_tensors
 
     path = os.fspath(checkpoint)
     index = read_index(path)
-    targets = {
-        name: torch.empty(entry.shape, dtype=entry.dtype)
-        for name, entry in index.tensors.items()
-        if not name.startswith("optim/")
-    }
-    load_checkpoint(path, targets, strict=False)
+    targets = read_model_tensors(path, index)
     state = moe_llama_state_dict_from_hf(targets, config)
     with torch.device(device):
         model = MoELlama(config)

@@ -16,7 +16,7 @@ from ..models.llama import Llama, LlamaConfig, llama_state_dict_from_hf
 from .metadata import lora_scaling_of, model_config_of, run_of
 
 
-def _full_tensors(path: str, index) -> dict[str, torch.Tensor]:
+def read_model_tensors(path: str, index) -> dict[str, torch.Tensor]:
     """Every model tensor of the checkpoint (optimizer states left out), read whole from any saved layout."""
     targets = {
         name: torch.empty(entry.shape, dtype=entry.dtype)
@@ -50,7 +50,7 @@ def load_llama(checkpoint: str | os.PathLike, *, device: str | torch.device = "c
         from ..hf.mixtral_io import load_moe_llama_checkpoint
 
         return load_moe_llama_checkpoint(path, config, device=device), run
-    targets = _full_tensors(path, index)
+    targets = read_model_tensors(path, index)
     if has_lora_tensors(targets):  # a LoRA run: base weights and adapters, merged into plain weights
         targets = merge_lora_tensors(targets, scaling=lora_scaling_of(run))
     state = llama_state_dict_from_hf(targets, config)
@@ -88,7 +88,7 @@ def load_reward_model(checkpoint: str | os.PathLike, *, device: str | torch.devi
             f"{path} holds no reward head (an untied lm_head of shape (1, {config.hidden_size})): give a checkpoint "
             "of a data.task='rm' run saved after its SFT warm-up"
         )
-    state = llama_state_dict_from_hf(_full_tensors(path, index), config)
+    state = llama_state_dict_from_hf(read_model_tensors(path, index), config)
     with torch.device(device), torch.random.fork_rng(devices=[]):  # the weights are read: draw nothing globally
         model = Llama(config)
         model.lm_head = nn.Linear(config.hidden_size, 1, bias=False, dtype=model.embed_tokens.weight.dtype)
