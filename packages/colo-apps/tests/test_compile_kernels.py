@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -131,7 +132,7 @@ def test_selective_checkpointing_keeps_attention_outputs_and_recomputes_the_elem
 
 def test_booster_compiles_blocks_as_full_graphs_unless_the_plan_puts_collectives_in_them(monkeypatch):
     from colo.apps import DDP
-    from colo.apps.booster import HybridParallel
+    from colo.apps.booster import Gemini, HybridParallel
 
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda block, **options: calls.append(options))
@@ -140,3 +141,16 @@ def test_booster_compiles_blocks_as_full_graphs_unless_the_plan_puts_collectives
     calls.clear()
     HybridParallel(tp=2, compile_blocks=True).maybe_compile(_llama())  # tp collectives inside: graph breaks allowed
     assert calls == [{"fullgraph": False}] * LAYERS
+    calls.clear()
+    Gemini(compile_blocks=True).maybe_compile(_llama())  # its chunk hooks run eagerly, between graphs
+    assert calls == [{"fullgraph": False}] * LAYERS
+
+
+def test_compiled_blocks_with_zero_stage_3_are_refused_naming_the_fix():
+    from colo.apps.booster import HybridParallel, Zero
+    from colo.apps.booster.parallel_dims import UnsupportedLayout
+
+    with pytest.raises(ValueError, match="Zero.compile_blocks=True does not work with stage=3.*stage <= 2"):
+        Zero(stage=3, compile_blocks=True)
+    with pytest.raises(UnsupportedLayout, match="compile_blocks=True does not work with zero_stage=3"):
+        HybridParallel(zero_stage=3, compile_blocks=True)

@@ -63,8 +63,8 @@ class ZeroConfig(ChunkConfig):
     only before the first module using it runs in the next forward (Megatron's overlapped parameter gather).
     Reads of the parameters through the model wait for the chunks they return: ``parameters()`` /
     ``named_parameters()`` of the model or any submodule (`colo.zero.param_reads`), ``state_dict()``,
-    `full_params`, `checkpoint_state` / `save` and `load` (which returns with the loaded values in place). A
-    parameter attribute read directly (``model.lm_head.weight``) or a reference kept from before the step reads
+    `full_params`, `checkpoint_state` / `save` and `load` (which returns with the loaded values in place), and a
+    parameter read as an attribute (``model.lm_head.weight``). Only a reference kept from before the step reads
     the old values until the next forward: call `wait_params` first."""
 
     def __post_init__(self) -> None:

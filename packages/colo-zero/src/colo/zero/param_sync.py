@@ -41,6 +41,8 @@ class FullParams:
         self.overlap = overlap
         self.in_flight: dict[int, object] = {}
         """Chunk index -> the handle of its parameter all-gather still in flight."""
+        self.waited_before_graph = False
+        """True while a compiled module's graph runs after `WaitBeforeCompiledCall` waited for its chunks."""
 
     def place(self, chunk: Chunk, full: torch.Tensor) -> tuple[torch.Tensor, str]:
         """Give the chunk its compute buffer from the packed ``full`` copy; returns this rank's shard of it and the
@@ -53,20 +55,32 @@ class FullParams:
         """With ``overlap``: forward and state-dict pre-hooks that wait for the in-flight gather of a module's chunks,
         so a forward, and a ``state_dict()`` of the module or of any module holding it, see the parameters `refresh`
         wrote; and ``module.parameters()`` / ``named_parameters()`` outside a forward wait for the chunks they
-        return (`colo.zero.param_reads`). Returns the hook handles."""
+        return and a parameter read as an attribute (``model.lm_head.weight``) wait for the chunks they read
+        (`colo.zero.param_reads`). Returns the hook handles."""
         hooks = []
         if not self.overlap:
             return hooks
         for module in model.modules():
             owned = sorted({chunk_of[id(p)].index for p in module.parameters(recurse=False) if id(p) in chunk_of})
             subtree = sorted({chunk_of[id(p)].index for p in module.parameters() if id(p) in chunk_of})
-            if owned:
-                wait = functools.partial(self.wait_chunks, owned)
-                hooks.append(module.register_forward_pre_hook(wait))
+            wait = functools.partial(self.wait_chunks, owned) if owned else None
+            if wait is not None:
+                hooks.append(module.register_forward_pre_hook(functools.partial(self._forward_wait, owned)))
                 hooks.append(module.register_state_dict_pre_hook(wait))
             if subtree:
-                hooks.append(wait_on_parameter_reads(module, subtree=functools.partial(self.wait_chunks, subtree)))
+                wait_subtree = functools.partial(self.wait_chunks, subtree)
+                hooks.append(wait_on_parameter_reads(module, subtree=wait_subtree, owned=wait))
+                if module.__dict__.get("_compiled_call_impl") is not None:
+                    hooks.append(WaitBeforeCompiledCall(module, wait_subtree, self))
         return hooks
+
+    def _forward_wait(self, indices: list[int], *_) -> None:
+        """A module's forward pre-hook: wait for its chunks, unless a compiled module holding it already waited for
+        its whole subtree before entering its graph (`WaitBeforeCompiledCall`), where the hook is traced and must not
+        touch the handles."""
+        if self.waited_before_graph:
+            return
+        self.wait_chunks(indices)
 
     @torch.no_grad()
     def refresh(self, chunks: list[Chunk]) -> None:
@@ -94,6 +108,8 @@ class FullParams:
                 param.copy_(all_gather(chunk.shard_of(param).clone(), group=self.group))
 
     def wait_chunks(self, indices: list[int], *_) -> None:
+        if not self.in_flight:
+            return
         for index in indices:
             handle = self.in_flight.pop(index, None)
             if handle is not None:
@@ -108,6 +124,39 @@ class FullParams:
 
     def release_all(self) -> None:
         """Nothing to free: the full copies stay."""
+
+
+class WaitBeforeCompiledCall:
+    """Wait for a compiled module's chunks before its graph runs (``module.compile()``, the plugins'
+    ``compile_blocks``).
+
+    The forward pre-hooks of a compiled module and of its submodules are traced into its graph, where waiting on a
+    communication handle cannot be: the module's compiled call is wrapped to wait for its whole subtree first and to
+    mark the hooks inside as satisfied while the graph runs (a constant for the trace, so no recompilation). A model
+    compiled whole after `ZeroOptimizer` was built is not wrapped: its hooks wait where the graph breaks.
+    ``remove()`` restores the compiled call.
+    """
+
+    def __init__(self, module: torch.nn.Module, wait_subtree, params: FullParams) -> None:
+        self.module = module
+        self.compiled = module.__dict__["_compiled_call_impl"]
+        self.wait_subtree = wait_subtree
+        self.params = params
+        module.__dict__["_compiled_call_impl"] = self
+
+    def __call__(self, *args, **kwargs):
+        self.wait_subtree()
+        if self.params.waited_before_graph:  # nested inside another wrapped module's graph run
+            return self.compiled(*args, **kwargs)
+        self.params.waited_before_graph = True
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            self.params.waited_before_graph = False
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("_compiled_call_impl") is self:
+            self.module.__dict__["_compiled_call_impl"] = self.compiled
 
 
 class ShardedParams:

@@ -291,9 +291,9 @@ class ZeroOptimizer(ChunkOptimizer):
 
         At stages 1/2 with ``overlap_param_gather`` (the default) the refresh is an all-gather still in flight when
         `step` returns: it lands before the next forward uses each chunk, and reads through the model
-        (``model.parameters()``, ``named_parameters()``, ``model.state_dict()``), `full_params`, `save` and
-        `load` wait for it; a parameter attribute read directly (``model.lm_head.weight``) or a reference kept from
-        before the step needs `wait_params`.
+        (``model.parameters()``, ``named_parameters()``, ``model.state_dict()``, ``model.lm_head.weight``),
+        `full_params`, `save` and `load` wait for it; only a parameter reference kept from before the step needs
+        `wait_params`.
         """
         self.wait_params()  # a step without a forward since the last one (the gathers must land first)
         return super().step()

@@ -98,9 +98,9 @@ class Booster:
 
         Under ZeRO 1/2 (`Zero`, `HybridParallel`) the updated parameters' all-gather is still in flight when it
         returns (it overlaps the next forward); reads through the model wait for the chunks they return
-        (``model.parameters()``, ``named_parameters()``, ``model.state_dict()``, `unwrap`), as do `save` and
-        `load`. A parameter attribute read directly (``model.lm_head.weight``) or a reference kept from before the
-        step reads the old values until the next forward: read those through `unwrap`, which waits.
+        (``model.parameters()``, ``named_parameters()``, ``model.state_dict()``, ``model.lm_head.weight``,
+        `unwrap`), as do `save` and `load`. Only a parameter reference kept from before the step reads the old values
+        until the next forward: read it after `unwrap`, which waits.
 
         Ranks that split one batch's work (a tensor-, sequence- or pipeline-parallel group: every rank but those
         differing on the plugin's ``sample_axes``) must be given the same batch. The first step checks it (a hash of

@@ -63,7 +63,9 @@ class Plugin:
     """`torch.compile` every block of the model (the children of its ``layers``), after parallelization. Blocks
     without collectives inside (no tensor or sequence parallelism) compile with ``fullgraph=True``: colo.kernels'
     ops are torch operators (``torch.ops.colo.*``), so such a block is one graph and a graph break is an error
-    rather than a silent slowdown. Blocks of a tp/sp plan call colo.comm collectives, which break the graph."""
+    rather than a silent slowdown. Blocks of a tp/sp plan call colo.comm collectives, and Gemini's chunk hooks
+    move parameters between tiers, which break the graph. ZeRO-3's per-block gathers cannot be traced: `Zero` and
+    `HybridParallel` refuse it with stage 3."""
     compile_options: dict | None = None
     """Keyword arguments for `torch.compile` (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...);
     ``"fullgraph"`` given here overrides the choice above."""
@@ -116,11 +118,16 @@ class Plugin:
                 f"{type(self).__name__}.compile_blocks needs the model's blocks in a `layers` ModuleList or "
                 f"ModuleDict; {type(model).__name__} has none: compile the model yourself before boosting it"
             )
-        # a block is one graph unless the plan put collectives inside it (tensor / sequence parallelism)
-        fullgraph = getattr(self, "tp", 1) == 1 and getattr(self, "sp", 1) == 1
+        # a block is one graph unless the plan put collectives inside it (tensor / sequence parallelism) or the
+        # plugin's parameter hooks inside it must run eagerly (Gemini)
+        fullgraph = getattr(self, "tp", 1) == 1 and getattr(self, "sp", 1) == 1 and self.blocks_trace_whole
         options = {"fullgraph": fullgraph, **(self.compile_options or {})}
         for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
             block.compile(**options)
+
+    blocks_trace_whole: ClassVar[bool] = True
+    """Whether a block, hooks included, can be one graph (`maybe_compile`); ``False`` where the plugin's parameter
+    hooks inside the blocks must run eagerly, between graphs."""
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         """The mesh axes and sizes this plugin runs on (validated against ``world_size`` before any collective)."""

@@ -25,6 +25,7 @@ class Gemini(Plugin, GeminiTiers):
     """
 
     packs_chunks: ClassVar[bool] = True
+    blocks_trace_whole: ClassVar[bool] = False  # the chunk hooks inside a block run eagerly, between its graphs
 
     chunk_numel: int | None = None
     """Chunk capacity in elements (``None``: searched)."""

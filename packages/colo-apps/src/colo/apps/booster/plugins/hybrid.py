@@ -292,6 +292,16 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
         ),
     ),
     (
+        "compile_blocks",
+        UnsupportedLayout,
+        lambda p: p.zero_stage == 3 and p.compile_blocks,
+        lambda p: (
+            "HybridParallel.compile_blocks=True does not work with zero_stage=3: the per-block parameter gathers "
+            "swap the parameters' storage inside the blocks, which torch.compile cannot trace; use zero_stage <= 2 "
+            "or compile_blocks=False"
+        ),
+    ),
+    (
         "zero_stage",
         UnsupportedLayout,
         lambda p: p.pp > 1 and p.zero_stage == 2,

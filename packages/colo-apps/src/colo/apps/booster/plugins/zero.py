@@ -44,6 +44,12 @@ class Zero(Plugin):
             raise ValueError(f"Zero.stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         if self.comm_dtype is not None and self.comm_dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"Zero.comm_dtype={self.comm_dtype!r} is not supported; use fp32, bf16, fp16 or None")
+        if self.stage == 3 and self.compile_blocks:
+            raise ValueError(
+                "Zero.compile_blocks=True does not work with stage=3: the per-block parameter gathers swap the "
+                "parameters' storage inside the blocks, which torch.compile cannot trace; use stage <= 2 or "
+                "compile_blocks=False"
+            )
         if self.stage == 3 and self.activation_checkpointing == "selective":
             raise ValueError(
                 "Zero.activation_checkpointing='selective' does not work with stage=3: gathering parameters inside the "
