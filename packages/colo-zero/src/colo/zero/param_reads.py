@@ -81,8 +81,20 @@ def wait_on_parameter_reads(
     Returns:
         A handle whose ``remove()`` restores the class's ``named_parameters`` and a plain ``_parameters``.
     """
-    module.__dict__["_colo_wait_subtree"] = subtree
+    earlier = module.__dict__.get("_colo_wait_subtree")  # another optimizer's chunks (the expert plugin's two parts)
+    module.__dict__["_colo_wait_subtree"] = subtree if earlier is None else _both(earlier, subtree)
     module.__dict__["named_parameters"] = types.MethodType(_waiting_named_parameters, module)
     if owned is not None:
-        module.__dict__["_parameters"] = WaitingParameterDict(module.__dict__["_parameters"], owned)
+        parameters = module.__dict__["_parameters"]
+        if isinstance(parameters, WaitingParameterDict):
+            owned = _both(parameters.wait, owned)
+        module.__dict__["_parameters"] = WaitingParameterDict(parameters, owned)
     return ReadsWaitHandle(module)
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def wait() -> None:
+        first()
+        second()
+
+    return wait
