@@ -113,9 +113,7 @@ def train(config: ConfigArgument = None, preset: PresetOption = None, set_: SetO
         raise typer.Exit(PREEMPTED_EXIT_CODE)
 
 
-INPUT_ERROR_FILE_ENV = "COLO_INPUT_ERROR_FILE"
-"""Set by ``colo launch`` for its workers: where rank 0 writes an input error found while a run is set up, so the
-launcher exits 2 (as an unlaunched ``colo train`` does) instead of with torchrun's failure code."""
+from .launch import INPUT_ERROR_FILE_ENV  # noqa: E402  (where rank 0 writes an input error under colo launch)
 
 
 def _input_error(error: Exception):
@@ -205,8 +203,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="colo-launch-") as scratch:
         env[INPUT_ERROR_FILE_ENV] = os.path.join(scratch, "input-error")
         code, signalled = run_forwarding_signals(command, env=env)
-        if code != 0 and os.path.exists(env[INPUT_ERROR_FILE_ENV]):
-            typer.echo("colo launch: the run's input was refused while it was set up (the colo: line above)", err=True)
+        if code != 0 and os.path.exists(env[INPUT_ERROR_FILE_ENV]):  # the ranks' one colo: line said why
             raise typer.Exit(2)
     raise typer.Exit(launch_outcome(code, signalled, run=run, max_restarts=max_restarts, since=started))
 

@@ -14,6 +14,11 @@ COLO_COMMANDS = ("train", "generate", "convert", "info", "config")
 """First arguments that name a ``colo`` subcommand (run as ``-m colo.apps.cli ...`` in every process)."""
 
 
+INPUT_ERROR_FILE_ENV = "COLO_INPUT_ERROR_FILE"
+"""Set by ``colo launch`` for its workers: where rank 0 writes an input error found while a run is set up, so the
+launcher exits 2, as an unlaunched ``colo train`` does, without torchrun's report of the failed ranks."""
+
+
 def torchrun_command(
     args: list[str],
     *,
@@ -25,7 +30,8 @@ def torchrun_command(
     local_addr: str | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` argv that runs ``args`` on every process.
+    """The torchrun argv that runs ``args`` on every process: ``python -m colo.apps.cli.torchrun ...``, which is
+    ``torch.distributed.run`` without its failure report when the ranks refused the run's input (`.torchrun`).
 
     Args:
         args: what each process runs: a colo subcommand (``["train", "--preset", "tiny-llama"]``), a module
@@ -65,7 +71,7 @@ def torchrun_command(
     command = [
         python,
         "-m",
-        "torch.distributed.run",
+        "colo.apps.cli.torchrun",
         f"--nproc-per-node={nproc_per_node}",
         f"--nnodes={nnodes}",
         f"--node-rank={node_rank}",
