@@ -143,3 +143,18 @@ def test_the_readme_table_of_refusals_is_the_rule_tables():
     assert block is not None, "the README lost its task-rules block"
     assert block.group(1) == rules_table(), "regenerate it: colo config --rules"
     assert all(rule.summary for spec in task_specs().values() for rule in spec.rules), "every rule needs a summary"
+
+
+def test_the_readme_table_of_refused_hybrid_layouts_is_the_plugin_rule_table():
+    """The layouts HybridParallel refuses, in the README, are its rule table's: every `UnsupportedLayout` rule has a
+    summary, and the README's block is generated from them."""
+    import re
+
+    from colo.apps.booster.parallel_dims import UnsupportedLayout
+    from colo.apps.booster.plugins.hybrid import _RULES, unsupported_table
+
+    assert all(rule.summary for rule in _RULES if rule.error is UnsupportedLayout), "a refusal needs a summary"
+    readme = (APPS.parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- hybrid-rules:begin -->\n(.*?)\n<!-- hybrid-rules:end -->", readme, re.S)
+    assert block is not None, "the README lost its hybrid-rules block"
+    assert block.group(1) == unsupported_table(), "regenerate it: colo config --rules"

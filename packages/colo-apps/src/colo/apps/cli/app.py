@@ -239,14 +239,18 @@ def config(
         bool, typer.Option("--list", help="List the run presets with a line on each, and exit.")
     ] = False,
     rules: Annotated[
-        bool, typer.Option("--rules", help="Print what each data.task refuses (its rules, a Markdown table).")
+        bool,
+        typer.Option(
+            "--rules", help="Print what each data.task refuses and the layouts plugin hybrid refuses (Markdown tables)."
+        ),
     ] = False,
 ) -> None:
     """Print the resolved run config (YAML) of a file / preset with overrides, or the JSON schema."""
     if rules:
+        from ..booster.plugins.hybrid import unsupported_table
         from ..train.task import rules_table
 
-        typer.echo(rules_table())
+        typer.echo(f"{rules_table()}\n\nplugin.name: hybrid refuses\n\n{unsupported_table()}")
         return
     if list_presets:
         from ..train.presets import preset_table

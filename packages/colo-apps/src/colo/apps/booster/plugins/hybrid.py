@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -86,9 +86,9 @@ class HybridParallel(Plugin):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.dims  # noqa: B018 - the degrees' own checks (positive integers)
-        for field, error, applies, message in _RULES:
-            if applies(self):
-                raise error(message(self), field=field)
+        for rule in _RULES:
+            if rule.applies(self):
+                raise rule.error(rule.message(self), field=rule.field)
         if self.pp > 1:  # the schedule's own checks (microbatches vs ranks) run now, before any collective
             self.pipeline_schedule = make_schedule(
                 self.schedule, self.pp, self.num_microbatches, num_chunks=self.num_model_chunks
@@ -195,25 +195,44 @@ def _grid_error(plugin: HybridParallel) -> str | None:
     return None
 
 
+class LayoutRule(NamedTuple):
+    """One row of HybridParallel's support matrix: when ``applies``, raise ``error(message)`` naming ``field``."""
+
+    field: str
+    error: type[LayoutError]
+    applies: Callable[[HybridParallel], bool]
+    message: Callable[[HybridParallel], str]
+    summary: str | None = None
+    """For a layout that is refused (not a malformed value): what is refused, in a few words (`unsupported_table`)."""
+
+
+def unsupported_table() -> str:
+    """The layouts HybridParallel refuses, as a Markdown table (the colo-apps README holds it; ``colo config
+    --rules`` prints it)."""
+    rows = ["| field | refused |", "|---|---|"]
+    rows += [f"| `plugin.{rule.field}` | {rule.summary} |" for rule in _RULES if rule.summary is not None]
+    return "\n".join(rows)
+
+
 def _not_positive(value) -> bool:
     return isinstance(value, bool) or not isinstance(value, int) or value < 1
 
 
-_RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Callable[[HybridParallel], str]], ...] = (
-    # (the field to change, the error type, when it applies, the message), checked in this order
-    (
+_RULES: tuple[LayoutRule, ...] = (
+    # checked in this order
+    LayoutRule(
         "num_model_chunks",
         LayoutError,
         lambda p: _not_positive(p.num_model_chunks),
         lambda p: f"HybridParallel.num_model_chunks={p.num_model_chunks!r} must be a positive integer",
     ),
-    (
+    LayoutRule(
         "sp_mode",
         LayoutError,
         lambda p: p.sp_mode not in SP_MODES,
         lambda p: f"HybridParallel.sp_mode={p.sp_mode!r} is unknown; use one of {SP_MODES}",
     ),
-    (
+    LayoutRule(
         "sp_mode",
         LayoutError,
         lambda p: p.sp_mode == "megatron" and (p.tp == 1 or p.sp != 1),
@@ -222,19 +241,19 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             f"(got tp={p.tp}, sp={p.sp})"
         ),
     ),
-    (
+    LayoutRule(
         "sp_mode",
         LayoutError,
         lambda p: p.sp > 1 and p.sp_mode not in ("ulysses", "ring"),
         lambda p: f"HybridParallel.sp={p.sp} needs sp_mode='ulysses' or 'ring' (got {p.sp_mode!r})",
     ),
-    (
+    LayoutRule(
         "sp",
         LayoutError,
         lambda p: p.sp_mode in ("ulysses", "ring") and p.sp == 1,
         lambda p: f"HybridParallel.sp_mode={p.sp_mode!r} needs sp > 1; set sp to the sequence-parallel degree",
     ),
-    (
+    LayoutRule(
         "loss_weighting",
         UnsupportedLayout,
         lambda p: p.loss_weighting == "token" and p.pp > 1,
@@ -242,20 +261,21 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             "HybridParallel: loss_weighting='token' with pp > 1 is not supported yet (the pipeline averages its "
             "microbatch losses itself); use loss_weighting='microbatch'"
         ),
+        summary="`loss_weighting: token` with `pp` > 1",
     ),
-    (
+    LayoutRule(
         "tp_mode",
         LayoutError,
         lambda p: p.tp_mode not in TP_MODES,
         lambda p: f"HybridParallel.tp_mode={p.tp_mode!r} is unknown; use one of {TP_MODES}",
     ),
-    (
+    LayoutRule(
         "tp",
         LayoutError,
         lambda p: p.tp_mode in TP_MODES and _grid_error(p) is not None,
         lambda p: f"HybridParallel: {_grid_error(p)}",
     ),
-    (
+    LayoutRule(
         "tp_mode",
         UnsupportedLayout,
         lambda p: p.tp_mode != "1d" and (p.pp > 1 or p.sp > 1 or p.sp_mode is not None or p.zero_stage == 3),
@@ -264,14 +284,15 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             f"sp={p.sp}, sp_mode={p.sp_mode!r}, zero_stage={p.zero_stage}); use pp=1, sp=1, sp_mode=None and "
             "zero_stage <= 2, or tp_mode='1d'"
         ),
+        summary="a 2D / 2.5D / 3D `tp_mode` with `pp` > 1, `sp` > 1, an `sp_mode` or `zero_stage` 3",
     ),
-    (
+    LayoutRule(
         "zero_stage",
         LayoutError,
         lambda p: p.zero_stage not in (0, 1, 2, 3),
         lambda p: f"HybridParallel.zero_stage={p.zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3",
     ),
-    (
+    LayoutRule(
         "zero_stage",
         UnsupportedLayout,
         lambda p: p.zero_stage == 3 and p.pp > 1,
@@ -280,8 +301,9 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             "and its stage-by-stage schedule would have to drive the per-block parameter gathers); use "
             "zero_stage<=1 with pp > 1, or pp=1 with zero_stage=3"
         ),
+        summary="`zero_stage` 3 with `pp` > 1",
     ),
-    (
+    LayoutRule(
         "activation_checkpointing",
         UnsupportedLayout,
         lambda p: p.zero_stage == 3 and p.activation_checkpointing == "selective",
@@ -290,8 +312,9 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             "parameters inside the blocks runs different ops in the recomputation; use 'full' or 'offload', or "
             "zero_stage <= 2"
         ),
+        summary="selective activation checkpointing with `zero_stage` 3",
     ),
-    (
+    LayoutRule(
         "compile_blocks",
         UnsupportedLayout,
         lambda p: p.zero_stage == 3 and p.compile_blocks,
@@ -300,8 +323,9 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             "swap the parameters' storage inside the blocks, which torch.compile cannot trace; use zero_stage <= 2 "
             "or compile_blocks=False"
         ),
+        summary="`compile_blocks` with `zero_stage` 3",
     ),
-    (
+    LayoutRule(
         "zero_stage",
         UnsupportedLayout,
         lambda p: p.pp > 1 and p.zero_stage == 2,
@@ -309,14 +333,15 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             "HybridParallel: pp > 1 with zero_stage=2 is not supported (a pipeline's weight-gradient steps fire "
             "no gradient hooks, which ZeRO-2 reduces from); use zero_stage=1"
         ),
+        summary="`zero_stage` 2 with `pp` > 1",
     ),
-    (
+    LayoutRule(
         "schedule",
         LayoutError,
         lambda p: p.schedule not in GENERATORS,
         lambda p: f"HybridParallel.schedule={p.schedule!r} is unknown; use one of {sorted(GENERATORS)}",
     ),
-    (
+    LayoutRule(
         "schedule",
         UnsupportedLayout,
         lambda p: p.sp_mode == "megatron" and p.pp > 1 and p.schedule == "zero_bubble_h1",
@@ -325,14 +350,15 @@ _RULES: tuple[tuple[str, type[LayoutError], Callable[[HybridParallel], bool], Ca
             "weight-gradient steps bypass the gradient hooks that sum the sequence-parallel norms' gradients over "
             "tp, so the tp ranks' collectives diverge); use schedule='1f1b' or 'gpipe'"
         ),
+        summary="`sp_mode: megatron` with `pp` > 1 and `schedule: zero_bubble_h1`",
     ),
-    (
+    LayoutRule(
         "num_model_chunks",
         LayoutError,
         lambda p: p.schedule == "interleaved_1f1b" and p.num_model_chunks < 2,
         lambda p: "HybridParallel.schedule='interleaved_1f1b' needs num_model_chunks >= 2",
     ),
-    (
+    LayoutRule(
         "num_model_chunks",
         LayoutError,
         lambda p: p.schedule != "interleaved_1f1b" and p.num_model_chunks != 1,
