@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import struct
 
 import pytest
@@ -42,9 +43,12 @@ def run_config(output_dir: str, **schedule) -> dict:
 TRACKER_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
 
 
-def _train(config: dict, tracking_uri: str, fail_at_step: int | None = None) -> dict:
+def _train(
+    config: dict, tracking_uri: str, fail_at_step: int | None = None, sigterm_at_step: int | None = None
+) -> dict:
     """Train with the trackers pointed at ``tracking_uri`` (W&B offline); ``fail_at_step``: the task's train step
-    raises there. The pool's processes are shared, so the environment is restored after."""
+    raises there; ``sigterm_at_step``: rank 0 gets a SIGTERM in that step (the run checkpoints and stops, preempted).
+    The pool's processes are shared, so the environment is restored after."""
     from colo.apps.train import Trainer, validate_config
 
     saved = {name: os.environ.get(name) for name in [*TRACKER_ENV, "MLFLOW_TRACKING_URI"]}
@@ -63,6 +67,16 @@ def _train(config: dict, tracking_uri: str, fail_at_step: int | None = None) -> 
             with pytest.raises(RuntimeError, match="injected failure"):
                 trainer.fit()
             return {}
+        if sigterm_at_step is not None:
+            train_step = trainer.task.train_step
+
+            def signalled_step(ctx, step):
+                if step + 1 == sigterm_at_step and ctx.rank == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler: stop at the agreed step
+                return train_step(ctx, step)
+
+            trainer.task.train_step = signalled_step
+            return {"preempted": trainer.fit().preempted}
         result = trainer.fit()
         return {"sample": result.sample, "losses": result.losses}
     finally:
@@ -128,6 +142,8 @@ def wandb_run(path: str) -> dict:
             run["history"][row["_step"]] = row
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
+        elif kind == "preempting":
+            run["preempting"] = True
     return run
 
 
@@ -193,6 +209,25 @@ def test_a_failed_run_ends_its_tracker_runs_as_failed(tmp_path, monkeypatch):
     (segment,) = glob.glob(os.path.join(output_dir, "wandb", "offline-run-*", "run-*.wandb"))
     wandb = wandb_run(segment)
     assert wandb["exit_code"] == 1 and sorted(wandb["history"]) == [1, 2]
+
+
+def test_a_preempted_run_ends_its_tracker_runs_as_preempted(tmp_path, monkeypatch):
+    """A SIGTERM: the run checkpoints and stops; its tracker runs end as preempted (MLflow KILLED, W&B marked
+    preempting with exit code 75), not as finished."""
+    from mlflow.tracking import MlflowClient
+
+    from colo.apps.train.resilience import PREEMPTED_EXIT_CODE
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    output_dir, tracking_uri = str(tmp_path / "run"), f"file://{tmp_path / 'mlruns'}"
+    outcomes = run_distributed(_train, run_config(output_dir), tracking_uri, None, 2, world_size=2)
+    assert [outcome["preempted"] for outcome in outcomes] == [True, True]
+    client = MlflowClient(tracking_uri=tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("colo-test").experiment_id])
+    assert run.info.status == "KILLED"
+    (segment,) = glob.glob(os.path.join(output_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    wandb = wandb_run(segment)
+    assert wandb["exit_code"] == PREEMPTED_EXIT_CODE and wandb.get("preempting"), wandb
 
 
 def test_a_missing_tracker_package_is_one_error_naming_the_extra(tmp_path, monkeypatch):

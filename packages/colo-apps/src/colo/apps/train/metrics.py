@@ -146,7 +146,7 @@ class MetricsLogger:
 
     def close(self, status: TrackerStatus = "finished") -> None:
         """Stop the progress bar, flush TensorBoard and finish the trackers' runs as ``status`` (``"failed"``: the
-        run raised). Closing twice does nothing more."""
+        run raised; ``"preempted"``: it stopped on SIGTERM after a checkpoint). Closing twice does nothing more."""
         if self.progress is not None:
             self.progress.stop()
             self.progress = None

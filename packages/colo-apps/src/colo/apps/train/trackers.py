@@ -16,7 +16,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
-TrackerStatus = Literal["finished", "failed"]
+from .resilience import PREEMPTED_EXIT_CODE
+
+TrackerStatus = Literal["finished", "failed", "preempted"]
+"""How a run ended: ``"preempted"`` is a SIGTERM after which it checkpointed, to be resumed (the same tracker runs
+reopen then)."""
 
 EXTRAS = {"wandb": ("wandb", "colo-apps[wandb]"), "mlflow": ("mlflow", "colo-apps[mlflow]")}
 """``logging.report_to`` name -> (the module it imports, the pip extra that installs it)."""
@@ -42,7 +46,7 @@ class Tracker(Protocol):
         """Record an image file (a sample grid)."""
 
     def finish(self, status: TrackerStatus) -> None:
-        """Close the run as finished or failed."""
+        """Close the run as finished, failed or preempted."""
 
 
 def missing_tracker(report_to: Sequence[str]) -> str | None:
@@ -167,7 +171,9 @@ class WandbTracker:
         self.run.log({name: wandb.Image(path)}, step=step)
 
     def finish(self, status: TrackerStatus) -> None:
-        self.run.finish(exit_code=0 if status == "finished" else 1)
+        if status == "preempted":  # W&B shows the run as preempted; the resumed run reopens it
+            self.run.mark_preempting()
+        self.run.finish(exit_code={"finished": 0, "failed": 1, "preempted": PREEMPTED_EXIT_CODE}[status])
 
 
 _MLFLOW_NAME = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in metric and param names
@@ -242,7 +248,8 @@ class MlflowTracker:
         self.client.log_artifact(self.run_id, path, artifact_path="samples")
 
     def finish(self, status: TrackerStatus) -> None:
-        self.client.set_terminated(self.run_id, status="FINISHED" if status == "finished" else "FAILED")
+        statuses = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}  # MLflow's run statuses
+        self.client.set_terminated(self.run_id, status=statuses[status])
 
 
 def _mlflow_param_limit() -> int:

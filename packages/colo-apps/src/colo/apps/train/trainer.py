@@ -332,7 +332,7 @@ class Trainer:
         else:
             final = result.checkpoints[-1] if result.checkpoints else resumed
             result.sample = task.finish(ctx, final_checkpoint=final)
-        self.log.close()
+        self.log.close("preempted" if result.preempted else "finished")
         self.log.print(self._summary(result))
         barrier()
         return result
