@@ -149,6 +149,12 @@ class ResumableDistributedSampler:
             ValueError: the dataset length, seed, shuffle or drop_last differ from the saved run's (the message
                 names the field), or the consumed samples do not divide into the new global batch size.
         """
+        if state.get("kind") is not None:  # a GlobalPositionSampler's state: the run read prepared corpora
+            raise ValueError(
+                "cannot resume the sampler: the checkpoint's run read prepared corpora (data.blend or a prepared "
+                "corpus in data.paths), this run reads raw files; resume with the checkpoint's data, or start a "
+                "fresh run (checkpoint.resume=none)"
+            )
         for name in ("dataset_len", "seed", "shuffle", "drop_last"):
             if name in state and state[name] != getattr(self, name):
                 raise ValueError(

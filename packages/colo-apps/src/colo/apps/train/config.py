@@ -7,6 +7,7 @@ Every section forbids unknown fields and documents every field; the JSON schema 
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -195,9 +196,22 @@ ChatTemplateSection = create_model(
 )
 
 
+class BlendEntry(_Section):
+    """One prepared corpus of a blend and its weight."""
+
+    path: str = Field(description="A prepared corpus directory (written by colo data prepare; holds manifest.json).")
+    weight: float = Field(
+        gt=0,
+        description="Its share of the training samples (weights are normalized to sum to 1, Megatron's blend "
+        "semantics): a corpus whose share asks for more samples than it holds is read for more epochs, each in a "
+        "new order.",
+    )
+
+
 class DataSection(_Section):
-    """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens, or chat records for
-    supervised fine-tuning with the loss on the assistant's replies only."""
+    """Training data (colo.apps.data): pre-training text packed into rows of seq_len tokens (read from raw files and
+    tokenized at start-up, or from prepared token shards, blended by weight), or chat records for supervised
+    fine-tuning with the loss on the assistant's replies only."""
 
     task: str = Field(
         default="pretrain",
@@ -215,8 +229,17 @@ class DataSection(_Section):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description="Text, JSONL or Hugging Face dataset paths; empty: the built-in corpus "
-        "(the Python standard library's .py files).",
+        description="Text, JSONL or Hugging Face dataset paths, tokenized in memory at start-up; or one prepared "
+        "corpus directory (colo data prepare; holds manifest.json), read from its memory-mapped token shards "
+        "(data.task='pretrain'; raw files and prepared corpora do not mix); empty: the built-in corpus (the "
+        "Python standard library's .py files).",
+    )
+    blend: list[BlendEntry] = Field(
+        default_factory=list,
+        description="Prepared corpora blended by weight (list of {path, weight}; data.task='pretrain', instead of "
+        "data.paths): each corpus's share of the training samples is its weight, each corpus's samples come in a "
+        "new order every epoch of it, eval.num_sequences is held out of the corpora's tails by weight, and the run "
+        "resumes at the exact next sample at any data-parallel size.",
     )
     format: Literal["auto", "text", "jsonl", "hf"] = Field(default="auto", description="How to read paths.")
     text_field: str = Field(default="text", description="The text field of JSONL / Hugging Face records.")
@@ -250,9 +273,59 @@ class DataSection(_Section):
     max_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="Read at most this many tokens of the corpus (None: all of it; task='pretrain').",
+        description="Read at most this many tokens of the corpus (None: all of it; task='pretrain'); of each "
+        "prepared corpus, its stream's first this many tokens.",
     )
     shuffle: bool = Field(default=True, description="Shuffle the sequences each epoch (seeded by `seed`).")
+
+    def prepared_corpora(self) -> list[tuple[str, str, float]]:
+        """``(field, path, weight)`` of each prepared corpus the run reads (``data.blend``, or a prepared corpus
+        in ``data.paths`` with weight 1); empty when it reads raw files."""
+        from ..data.prepared import is_prepared_corpus
+
+        if self.blend:
+            return [(f"data.blend[{n}].path", entry.path, entry.weight) for n, entry in enumerate(self.blend)]
+        return [(f"data.paths[{n}]", path, 1.0) for n, path in enumerate(self.paths) if is_prepared_corpus(path)]
+
+    @model_validator(mode="after")
+    def _prepared_corpora_alone(self):
+        from ..data.prepared import is_prepared_corpus
+
+        if self.blend and self.paths:
+            raise ValueError(
+                "data.blend and data.paths are both set; blend prepared corpora in data.blend, or read data.paths "
+                "(raw files, or one prepared corpus), not both"
+            )
+        for number, entry in enumerate(self.blend):
+            if os.path.exists(entry.path) and not is_prepared_corpus(entry.path):
+                raise ValueError(
+                    f"data.blend[{number}].path={entry.path!r} is not a prepared corpus (no manifest.json); prepare "
+                    "it with colo data prepare, or read raw files through data.paths"
+                )
+        prepared = [path for path in self.paths if is_prepared_corpus(path)]
+        if prepared and len(prepared) < len(self.paths):
+            raw = [path for path in self.paths if path not in prepared]
+            raise ValueError(
+                f"data.paths mixes prepared corpora ({', '.join(prepared)}) and raw files ({', '.join(raw)}); "
+                "prepare the raw files too (colo data prepare) and list every corpus in data.blend, or list only "
+                "raw files"
+            )
+        if len(prepared) > 1:
+            raise ValueError(
+                f"data.paths lists {len(prepared)} prepared corpora; list them in data.blend with their weights "
+                "(data.blend: [{path: ..., weight: ...}, ...])"
+            )
+        if (self.blend or prepared) and self.task != "pretrain":
+            raise ValueError(
+                f"data.task={self.task!r} reads records from raw files; prepared corpora (data.blend, or a prepared "
+                "corpus in data.paths) are read by data.task='pretrain' only"
+            )
+        if (self.blend or prepared) and self.format != "auto":
+            raise ValueError(
+                f"data.format={self.format!r} says how to read raw files; a prepared corpus is already tokenized: "
+                "drop data.format"
+            )
+        return self
 
     @model_validator(mode="after")
     def _chat_template_read(self):

@@ -9,6 +9,11 @@ selects), a held-out tail for evaluation, and the resumable sampler over this ra
   replies only, a padded tail); with ``packing='documents'`` several whole conversations per row and
   ``position_ids`` restarting per conversation.
 
+``data.blend`` (or a prepared corpus in ``data.paths``) reads prepared token shards instead of tokenizing at
+start-up (`open_prepared`): the same rows (`colo.apps.data.prepared`), blended by weight with each corpus's
+held-out tail split off (`colo.apps.data.blend.Blend`), read from one global sample position that a run resumes at
+any data-parallel size (`colo.apps.data.global_sampler.GlobalPositionSampler`).
+
 Every key of a row reaches the model's forward (``Booster.train_step`` splits the batch dict into microbatches
 along dim 0 and calls ``model(**microbatch)``), so ``position_ids`` restart per document in the Llama's rotary
 embedding, and the model derives from them the document mask of its attention (nothing attends across documents).
@@ -17,7 +22,7 @@ embedding, and the model derives from them the document mask of its attention (n
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +39,10 @@ from ..data import (
     default_corpus,
     read_documents,
 )
+from ..data.blend import Blend, RowLengths
+from ..data.global_sampler import GlobalPositionSampler
+from ..data.prepared import PreparedDocuments, PreparedWindows
+from ..data.shards import CorpusError, TokenCorpus
 from .config import DataSection
 
 if TYPE_CHECKING:
@@ -48,10 +57,11 @@ class RunData:
         tokenizer: encodes the corpus and decodes samples.
         train: the training rows.
         eval: the held-out rows (``None`` without evaluation).
-        sampler: this rank's batches of ``train`` indices (resumable: its state goes into checkpoints).
+        sampler: this rank's batches of ``train`` indices (resumable: its state goes into checkpoints): a
+            `ResumableDistributedSampler`, or a `GlobalPositionSampler` over prepared corpora.
         batch_size: rows per step on this data-parallel rank.
-        tokens_per_row: the real (non-padding) tokens of each ``train`` row; ``None`` when every row is full
-            (fixed windows).
+        tokens_per_row: the real (non-padding) tokens of ``train`` rows, indexed with a batch's indices; ``None``
+            when every row is full (fixed windows).
         description: one line on what the rows hold, for the run's log.
         vocab_size: the model's vocabulary: every batch's ids and labels are checked to lie in it
             (`colo.apps.data.check_token_ids`); ``None``: not checked.
@@ -60,9 +70,9 @@ class RunData:
     tokenizer: object
     train: Dataset
     eval: Dataset | None
-    sampler: ResumableDistributedSampler
+    sampler: ResumableDistributedSampler | GlobalPositionSampler
     batch_size: int
-    tokens_per_row: np.ndarray | None = None
+    tokens_per_row: np.ndarray | RowLengths | None = None
     description: str = ""
     vocab_size: int | None = None
 
@@ -126,6 +136,8 @@ def build_data(
         rows = task_spec(data.task).load().dataset_rows(config, tokenizer)
     dataset, tokens_per_row, description = rows
     held_out = config.eval.num_sequences if config.eval.every_steps else 0
+    if isinstance(dataset, PreparedSources):
+        return _blended_data(config, dataset, description, tokenizer, num_replicas, rank, batch_size, vocab_size)
     if held_out and len(dataset) - held_out < data.global_batch_size:
         # a small data set (a user's first file of chats): hold out a tenth of it instead, when that leaves a batch
         smaller = min(held_out, max(len(dataset) // 10, num_replicas))
@@ -166,13 +178,128 @@ def build_data(
     )
 
 
-def build_dataset(data: DataSection, tokenizer, *, chats: bool) -> tuple[Dataset, np.ndarray | None, str]:
+def _blended_data(
+    config: RunConfig,
+    sources: PreparedSources,
+    description: str,
+    tokenizer,
+    num_replicas: int,
+    rank: int,
+    batch_size: int,
+    vocab_size: int | None,
+) -> RunData:
+    """`build_data` over prepared corpora: the blend, its held-out tails and the global-position sampler."""
+    data = config.data
+    held_out = config.eval.num_sequences if config.eval.every_steps else 0
+    blend = Blend(
+        sources.datasets,
+        sources.weights,
+        seed=config.seed,
+        shuffle=data.shuffle,
+        held_out=held_out,
+        names=sources.names,
+    )
+    if len(blend.train) < data.global_batch_size:
+        raise ValueError(
+            f"the prepared corpora give {len(blend.train)} training rows of data.seq_len={data.seq_len} tokens (after "
+            f"eval.num_sequences={held_out} held out), fewer than one batch (data.global_batch_size="
+            f"{data.global_batch_size}); add data or lower data.global_batch_size / eval.num_sequences"
+        )
+    if held_out:
+        shares = " + ".join(str(kept) for kept in blend.held_out)
+        description += f"; {held_out} rows held out for eval ({shares}, the corpora's last rows)"
+    if len(sources.datasets) > 1:
+        description += "; each corpus's share of the samples is its weight, a new order every epoch of it"
+    return RunData(
+        tokenizer=tokenizer,
+        train=blend.train,
+        eval=blend.eval,
+        sampler=GlobalPositionSampler(blend, num_replicas=num_replicas, rank=rank, batch_size=batch_size),
+        batch_size=batch_size,
+        tokens_per_row=None if data.packing == "fixed" else RowLengths(blend.train),
+        description=description,
+        vocab_size=vocab_size,
+    )
+
+
+@dataclass
+class PreparedSources:
+    """Prepared corpora opened as rows (`build_dataset`'s dataset for them), before the blend and its split.
+
+    Attributes:
+        datasets: each corpus's rows (`PreparedWindows` or `PreparedDocuments`).
+        weights: their blend weights.
+        names: their paths.
+    """
+
+    datasets: list[Dataset] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(len(dataset) for dataset in self.datasets)
+
+
+def open_prepared(data: DataSection, tokenizer) -> list[tuple[str, TokenCorpus, float]]:
+    """Open the run's prepared corpora, checking each was made with ``tokenizer``: ``(field, corpus, weight)``.
+
+    Raises:
+        ValueError: a corpus is missing, damaged or made with another tokenizer (the message names the field).
+    """
+    opened = []
+    for name, path, weight in data.prepared_corpora():
+        try:
+            opened.append((name, TokenCorpus(path, tokenizer=tokenizer), weight))
+        except CorpusError as error:
+            raise ValueError(f"{name}={path!r}: {error}") from None
+    return opened
+
+
+def _prepared_rows(data: DataSection, tokenizer, cache_dir: str | None) -> tuple[PreparedSources, None, str]:
+    sources = PreparedSources()
+    parts = []
+    for name, corpus, weight in open_prepared(data, tokenizer):
+        try:
+            if data.packing == "documents":
+                rows = PreparedDocuments(
+                    corpus,
+                    seq_len=data.seq_len,
+                    pad_id=tokenizer.pad_id,
+                    max_tokens=data.max_tokens,
+                    fallback_dirs=[cache_dir] if cache_dir else (),
+                )
+            else:
+                rows = PreparedWindows(corpus, seq_len=data.seq_len, max_tokens=data.max_tokens)
+        except (CorpusError, ValueError) as error:
+            raise ValueError(f"{name}={str(corpus.directory)!r}: {error}") from None
+        sources.datasets.append(rows)
+        sources.weights.append(weight)
+        sources.names.append(str(corpus.directory))
+        packed = f", {rows.efficiency:.0%} of slots hold tokens" if data.packing == "documents" else ""
+        parts.append(f"{corpus.directory} (weight {weight:g}: {rows.num_tokens:,} tokens, {len(rows):,} rows{packed})")
+    how = (
+        "documents packed into rows, position_ids restart per document"
+        if data.packing == "documents"
+        else f"fixed windows of {data.seq_len} tokens"
+    )
+    return sources, None, f"prepared corpora, {how}: " + " + ".join(parts)
+
+
+def build_dataset(
+    data: DataSection, tokenizer, *, chats: bool, cache_dir: str | None = None
+) -> tuple[Dataset | PreparedSources, np.ndarray | None, str]:
     """Language-modelling rows: chat records (``chats``, ``data.task: sft``) or text, as ``data.packing`` says (see
-    the module docstring).
+    the module docstring); prepared corpora (``data.blend``, or one in ``data.paths``) as `PreparedSources`, which
+    `build_data` blends.
+
+    Args:
+        cache_dir: where a documents row index goes when a prepared corpus's folder is read-only (the run's).
 
     Returns:
         ``(dataset, real tokens of each row or None when every row is full, a one-line description)``.
     """
+    if not chats and data.prepared_corpora():
+        return _prepared_rows(data, tokenizer, cache_dir)
     documents = read_documents(
         data.paths or default_corpus(),
         format=data.format,

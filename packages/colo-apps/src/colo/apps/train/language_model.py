@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -26,7 +27,7 @@ from ..mfu import mfu, peak_flops
 from ..models.llama import Llama, flops_per_token
 from ..models.moe_llama import MoELlama, MoELlamaConfig
 from ..runs import PretrainedLlamaWeights, load_llama, load_pretrained_llama, pretrained_llama_config
-from .data_setup import RunData, build_data, build_dataset
+from .data_setup import RunData, build_data, build_dataset, open_prepared
 from .task import TaskContext, TaskRule, TaskSpec, TrainTask
 
 
@@ -46,6 +47,8 @@ class LanguageModelTask(TrainTask):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
+        if not self.chats:
+            open_prepared(config.data, self.tokenizer)  # prepared corpora made with another tokenizer: refused here
         self.llama_config = self._llama_config()
         self._train_batches = None
 
@@ -110,7 +113,8 @@ class LanguageModelTask(TrainTask):
     @classmethod
     def dataset_rows(cls, config, tokenizer) -> tuple:
         """The task's rows: ``(dataset, real tokens of each row or None when every row is full, a description)``."""
-        return build_dataset(config.data, tokenizer, chats=cls.chats)
+        cache_dir = os.path.join(config.output_dir, "data-cache")  # a read-only prepared corpus's row index
+        return build_dataset(config.data, tokenizer, chats=cls.chats, cache_dir=cache_dir)
 
     def build_data(self, ctx: TaskContext) -> RunData:
         """This rank's share of `dataset_rows`, a held-out tail, and the resumable sampler."""
@@ -300,7 +304,8 @@ class LanguageModelTask(TrainTask):
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
     def data_state(self, ctx: TaskContext) -> dict:
-        """The sampler's position (the batches this rank consumed)."""
+        """The sampler's position (the batches this rank consumed; over prepared corpora, the global sample
+        position)."""
         return ctx.data.sampler.state_dict()
 
     def load_data_state(self, ctx: TaskContext, state: dict | None) -> None:

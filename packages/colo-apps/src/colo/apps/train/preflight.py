@@ -1,7 +1,8 @@
 """Checks of a validated `RunConfig` against the world outside it, run before any process trains.
 
 The pydantic model checks the fields among themselves; these look at the files and the model's shape: data paths
-that do not exist, data files that are not text or hold nothing, a ``model.init_from`` without weights, a
+that do not exist, data files that are not text or hold nothing, a prepared corpus that is damaged or was made
+with another tokenizer than ``data.tokenizer``, a ``model.init_from`` without weights, a
 tensor-parallel size that does not divide the heads, a ``checkpoint.resume`` directory that is not a checkpoint, a
 ``logging.report_to`` tracker that is not installed.
 ``colo launch`` runs them before torchrun starts and ``colo train`` before it builds anything, so the error is
@@ -27,7 +28,7 @@ def check_before_start(config: RunConfig) -> None:
     Args:
         config: the validated run config.
     """
-    for check in (_data_paths, _data_files, _init_from, _tensor_parallel, _resume, _trackers):
+    for check in (_data_paths, _data_files, _prepared_corpora, _init_from, _tensor_parallel, _resume, _trackers):
         problem = check(config)
         if problem is not None:
             raise ConfigError(f"invalid run config: {problem}")
@@ -39,11 +40,16 @@ def _data_paths(config: RunConfig) -> str | None:
             continue
         what = "the pattern matches no files" if glob.has_magic(path) else "it does not exist"
         return f"data.paths[{index}]={path!r}: {what}; point it at text / JSONL files, a directory or a glob"
+    for index, entry in enumerate(config.data.blend):
+        if not os.path.isdir(entry.path):
+            return f"data.blend[{index}].path={entry.path!r}: no such directory; prepare it with colo data prepare"
     return None
 
 
 def _data_files(config: RunConfig) -> str | None:
     if not config.data.paths or not task_spec(config.data.task).reads_data_files:  # e.g. diffusion's image folders
+        return None
+    if config.data.prepared_corpora():  # token shards: _prepared_corpora checks them
         return None
     from ..data.sources import data_files_problem
 
@@ -52,6 +58,19 @@ def _data_files(config: RunConfig) -> str | None:
     except (OSError, ValueError) as error:
         return f"data.paths: {error}"
     return None if problem is None else f"data.paths: {problem}"
+
+
+def _prepared_corpora(config: RunConfig) -> str | None:
+    if not config.data.prepared_corpora():
+        return None
+    from ..data import load_tokenizer
+    from .data_setup import open_prepared
+
+    try:
+        open_prepared(config.data, load_tokenizer(config.data.tokenizer))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _init_from(config: RunConfig) -> str | None:
