@@ -447,6 +447,10 @@ from .plan import plan as _plan  # noqa: E402  (colo plan: the layout planner, i
 
 app.command(name="plan")(_plan)
 
+from .data import data_app  # noqa: E402  (colo data prepare / inspect: prepared corpora, in its own module)
+
+app.add_typer(data_app, name="data")
+
 
 def main(argv: list[str] | None = None) -> None:
     """The ``colo`` entry point."""

@@ -16,17 +16,25 @@ The pieces a training run chains together::
 - `tokenizer`: `ByteTokenizer` (UTF-8 bytes + bos/eos/pad, vocabulary 259), `HFTokenizer` (a ``tokenizer.json``),
   `load_tokenizer`.
 - `sources`: `read_documents` (text files, globs, directories, JSON Lines of text / chat messages /
-  prompt-response pairs, Hugging Face datasets saved to disk) and `default_corpus` (the Python standard library).
+  prompt-response pairs, Parquet, Hugging Face datasets saved to disk) and `default_corpus` (the Python standard
+  library).
 - `packing`: `PackedDataset` (one token stream cut into ``seq_len`` windows) and the opt-in `TokenBudgetDataset`
   (whole documents bin-packed into rows, ``position_ids`` restarting per document; `pack_to_token_budget`).
 - `sft`: `ChatTemplate` and `SFTDataset` (labels only on the assistant's replies).
 - `sampler`: `ResumableDistributedSampler`, `batches` and `check_token_ids` (ids and labels within the model's
   vocabulary, which the trainer checks on every batch).
+- `prepare` / `describe` / `shards`: `prepare_corpus` (``colo data prepare``: inputs tokenized by worker processes
+  into a prepared corpus, resumable, the same whatever the number of workers), `describe_corpus` (``colo data
+  inspect``), `TokenCorpus` (a prepared corpus, memory-mapped and CRC-checked), `CorpusError`,
+  `tokenizer_identity`.
 """
 
+from .describe import describe_corpus
 from .packing import IGNORE_INDEX, PackedDataset, TokenBudgetDataset, pack_to_token_budget, tokenize_documents
+from .prepare import prepare_corpus
 from .sampler import ResumableDistributedSampler, batches, check_token_ids, collate
 from .sft import ChatTemplate, SFTDataset, conversation_of
+from .shards import CorpusError, TokenCorpus, tokenizer_identity
 from .sources import Document, default_corpus, read_documents, validate_messages
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -34,21 +42,26 @@ __all__ = [
     "IGNORE_INDEX",
     "ByteTokenizer",
     "ChatTemplate",
+    "CorpusError",
     "Document",
     "HFTokenizer",
     "PackedDataset",
     "ResumableDistributedSampler",
     "SFTDataset",
     "TokenBudgetDataset",
+    "TokenCorpus",
     "Tokenizer",
     "batches",
     "check_token_ids",
     "collate",
     "conversation_of",
     "default_corpus",
+    "describe_corpus",
     "load_tokenizer",
     "pack_to_token_budget",
+    "prepare_corpus",
     "read_documents",
     "tokenize_documents",
+    "tokenizer_identity",
     "validate_messages",
 ]

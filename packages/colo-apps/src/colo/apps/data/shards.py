@@ -145,15 +145,31 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray) -> None:
         """Append one document's tokens (already framed with bos/eos)."""
+        self.add_documents(tokens, [int(np.size(tokens))])
+
+    def add_documents(self, tokens: np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
+        """Append several documents at once: ``tokens`` holds them back to back, ``lengths`` their sizes (one write
+        and one range check for the batch: the fast path of `colo data prepare`)."""
+        tokens = np.asarray(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != tokens.size or (lengths.size and int(lengths.min()) < 0):
+            raise ValueError(f"the document lengths sum to {int(lengths.sum())}, the tokens hold {tokens.size}")
         if tokens.size and (int(tokens.max()) > self.limit or int(tokens.min()) < 0):
             raise CorpusError(f"a token id outside 0..{self.limit} cannot be stored as {self.dtype}")
-        payload = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        payload = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         self._file.write(payload)
-        self._block += payload
-        while len(self._block) >= BLOCK_BYTES:
-            self._crcs.append(zlib.crc32(memoryview(self._block)[:BLOCK_BYTES]))
-            del self._block[:BLOCK_BYTES]
-        self._offsets.append(self._offsets[-1] + int(tokens.size))
+        start = 0
+        if self._block:  # complete the pending block first
+            start = min(BLOCK_BYTES - len(self._block), len(payload))
+            self._block += payload[:start]
+            if len(self._block) == BLOCK_BYTES:
+                self._crcs.append(zlib.crc32(self._block))
+                self._block = bytearray()
+        while len(payload) - start >= BLOCK_BYTES:
+            self._crcs.append(zlib.crc32(payload[start : start + BLOCK_BYTES]))
+            start += BLOCK_BYTES
+        self._block += payload[start:]
+        self._offsets.extend((self._offsets[-1] + np.cumsum(lengths)).tolist())
 
     def finish(self) -> ShardRecord:
         """Write the index and checksums, publish the token file; returns the shard's manifest record."""
@@ -269,7 +285,7 @@ class CheckedArray:
             raise CorpusError(
                 f"{self.path}: block {block} (bytes {begin}..{min(begin + self.block_bytes, self.bytes.size)}) fails "
                 f"its CRC-32 (stored {int(self.crcs[block]):#010x}, read {crc:#010x}); the shard was altered or "
-                "damaged: prepare the corpus again (colo data prepare rewrites only missing or damaged shards)"
+                "damaged: prepare the corpus again (colo data prepare --verify rewrites only the damaged shards)"
             )
         self.checked[block] = True
 

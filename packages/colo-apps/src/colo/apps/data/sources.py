@@ -1,4 +1,4 @@
-"""Where documents come from: text files, JSON Lines, Hugging Face datasets on disk, and the default corpus.
+"""Where documents come from: text files, JSON Lines, Parquet, Hugging Face datasets on disk, and the default corpus.
 
 A *document* is either a string (pre-training text) or a conversation: a list of ``{"role": ..., "content": ...}``
 messages (for `colo.apps.data.SFTDataset`). `read_documents` yields them in a deterministic order, so every rank
@@ -18,8 +18,9 @@ from typing import Any, Literal
 Message = dict[str, str]
 Document = str | list[Message]
 
-FORMATS = ("auto", "text", "jsonl", "hf")
+FORMATS = ("auto", "text", "jsonl", "hf", "parquet")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+_PARQUET_SUFFIXES = (".parquet",)
 _HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 NOT_TEXT_FRACTION = 0.2
@@ -32,7 +33,7 @@ _SNIFF_BYTES = 64 * 1024
 def read_documents(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     *,
-    format: Literal["auto", "text", "jsonl", "hf"] = "auto",
+    format: Literal["auto", "text", "jsonl", "hf", "parquet"] = "auto",
     text_field: str = "text",
     messages_field: str = "messages",
     prompt_field: str = "prompt",
@@ -44,8 +45,9 @@ def read_documents(
     Each entry of ``paths`` is a file, a directory (every file under it, sorted, or a saved Hugging Face dataset)
     or a glob pattern (``data/*.txt``, ``corpus/**/*.md``; matches sorted). Entries are read in the order given.
 
-    Formats (``"auto"`` picks per file: ``.jsonl``/``.ndjson``/``.json`` are JSON, a directory holding
-    ``dataset_info.json``/``dataset_dict.json``/``state.json`` is a Hugging Face dataset, anything else is text):
+    Formats (``"auto"`` picks per file: ``.jsonl``/``.ndjson``/``.json`` are JSON, ``.parquet`` is Parquet, a
+    directory holding ``dataset_info.json``/``dataset_dict.json``/``state.json`` is a Hugging Face dataset, anything
+    else is text):
 
     - ``"text"``: one document per file, the whole file (UTF-8; undecodable bytes become U+FFFD). Empty files are
       skipped; a file that is not text (NUL bytes, or more than `NOT_TEXT_FRACTION` of it undecodable) is an error
@@ -56,10 +58,11 @@ def read_documents(
       yields that string.
     - ``"hf"``: a dataset saved with ``datasets.Dataset.save_to_disk`` (rows read as JSONL records); a
       ``DatasetDict`` is read at ``split``. Needs ``pip install datasets``.
+    - ``"parquet"``: a Parquet file's rows read as JSONL records, in row order. Needs ``pip install pyarrow``.
 
     Args:
         paths (str | os.PathLike | Sequence[str | os.PathLike]): files, directories or glob patterns.
-        format (str): ``"auto"``, ``"text"``, ``"jsonl"`` or ``"hf"``. Default: ``"auto"``.
+        format (str): ``"auto"``, ``"text"``, ``"jsonl"``, ``"hf"`` or ``"parquet"``. Default: ``"auto"``.
         text_field (str): the field holding a record's text. Default: ``"text"``.
         messages_field (str): the field holding a record's chat messages. Default: ``"messages"``.
         prompt_field (str): the prompt field of a prompt/response record. Default: ``"prompt"``.
@@ -73,7 +76,7 @@ def read_documents(
         FileNotFoundError: a path does not exist, or a glob matches nothing.
         ValueError: an unknown format, a file read as text that is not text, a line that is not JSON, a record
             without the fields (each message names the file, the line and the fix).
-        ImportError: a Hugging Face dataset without the ``datasets`` package.
+        ImportError: a Hugging Face dataset without the ``datasets`` package, a Parquet file without ``pyarrow``.
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not one of {FORMATS}")
@@ -88,6 +91,8 @@ def read_documents(
                 yield from _read_hf(path, fields, split)
             elif kind == "jsonl":
                 yield from _read_jsonl(path, fields)
+            elif kind == "parquet":
+                yield from _read_parquet(path, fields)
             else:
                 text = _read_text(path)
                 if text:
@@ -200,7 +205,29 @@ def _is_hf_dataset(path: Path) -> bool:
 def _detect(path: Path) -> str:
     if _is_hf_dataset(path):
         return "hf"
+    if path.suffix.lower() in _PARQUET_SUFFIXES:
+        return "parquet"
     return "jsonl" if path.suffix.lower() in _JSONL_SUFFIXES else "text"
+
+
+def source_files(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], *, format: str = "auto"
+) -> list[tuple[Path, str]]:
+    """The files (and saved dataset directories) `read_documents` reads for ``paths``, in its order, each with the
+    format it is read as (``"text"``, ``"jsonl"``, ``"hf"`` or ``"parquet"``).
+
+    Raises:
+        FileNotFoundError: a path does not exist, or a glob matches nothing.
+        ValueError: an unknown format, or no paths.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not one of {FORMATS}")
+    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not entries:
+        raise ValueError("no data paths given; pass files, directories or glob patterns")
+    return [
+        (path, format if format != "auto" else _detect(path)) for entry in entries for path in _expand(entry, format)
+    ]
 
 
 def _read_text(path: Path) -> str:
@@ -241,8 +268,8 @@ def data_files_problem(paths: str | os.PathLike | Sequence[str | os.PathLike], *
     for entry in entries:
         for path in _expand(entry, format):
             kind = format if format != "auto" else _detect(path)
-            if kind == "hf" or path.is_dir():
-                return None  # a saved dataset: `datasets` reads its rows
+            if kind in ("hf", "parquet") or path.is_dir():
+                return None  # a saved dataset or a Parquet file: their readers check the rows
             files.append(path)
             if kind == "text":
                 with path.open("rb") as file:
@@ -297,3 +324,28 @@ def _read_hf(path: Path, fields: _Fields, split: str) -> Iterator[Document]:
         dataset = dataset[split]
     for index, record in enumerate(dataset):
         yield fields.document(record, f"{path} row {index}")
+
+
+def _read_parquet(path: Path, fields: _Fields) -> Iterator[Document]:
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; format='parquet' reads files (or pass the directory's files)")
+    parquet = import_parquet(path)
+    file = parquet.ParquetFile(path)
+    wanted = (fields.text, fields.messages, fields.prompt, fields.response)
+    columns = [name for name in file.schema_arrow.names if name in wanted] or None
+    row = 0
+    for batch in file.iter_batches(batch_size=1024, columns=columns):
+        for record in batch.to_pylist():
+            yield fields.document(record, f"{path} row {row}")
+            row += 1
+
+
+def import_parquet(path: Path):
+    """``pyarrow.parquet``, or an ImportError naming ``path`` and the fix."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise ImportError(
+            f"{path} is a Parquet file; reading it needs the `pyarrow` package: pip install pyarrow"
+        ) from None
+    return parquet

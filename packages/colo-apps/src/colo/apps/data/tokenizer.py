@@ -160,8 +160,10 @@ class HFTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """`encode` for many texts at once (the library's batched, multi-threaded path), as int32 arrays."""
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        """`encode` for many texts at once (the library's batched, multi-threaded path, without the character
+        offsets when the library can skip them), as int32 arrays."""
+        encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        encodings = encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
