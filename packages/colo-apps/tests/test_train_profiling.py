@@ -199,6 +199,26 @@ def test_a_pipeline_traces_its_actions_and_times_them(tmp_path):
         assert times["forward_s"] > 0 and times["backward_s"] > 0 and times["comm_wait_s"] > 0
 
 
+def test_a_run_ending_at_a_window_keeps_its_trace(tmp_path):
+    """With windows back to back (active_steps == every_steps), the next window records from the step after the
+    last one; a run ending there must not overwrite the last window's trace with that empty one at exit."""
+    import torch
+
+    from colo.apps.train.config import ProfileSection
+    from colo.apps.train.profiling import StepProfiler
+    from colo.comm.regions import region
+
+    settings = ProfileSection(every_steps=2, warmup_steps=0, active_steps=2)
+    with StepProfiler(settings, output_dir=str(tmp_path), rank=0, device=torch.device("cpu")) as profiler:
+        profiler.start(0)
+        for step in (1, 2):
+            with region("colo.forward"):
+                torch.ones(4).sum()
+            profiler.step(step)
+    names = [e["name"] for e in _ranges(tmp_path / "profile" / "rank-0-step-2.json")]
+    assert names.count("colo.forward") == 2 and {"ProfilerStep#0", "ProfilerStep#1"} <= set(names)
+
+
 def test_memory_history_is_refused_off_cuda():
     import torch
 

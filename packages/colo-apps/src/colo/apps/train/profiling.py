@@ -132,6 +132,8 @@ class StepProfiler:
 
     def _write_trace(self, profiler: torch.profiler.profile) -> None:
         path = os.path.join(self.directory, f"rank-{self.rank}-step-{self.last_step}.json")
+        if path in self.traces:  # the run ended as a window was saved and the next one (active at once) holds no step
+            return
         profiler.export_chrome_trace(path)
         self.traces.append(path)
 
