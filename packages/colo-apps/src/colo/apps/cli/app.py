@@ -424,7 +424,9 @@ def report(
     title: Annotated[str | None, typer.Option(help="The title (default: the runs' names).")] = None,
 ) -> None:
     """Plot runs' metrics.jsonl: loss, eval loss, learning rate, throughput, MFU, memory (an RL run's reward, KL and
-    response length; a diffusion run's newest sample grid), runs overlaid, into a PNG and a self-contained HTML page."""
+    response length; a diffusion run's newest sample grid), runs overlaid, into a PNG and a self-contained HTML page;
+    per run, each rank's time per step (logging.rank_timing) and a timeline of its colo ranges in the newest
+    profiled step (profile.every_steps traces)."""
     from ..report import write_report
 
     try:

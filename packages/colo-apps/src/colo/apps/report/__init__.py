@@ -1,6 +1,8 @@
 """``colo report``: loss, eval loss, learning rate, throughput, MFU, memory (and an RL run's reward, KL and response
 length) over steps, several runs overlaid, drawn from each run's ``metrics.jsonl`` into a PNG and a self-contained
-HTML page; a diffusion run's newest sample grid sits beside the curves.
+HTML page; a diffusion run's newest sample grid sits beside the curves. Under them, a row per run with per-rank
+timing (``logging.rank_timing``: each rank's forward / backward / optimizer / comm wait per step) or profiler traces
+(``profile.every_steps``: each rank's colo ranges in the newest window's last step, as a timeline).
 
 matplotlib (the ``report`` extra) is imported only when a report is drawn.
 """
@@ -10,9 +12,21 @@ from __future__ import annotations
 import os
 
 from .figure import PANELS, Panel, figure_size
+from .ranks import draw_rank_timing, draw_timeline
 from .runs import RunMetrics, read_run
+from .traces import read_rank_step
 
-__all__ = ["PANELS", "Panel", "RunMetrics", "figure_size", "read_run", "write_report"]
+__all__ = [
+    "PANELS",
+    "Panel",
+    "RunMetrics",
+    "draw_rank_timing",
+    "draw_timeline",
+    "figure_size",
+    "read_rank_step",
+    "read_run",
+    "write_report",
+]
 
 
 def write_report(run_dirs: list[str], out: str, *, title: str | None = None) -> dict:
@@ -20,7 +34,10 @@ def write_report(run_dirs: list[str], out: str, *, title: str | None = None) -> 
 
     Each run's ``metrics.jsonl`` is read with `read_run` (a step logged twice, by a resumed run, counts once: the
     later record wins). A panel of `PANELS` appears when some run logged its metric; runs are overlaid, one colour
-    each, labelled by their directory's name (the whole path when two names clash).
+    each, labelled by their directory's name (the whole path when two names clash). A run whose records hold
+    ``rank_timing`` tables, or whose ``profile/`` holds traces, gets a row of its own under the curves: the mean time
+    per step of each rank by phase (`draw_rank_timing`) beside a timeline of each rank's colo ranges in the last
+    step of the newest profiler window (`draw_timeline`).
 
     Args:
         run_dirs: the runs' output directories (at least one).
@@ -29,12 +46,16 @@ def write_report(run_dirs: list[str], out: str, *, title: str | None = None) -> 
 
     Returns:
         ``{"png", "html", "size": (width, height), "panels": {panel name: {run label: {"key", "steps", "values"}}},
-        "samples": {run label: {"step", "path"}}, "runs": {run label: RunMetrics}}``: what was drawn, the arrays
-        read back from the figure's lines.
+        "samples": {run label: {"step", "path"}}, "rank_timing": {run label: ...}, "timeline": {run label: ...},
+        "runs": {run label: RunMetrics}}``: what was drawn, the arrays read back from the figure's lines and bars
+        (`draw_rank_timing` and `draw_timeline` say what their entries hold; a run without rank timing or traces
+        has none).
 
     Raises:
         FileNotFoundError: a run directory, or its ``metrics.jsonl``, does not exist (the message names the path).
-        ValueError: no run directory, ``out`` is not a ``.png`` path, or a ``metrics.jsonl`` holds no metrics.
+        ValueError: no run directory, ``out`` is not a ``.png`` path, a ``metrics.jsonl`` holds no metrics, or a
+            trace of a run's newest profiler window is not a Chrome trace with colo ranges (a run killed while
+            writing it: the message names the file).
     """
     if not run_dirs:
         raise ValueError("colo report needs at least one run directory")

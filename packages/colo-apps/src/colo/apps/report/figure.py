@@ -1,11 +1,13 @@
-"""The report's figure: one panel per metric some run logged, every run overlaid in its own colour, and each diffusion
-run's newest sample grid in a column beside the curves (matplotlib, Agg backend)."""
+"""The report's figure: one panel per metric some run logged, every run overlaid in its own colour, each diffusion
+run's newest sample grid in a column beside the curves, and under them a row per run with per-rank timing or profiler
+traces (`colo.apps.report.ranks`) (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from .ranks import detail_height, draw_rank_timing, draw_timeline, num_ranks
 from .runs import RunMetrics
 
 
@@ -56,11 +58,14 @@ def panel_key(panel: Panel, run: RunMetrics) -> str | None:
     return next((key for key in panel.keys if key in run.series), None)
 
 
-def figure_size(num_panels: int, *, with_samples: bool) -> tuple[int, int]:
-    """The PNG's ``(width, height)`` in pixels for ``num_panels`` panels (plus a column of sample grids)."""
-    columns = min(num_panels, PANELS_PER_ROW) + (1 if with_samples else 0)
+def figure_size(num_panels: int, *, with_samples: bool, rank_rows: tuple[int, ...] = ()) -> tuple[int, int]:
+    """The PNG's ``(width, height)`` in pixels for ``num_panels`` panels (plus a column of sample grids, and one
+    per-rank row for each entry of ``rank_rows``, the number of ranks it draws; such a row is at least
+    `PANELS_PER_ROW` panels wide)."""
+    columns = max(min(num_panels, PANELS_PER_ROW), PANELS_PER_ROW if rank_rows else 0) + (1 if with_samples else 0)
     rows = max(1, math.ceil(num_panels / PANELS_PER_ROW))
-    return round(columns * PANEL_WIDTH_IN * DPI), round(rows * PANEL_HEIGHT_IN * DPI)
+    height = rows * PANEL_HEIGHT_IN + sum(detail_height(n) for n in rank_rows)
+    return round(columns * PANEL_WIDTH_IN * DPI), round(height * DPI)
 
 
 def draw(runs: dict[str, RunMetrics], path: str, *, title: str) -> dict:
@@ -71,7 +76,8 @@ def draw(runs: dict[str, RunMetrics], path: str, *, title: str) -> dict:
 
     Returns:
         ``{"panels": {panel name: {label: {"key", "steps", "values"}}}, "samples": {label: {"step", "path"}},
-        "size": (width, height)}``: the arrays are read back from the drawn lines.
+        "rank_timing": {label: ...}, "timeline": {label: ...}, "size": (width, height)}``: the arrays are read back
+        from the drawn lines and bars (`draw_rank_timing`, `draw_timeline` say what the per-rank entries hold).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -97,13 +103,20 @@ def draw(runs: dict[str, RunMetrics], path: str, *, title: str) -> dict:
         keys = sorted({key for p in PANELS for key in p.keys})
         raise ValueError(f"none of {', '.join(r.run_dir for r in runs.values())} logged a metric to plot ({keys})")
     samples = {label: run.sample_grid for label, run in runs.items() if run.sample_grid is not None}
-    width, height = figure_size(len(panels), with_samples=bool(samples))
+    per_rank = {label: run for label, run in runs.items() if num_ranks(run)}
+    rank_rows = tuple(num_ranks(run) for run in per_rank.values())
+    width, height = figure_size(len(panels), with_samples=bool(samples), rank_rows=rank_rows)
     # a Figure on its own Agg canvas, not pyplot: no global backend switch, nothing to close
     figure = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     columns = min(len(panels), PANELS_PER_ROW) or 1
     rows = max(1, math.ceil(len(panels) / PANELS_PER_ROW))
-    outer = figure.add_gridspec(1, 2 if samples else 1, width_ratios=[columns, 1] if samples else None)
+    outer = figure.add_gridspec(
+        1 + len(rank_rows),
+        2 if samples else 1,
+        width_ratios=[width / (PANEL_WIDTH_IN * DPI) - 1, 1] if samples else None,
+        height_ratios=[rows * PANEL_HEIGHT_IN, *(detail_height(n) for n in rank_rows)],
+    )
     curves = outer[0, 0].subgridspec(rows, columns)
     colours = {label: f"C{i % 10}" for i, label in enumerate(runs)}
     drawn: dict[str, dict] = {}
@@ -139,6 +152,18 @@ def draw(runs: dict[str, RunMetrics], path: str, *, title: str) -> dict:
             axes.imshow(imread(grid))
             axes.set_title(f"{label}: samples at step {step}", fontsize=9)
             axes.axis("off")
+    rank_timing, timeline = {}, {}
+    total_columns = round(width / (PANEL_WIDTH_IN * DPI))
+    for i, (label, run) in enumerate(per_rank.items()):
+        parts = [part for part, present in (("timing", run.rank_timing), ("timeline", run.profile_window)) if present]
+        ratios = [1, total_columns - 1] if len(parts) == 2 else [1]
+        row = outer[1 + i, :].subgridspec(1, len(parts), width_ratios=ratios)
+        for j, part in enumerate(parts):
+            axes = figure.add_subplot(row[0, j])
+            if part == "timing":
+                rank_timing[label] = draw_rank_timing(axes, run, label)
+            else:
+                timeline[label] = draw_timeline(axes, run, label)
     handles = [Line2D([], [], color=colours[label], label=label) for label in runs]
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(runs), 6), fontsize=8)
     figure.suptitle(title, fontsize=11)
@@ -146,5 +171,7 @@ def draw(runs: dict[str, RunMetrics], path: str, *, title: str) -> dict:
     return {
         "panels": drawn,
         "samples": {label: {"step": step, "path": grid} for label, (step, grid) in samples.items()},
+        "rank_timing": rank_timing,
+        "timeline": timeline,
         "size": (width, height),
     }
