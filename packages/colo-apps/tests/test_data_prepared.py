@@ -257,7 +257,7 @@ def test_the_run_config_reads_prepared_corpora_and_refuses_what_does_not_fit(tmp
             load_config(overrides=[override])
     with pytest.raises(ConfigError, match="data.blend and data.paths are both set"):
         load_config(overrides=[blend, f"data.paths=[{raw}]"])
-    with pytest.raises(ConfigError, match="read by data.task='pretrain' only"):
+    with pytest.raises(ConfigError, match=r"read with data.task in \['pretrain'\]"):
         load_config(overrides=[f"data.paths=[{first}]", "data.task=sft"])
 
     # a corpus made with another tokenizer: refused before training, naming the field and the fix
@@ -296,13 +296,13 @@ def _train_recording(config: dict) -> dict:
     return {"batches": seen, "start_step": result.start_step, "last_step": result.last_step}
 
 
-def trainer_config(blend: list[dict], output_dir: str, **schedule) -> dict:
+def trainer_config(blend: list[dict], output_dir: str, plugin: dict | None = None, **schedule) -> dict:
     return {
         "name": "prepared-resume",
         "output_dir": output_dir,
         "seed": 11,
         "model": {"preset": "tiny"},
-        "plugin": {"name": "ddp", "precision": "fp32"},
+        "plugin": plugin or {"name": "ddp", "precision": "fp32"},
         "schedule": {"total_steps": TOTAL, "warmup_steps": 1, **schedule},
         "data": {"blend": blend, "seq_len": 32, "global_batch_size": 8},
         "checkpoint": {"every_steps": STOP, "resume": "auto", "async_save": False},
@@ -312,9 +312,13 @@ def trainer_config(blend: list[dict], output_dir: str, **schedule) -> dict:
     }
 
 
-def global_batches(results: list[dict]) -> list[list[list[int]]]:
-    """Each step's global batch: the ranks' batches in rank order."""
-    return [[row for rank in results for row in rank["batches"][step]] for step in range(len(results[0]["batches"]))]
+def global_batches(results: list[dict], *, tp: int = 1) -> list[list[list[int]]]:
+    """Each step's global batch: the data-parallel ranks' batches in rank order (the ``tp`` ranks of one
+    data-parallel rank, neighbours, read the same batch)."""
+    for first in range(0, len(results), tp):
+        assert all(results[first + n]["batches"] == results[first]["batches"] for n in range(tp))
+    data_ranks = results[::tp]
+    return [[row for rank in data_ranks for row in rank["batches"][step]] for step in range(len(results[0]["batches"]))]
 
 
 def test_a_run_stopped_at_dp2_resumes_at_dp1_and_dp4_at_the_exact_next_sample(tmp_path):
@@ -327,10 +331,13 @@ def test_a_run_stopped_at_dp2_resumes_at_dp1_and_dp4_at_the_exact_next_sample(tm
     ]
     first = str(tmp_path / "dp2")
     stopped = run_distributed(_train_recording, trainer_config(blend, first, stop_at_step=STOP), world_size=2)
+    # dp=1 as tp=2 x dp=1 on the warm pair of ranks (a world of one would start a process for it alone)
+    layouts = {1: (2, {"name": "hybrid", "tp": 2, "precision": "fp32"}), 4: (1, None)}  # dp: (tp, plugin)
     resumed = {}
-    for dp in (1, 4):
+    for dp, (tp, plugin) in layouts.items():
         shutil.copytree(first, tmp_path / f"dp{dp}")
-        resumed[dp] = run_distributed(_train_recording, trainer_config(blend, str(tmp_path / f"dp{dp}")), world_size=dp)
+        config = trainer_config(blend, str(tmp_path / f"dp{dp}"), plugin)
+        resumed[dp] = run_distributed(_train_recording, config, world_size=dp * tp)
 
     # the reference order, computed here from the same config; each row's content names its sample
     reference = build_data(validate_config(trainer_config(blend, first)), TOKENIZER, num_replicas=1, rank=0)
@@ -346,7 +353,7 @@ def test_a_run_stopped_at_dp2_resumes_at_dp1_and_dp4_at_the_exact_next_sample(tm
     assert before == expected[:STOP]
     for dp, results in resumed.items():
         assert {rank["start_step"] for rank in results} == {STOP}, dp
-        after = sample_ids(global_batches(results))
+        after = sample_ids(global_batches(results, tp=layouts[dp][0]))
         assert after == expected[STOP:], dp  # neither repeated nor skipped, in the same order
         consumed = [sample for batch in before + after for sample in batch]
         assert len(consumed) == len(set(consumed)) == 8 * TOTAL, dp  # each sample exactly once

@@ -315,10 +315,11 @@ class DataSection(_Section):
                 f"data.paths lists {len(prepared)} prepared corpora; list them in data.blend with their weights "
                 "(data.blend: [{path: ..., weight: ...}, ...])"
             )
-        if (self.blend or prepared) and self.task != "pretrain":
+        if (self.blend or prepared) and not task_spec(self.task).reads_prepared_corpora:
+            readers = sorted(name for name, spec in task_specs().items() if spec.reads_prepared_corpora)
             raise ValueError(
                 f"data.task={self.task!r} reads records from raw files; prepared corpora (data.blend, or a prepared "
-                "corpus in data.paths) are read by data.task='pretrain' only"
+                f"corpus in data.paths) are read with data.task in {readers}"
             )
         if (self.blend or prepared) and self.format != "auto":
             raise ValueError(

@@ -47,8 +47,7 @@ class LanguageModelTask(TrainTask):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
-        if not self.chats:
-            open_prepared(config.data, self.tokenizer)  # prepared corpora made with another tokenizer: refused here
+        open_prepared(config.data, self.tokenizer)  # a prepared corpus made with another tokenizer: refused here
         self.llama_config = self._llama_config()
         self._train_batches = None
 
@@ -381,6 +380,7 @@ LANGUAGE_MODEL_TASKS = (
         name="pretrain",
         summary="next-token loss on every token of text documents",
         load=lambda: LanguageModelTask,
+        reads_prepared_corpora=True,
         batches_rows_of_seq_len=True,
         supports_moe=True,
     ),

@@ -62,6 +62,8 @@ class TaskSpec:
         check_summary: ``(field, when it refuses)`` of `check`, for `rules_table`.
         trains_llama: the task trains the run's Llama (the ``model`` section; tokenizer, tensor-parallel heads).
         reads_data_files: the task reads ``data.paths`` as text / JSONL / Hugging Face datasets.
+        reads_prepared_corpora: the task reads prepared token shards (``data.blend``, or a prepared corpus in
+            ``data.paths``; `colo.apps.data.prepared`).
         reads_chat_template: the task reads ``data.chat_template``.
         rows_vary_in_labelled_tokens: its rows hold different numbers of labelled tokens (the default
             ``plugin.loss_weighting`` is then ``'token'``).
@@ -80,6 +82,7 @@ class TaskSpec:
     check_summary: tuple[str, str] | None = None
     trains_llama: bool = True
     reads_data_files: bool = True
+    reads_prepared_corpora: bool = False
     reads_chat_template: bool = False
     rows_vary_in_labelled_tokens: bool = False
     batches_rows_of_seq_len: bool = False
