@@ -358,7 +358,7 @@ def test_a_trace_is_read_as_a_stream_of_events(tmp_path, monkeypatch):
         traces.read_rank_step(str(tmp_path / "other.json"))
 
 
-@pytest.mark.filterwarnings("ignore:Profiler clears events")
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events")
 def test_a_trace_written_by_the_trainers_profiler_is_drawn_as_recorded(tmp_path):
     """Not synthetic: `StepProfiler` (the trainer's) records colo's regions around real ops for two steps and
     writes the trace as a run does (as two ranks' files, from one process: a 2-process run costs ~12 s)."""

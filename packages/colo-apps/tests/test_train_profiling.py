@@ -199,6 +199,7 @@ def test_a_pipeline_traces_its_actions_and_times_them(tmp_path):
         assert times["forward_s"] > 0 and times["backward_s"] > 0 and times["comm_wait_s"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events")  # torch, windows back to back
 def test_a_run_ending_at_a_window_keeps_its_trace(tmp_path):
     """With windows back to back (active_steps == every_steps), the next window records from the step after the
     last one; a run ending there must not overwrite the last window's trace with that empty one at exit."""
