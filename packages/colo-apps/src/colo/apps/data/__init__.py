@@ -27,11 +27,21 @@ The pieces a training run chains together::
   into a prepared corpus, resumable, the same whatever the number of workers), `describe_corpus` (``colo data
   inspect``), `TokenCorpus` (a prepared corpus, memory-mapped and CRC-checked), `CorpusError`,
   `tokenizer_identity`.
+- `prepared` / `row_index`: `PreparedWindows` and `PreparedDocuments`, the rows of `PackedDataset` /
+  `TokenBudgetDataset` over a prepared corpus, reading nothing at construction (the documents row index is computed
+  once and cached beside the corpus).
+- `order` / `blend` / `global_sampler`: `KeyedPermutation` (an epoch's order, per index, in O(1) memory), `Blend`
+  (corpora interleaved by weight, each held-out tail split off) and `GlobalPositionSampler` (one global sample
+  position as the state: a run resumes at any data-parallel size).
 """
 
+from .blend import Blend, BlendPattern
 from .describe import describe_corpus
+from .global_sampler import GlobalPositionSampler
+from .order import KeyedPermutation
 from .packing import IGNORE_INDEX, PackedDataset, TokenBudgetDataset, pack_to_token_budget, tokenize_documents
 from .prepare import prepare_corpus
+from .prepared import PreparedDocuments, PreparedWindows, is_prepared_corpus
 from .sampler import ResumableDistributedSampler, batches, check_token_ids, collate
 from .sft import ChatTemplate, SFTDataset, conversation_of
 from .shards import CorpusError, TokenCorpus, tokenizer_identity
@@ -40,12 +50,18 @@ from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
+    "Blend",
+    "BlendPattern",
     "ByteTokenizer",
     "ChatTemplate",
     "CorpusError",
     "Document",
+    "GlobalPositionSampler",
     "HFTokenizer",
+    "KeyedPermutation",
     "PackedDataset",
+    "PreparedDocuments",
+    "PreparedWindows",
     "ResumableDistributedSampler",
     "SFTDataset",
     "TokenBudgetDataset",
@@ -57,6 +73,7 @@ __all__ = [
     "conversation_of",
     "default_corpus",
     "describe_corpus",
+    "is_prepared_corpus",
     "load_tokenizer",
     "pack_to_token_budget",
     "prepare_corpus",
