@@ -251,6 +251,7 @@ def test_the_run_config_reads_prepared_corpora_and_refuses_what_does_not_fit(tmp
         f"data.paths=[{first}, {second}]": "list them in data.blend with their weights",
         f"data.blend=[{{path: {raw}, weight: 1}}]": "is not a prepared corpus (no manifest.json)",
         f"data.blend=[{{path: {first}, weight: 0}}]": "data.blend.0.weight: Input should be greater than 0",
+        f"data.blend=[{{path: {first}, weight: 1}}, {{path: {second}, weight: 1e-5}}]": "gets no sample in 10000",
     }
     for override, message in refused.items():
         with pytest.raises(ConfigError, match=re.escape(message)):

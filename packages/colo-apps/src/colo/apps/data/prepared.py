@@ -53,6 +53,7 @@ class PreparedWindows(Dataset):
         self.seq_len = seq_len
         self.max_tokens = max_tokens
         self.num_tokens = stream_length(corpus, max_tokens)
+        self.fingerprint = corpus_fingerprint(corpus)
         if len(self) == 0:
             raise ValueError(
                 f"{corpus.directory} holds {self.num_tokens} tokens, fewer than seq_len={seq_len}; add data or lower "
@@ -76,7 +77,7 @@ class PreparedWindows(Dataset):
     def identity(self) -> dict:
         """What a resumed run must read the same: the corpus, the packing, ``seq_len`` and the tokens read."""
         return {
-            "corpus": corpus_fingerprint(self.corpus),
+            "corpus": self.fingerprint,
             "packing": self.packing,
             "seq_len": self.seq_len,
             "tokens": self.num_tokens,
@@ -116,6 +117,7 @@ class PreparedDocuments(Dataset):
         self.max_tokens = max_tokens
         self.index = documents_row_index(corpus, seq_len=seq_len, max_tokens=max_tokens, fallback_dirs=fallback_dirs)
         self.num_tokens = self.index.num_tokens
+        self.fingerprint = corpus_fingerprint(corpus)
         if self.index.num_rows == 0:
             raise ValueError(f"{corpus.directory} holds no tokens; add data")
         self.efficiency = self.num_tokens / (self.index.num_rows * seq_len)
@@ -151,7 +153,7 @@ class PreparedDocuments(Dataset):
     def identity(self) -> dict:
         """What a resumed run must read the same: the corpus, the packing, ``seq_len`` and the tokens read."""
         return {
-            "corpus": corpus_fingerprint(self.corpus),
+            "corpus": self.fingerprint,
             "packing": self.packing,
             "seq_len": self.seq_len,
             "tokens": self.num_tokens,

@@ -296,6 +296,13 @@ class DataSection(_Section):
                 "data.blend and data.paths are both set; blend prepared corpora in data.blend, or read data.paths "
                 "(raw files, or one prepared corpus), not both"
             )
+        if self.blend:
+            from ..data.blend import BlendPattern
+
+            try:
+                BlendPattern([entry.weight for entry in self.blend])
+            except ValueError as error:
+                raise ValueError(f"data.blend: {error}") from None
         for number, entry in enumerate(self.blend):
             if os.path.exists(entry.path) and not is_prepared_corpus(entry.path):
                 raise ValueError(
