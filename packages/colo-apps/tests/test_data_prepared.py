@@ -34,8 +34,9 @@ TOKENIZER = ByteTokenizer()
 
 
 def documents(count: int, *, salt: str = "") -> list[str]:
-    """Documents of 8 to ~200 bytes (some longer than the rows below, so they are cut) in which no stretch of 12
-    bytes repeats: every window of a corpus (and of corpora of different ``salt``) is a distinct sample."""
+    """Documents of 8 to ~200 bytes (some longer than the rows below, so they are cut), numbered throughout, so the
+    windows of 24 tokens and more of a corpus (and of corpora of different ``salt``) differ: a row's content names
+    its sample (the trainer test asserts it)."""
     return [f"{salt}doc {n}:" + "".join(f" {salt}{n}-{k}" for k in range(n * 7 % 31)) for n in range(count)]
 
 
@@ -114,8 +115,8 @@ def test_packed_documents_in_groups_hold_the_same_sequences_and_the_index_is_cac
     texts = documents(150)
     path = write_corpus(tmp_path / "corpus", texts)
     reference = TokenBudgetDataset(texts, TOKENIZER, seq_len=64)
-    grouped = PreparedDocuments(TokenCorpus(path), seq_len=64, pad_id=TOKENIZER.pad_id, fallback_dirs=())
-    assert len(grouped) == len(reference)
+    whole = PreparedDocuments(TokenCorpus(path), seq_len=64, pad_id=TOKENIZER.pad_id)  # one group: computed now
+    assert whole.sequence_rows == reference.sequence_rows
     small = row_index_module.documents_row_index(TokenCorpus(path), seq_len=64, group=16)  # groups cross shards
 
     def sequences(row_lists) -> list[tuple[int, int]]:
@@ -136,7 +137,8 @@ def test_packed_documents_in_groups_hold_the_same_sequences_and_the_index_is_cac
 
     # a read-only corpus folder: the index goes to the run's folder
     writable = row_index_module._writable
-    monkeypatch.setattr(row_index_module, "_writable", lambda folder: "corpus" not in str(folder) and writable(folder))
+    corpus_cache = tmp_path / "corpus" / row_index_module.CACHE_DIR
+    monkeypatch.setattr(row_index_module, "_writable", lambda folder: folder != corpus_cache and writable(folder))
     run_cache = tmp_path / "run" / "data-cache"
     elsewhere = PreparedDocuments(TokenCorpus(path), seq_len=32, pad_id=TOKENIZER.pad_id, fallback_dirs=[run_cache])
     assert sorted(p.name for p in run_cache.glob("*.json")) == [
@@ -193,7 +195,6 @@ def test_the_loaders_state_resumes_at_the_next_sample_at_any_data_parallel_size(
     reference = GlobalPositionSampler(blend, batch_size=8)
     order = np.concatenate([reference.global_batch(8 * step) for step in range(12)]).tolist()
 
-    ranks = [iter(GlobalPositionSampler(blend, num_replicas=2, rank=r, batch_size=4)) for r in range(2)]
     samplers = [GlobalPositionSampler(blend, num_replicas=2, rank=r, batch_size=4) for r in range(2)]
     ranks = [iter(sampler) for sampler in samplers]
     consumed = [index for _ in range(5) for rank in ranks for index in next(rank)]
