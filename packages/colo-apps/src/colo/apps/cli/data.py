@@ -38,7 +38,12 @@ def prepare(
     format: Annotated[str, typer.Option(help="auto, text, jsonl, parquet or hf (auto: by suffix).")] = "auto",
     text_field: Annotated[str, typer.Option(help="The record field / column holding the text.")] = "text",
     workers: Annotated[int | None, typer.Option(help="Tokenizing processes (default: one per CPU).")] = None,
-    shard_tokens: Annotated[int | None, typer.Option(help="About how many tokens a shard holds.")] = None,
+    shard_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="About how many tokens a shard holds (default: 16.8M, less to make 64 shards of a small corpus)."
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a corpus already at --out.")] = False,
     verify: Annotated[
         bool, typer.Option(help="On a rerun, check every block of the kept shards and rewrite damaged ones.")
@@ -53,7 +58,7 @@ def prepare(
     inputs does nothing. Train on it with data.paths: [DIR] (or several in data.blend). Exit 2 on bad input (one
     colo: line).
     """
-    from ..data.prepare import DEFAULT_SHARD_TOKENS, prepare_corpus
+    from ..data.prepare import prepare_corpus
 
     started = time.perf_counter()
     try:
@@ -64,7 +69,7 @@ def prepare(
             format=format,
             text_field=text_field,
             workers=workers,
-            shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
+            shard_tokens=shard_tokens,
             overwrite=overwrite,
             verify=verify,
             progress=sys.stderr.isatty() if progress is None else progress,
@@ -125,7 +130,7 @@ def _as_text(description: dict) -> str:
         lines.append(
             f"prepared    from {prepared['num_input_files']:,} input files ({_size(prepared['input_bytes'])}), "
             f"format {prepared['format']}, text field {prepared['text_field']!r}, "
-            f"~{prepared['shard_tokens']:,} tokens a shard"
+            f"shards of ~{prepared.get('target_shard_tokens') or 0:,} tokens"
         )
     lengths = description["document_tokens"]
     lines.append(

@@ -44,10 +44,14 @@ from .tokenizer import ByteTokenizer, HFTokenizer, encode_arrays, load_tokenizer
 from .units import WorkUnit, plan_units, read_unit
 
 DEFAULT_SHARD_TOKENS = 1 << 24
-"""Target tokens per shard (about 16.8M: 32 MiB of ``uint16`` tokens); each shard is one worker's unit of work."""
+"""Most tokens a shard holds by default (about 16.8M: 32 MiB of ``uint16`` tokens); a shard is one unit of work."""
+MIN_SHARDS = 64
+"""By default a corpus is cut into at least this many shards (where its files can be cut, and none smaller than
+1 MiB of input), so that every worker has work until near the end; the count depends on the corpus alone."""
+_MIN_UNIT_BYTES = 1 << 20
 PLAN = "prepare.json"
 _PLAN_VERSION = 1
-_SAMPLE_CHARS = 1 << 20  # text tokenized to estimate input bytes per token when planning the units
+_SAMPLE_CHARS = 1 << 18  # text tokenized to estimate input bytes per token when planning the units
 _BATCH_DOCUMENTS = 1024  # documents tokenized per batched call in a worker
 _BATCH_CHARS = 4 << 20  # ... or fewer, once this many characters are pending
 _CORPUS_FILE_SUFFIXES = (".tokens", ".index", ".tokens.crc32", ".index.crc32", ".json", ".tmp")
@@ -61,7 +65,7 @@ def prepare_corpus(
     format: str = "auto",
     text_field: str = "text",
     workers: int | None = None,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    shard_tokens: int | None = None,
     overwrite: bool = False,
     verify: bool = False,
     progress: bool = False,
@@ -81,7 +85,8 @@ def prepare_corpus(
         text_field: the field or column holding the text. Default: ``"text"``.
         workers: tokenizing processes. Default: ``None`` (one per CPU this process may use).
         shard_tokens: about how many tokens a shard holds (units are cut by input bytes at the tokenizer's bytes
-            per token, measured on the first MiB of text). Default: `DEFAULT_SHARD_TOKENS`.
+            per token, measured on the first 256 KiB of text). Default: ``None``: `DEFAULT_SHARD_TOKENS`, or less
+            for a corpus too small to make `MIN_SHARDS` shards of that size.
         overwrite: delete a corpus already at ``out_dir`` (its files only) and prepare afresh. Default: ``False``.
         verify: check every block of the shards a rerun keeps, rewriting the damaged ones. Default: ``False``.
         progress: draw a progress bar on stderr. Default: ``False``.
@@ -96,7 +101,7 @@ def prepare_corpus(
         CorpusError: ``out_dir`` holds a corpus of another tokenizer or other inputs (the fix: another ``out_dir``,
             or ``overwrite``), or files that are not a corpus.
     """
-    if shard_tokens <= 0:
+    if shard_tokens is not None and shard_tokens <= 0:
         raise ValueError(f"shard_tokens={shard_tokens} must be positive")
     workers = _default_workers() if workers is None else workers
     if workers < 1:
@@ -112,12 +117,20 @@ def prepare_corpus(
         _remove_corpus(out)
     plan = _check_existing(out, identity, fingerprint, digest)
     if plan is None:
+        if workers > 1:
+            _start_forkserver()  # its imports run while the units are planned here
         bytes_per_token = _bytes_per_token(sources, loaded, format, text_field)
-        units = plan_units(sources, target_bytes=round(shard_tokens * bytes_per_token), text_field=text_field)
+        input_bytes = sum(entry[2] for entry in fingerprint["files"])
+        if shard_tokens is None:
+            target_bytes = min(DEFAULT_SHARD_TOKENS * bytes_per_token, max(input_bytes / MIN_SHARDS, _MIN_UNIT_BYTES))
+        else:
+            target_bytes = shard_tokens * bytes_per_token
+        units = plan_units(sources, target_bytes=round(target_bytes), text_field=text_field)
         plan = {
             "fingerprint": digest,
             "tokenizer": identity,
             "bytes_per_token": bytes_per_token,
+            "target_shard_tokens": round(target_bytes / bytes_per_token),
             "inputs": fingerprint,
             "units": [unit.to_json() for unit in units],
         }
@@ -252,7 +265,7 @@ def _difference(old: dict, new: dict) -> str:
 
 
 def _bytes_per_token(sources, tokenizer, format: str, text_field: str) -> float:
-    """Input bytes per framed token on the first MiB of text: what turns ``shard_tokens`` into unit sizes."""
+    """Input bytes per framed token on the first 256 KiB of text: what turns ``shard_tokens`` into unit sizes."""
     if isinstance(tokenizer, ByteTokenizer):
         return 1.0
     texts, chars = [], 0
@@ -316,11 +329,20 @@ def _run(todo: list[WorkUnit], job: _Job, tokenizer, spec, *, workers: int, prog
             bar.stop()
 
 
-def _run_in_processes(order: list[WorkUnit], job: _Job, spec, *, workers: int, bar):
+def _start_forkserver():
+    """Start the server the workers fork from, in the background; it imports this module (colo, torch) once."""
     import multiprocessing
+    import threading
+    from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])  # the server imports colo (and torch) once; workers fork from it
+    context.set_forkserver_preload([__name__])
+    threading.Thread(target=forkserver.ensure_running, name="colo-forkserver", daemon=True).start()
+    return context
+
+
+def _run_in_processes(order: list[WorkUnit], job: _Job, spec, *, workers: int, bar):
+    context = _start_forkserver()
     threads = max(1, _default_workers() // workers)
     with ProcessPoolExecutor(
         min(workers, len(order)), mp_context=context, initializer=_init_worker, initargs=(spec, threads)
@@ -420,6 +442,7 @@ def _write_manifest(out: Path, identity: dict, shards: list[ShardRecord], plan: 
         "format": inputs["format"],
         "text_field": inputs["text_field"],
         "shard_tokens": inputs["shard_tokens"],
+        "target_shard_tokens": plan.get("target_shard_tokens"),
         "bytes_per_token": plan["bytes_per_token"],
         "num_input_files": len(inputs["files"]),
         "input_bytes": sum(entry[2] for entry in inputs["files"]),
