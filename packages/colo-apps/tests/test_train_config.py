@@ -28,7 +28,10 @@ def test_every_run_preset_validates(preset):
     [
         (["optimizer.lrr=1e-3"], "optimizer.lrr: unknown field"),
         (["plugin.name=zero", "plugin.stage=5"], "Zero.stage=5 is not a ZeRO stage"),
-        (["plugin.name=hybrid", "plugin.pp=2", "plugin.zero_stage=2"], "pp > 1 with zero_stage=2"),
+        (
+            ["plugin.name=hybrid", "plugin.pp=2", "plugin.zero_stage=3", "plugin.compile_blocks=true"],
+            "compile_blocks=True does not work with zero_stage=3",
+        ),
         (["plugin.name=megatron"], "unknown plugin name; use one of ['ddp', 'zero', 'gemini', 'hybrid', 'expert']"),
         (["data.seq_len=many"], "data.seq_len: Input should be a valid integer"),
         (["optimizer.betas=[0.9, 1.5]"], "optimizer.betas: betas=(0.9, 1.5) must both be in [0, 1)"),

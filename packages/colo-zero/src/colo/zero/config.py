@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .amp import MixedPrecision
 
 STAGES = (0, 1, 2, 3)
+GRAD_REDUCTIONS = ("backward", "step")
 
 
 @dataclass(kw_only=True)
@@ -54,6 +55,17 @@ class ZeroConfig(ChunkConfig):
     parameter sharded over an axis (its colo layout says `Shard`) on every rank of it and a replicated one once."""
     pipeline_axis: str | None = None
     """The mesh axis of pipeline stages, whose parameters are disjoint: the gradient norm sums over it too."""
+    grad_reduction: str = "backward"
+    """When gradients are reduced over the data axes. ``"backward"``: during backward, from gradient hooks, as soon
+    as a chunk's gradients are in (stages 0/2/3 every micro-step, stage 1 in the backward outside ``no_sync``).
+    ``"step"``: gradients accumulate in full over all of a step's backward passes and each chunk is reduced once,
+    at `ZeroOptimizer.reduce_gradients` or the step; at stage 3 the chunks a forward gathers then stay gathered
+    until that reduction (reshard after the step, not after each forward and backward). A pipeline needs
+    ``"step"``: its weight-gradient steps fire no gradient hooks and tied stages sum gradients after the last
+    backward. It costs a full gradient per parameter (compute dtype) and, at stage 3, the stage's gathered
+    parameters from the first forward to the reduction: the memory of ZeRO-1 during the step, the shards only
+    between steps; the communication is one reduction per chunk per step (and one gather per chunk per step at
+    stage 3) whatever the number of microbatches."""
     max_reductions_in_flight: int = 2
     """Stages 0/2/3: gradient buckets whose reduction may be in flight at once; the next bucket first waits for
     the oldest to land in its shard. At most this many + 1 full buckets exist during backward (they are reused
@@ -71,6 +83,10 @@ class ZeroConfig(ChunkConfig):
         if self.stage not in STAGES:
             raise ValueError(f"ZeroConfig.stage={self.stage!r} is not a ZeRO stage; use one of {STAGES}")
         super().__post_init__()
+        if self.grad_reduction not in GRAD_REDUCTIONS:
+            raise ValueError(
+                f"ZeroConfig.grad_reduction={self.grad_reduction!r} is unknown; use one of {GRAD_REDUCTIONS}"
+            )
         if self.max_reductions_in_flight < 1:
             raise ValueError(
                 f"ZeroConfig.max_reductions_in_flight={self.max_reductions_in_flight} must be at least 1 (1: each "

@@ -9,6 +9,16 @@
   into the gradient shard; at most ``max_in_flight`` reductions are in flight, and a bucket goes back to the pool
   once its reduction has landed.
 
+Either strategy can defer every reduction to the step (``deferred=True``, `colo.zero.ZeroConfig.grad_reduction`
+``"step"``): gradients then accumulate in full, over all of a step's backward passes, and each chunk is reduced
+once, when `GradSync.finish` runs (`ZeroOptimizer.reduce_gradients` or the step). That is how a pipeline schedule
+drives ZeRO 0-3: its weight-gradient (W) steps write ``.grad`` through ``torch.autograd.grad``, which fires no
+gradient hook, and the executor sums gradients of parameters tied across stages in ``.grad`` after the last
+backward; only a reduction after both sees every gradient of the step. At stages 0/2/3 the full gradients are the
+parameters' own ``.grad`` tensors (autograd's accumulation), copied into a pooled bucket per chunk at `finish` and
+freed once copied (Megatron's distributed optimizer under pipelining accumulates full gradient buffers the same
+way and reduce-scatters after the last microbatch).
+
 A strategy never asks colo.comm which algorithm it will use: what a reduction did to a buffer it goes on using
 is read from the handle (`colo.comm.Handle.input_reduced`).
 """
@@ -63,12 +73,17 @@ class GradSync:
         chunks: the trainable chunks.
         group: the data-parallel group gradients are averaged over.
         reduce_dtype: the dtype gradients travel in (``None``: their own).
+        deferred: reduce nothing during backward; `finish` reduces each chunk's accumulated gradients once.
     """
 
-    def __init__(self, chunks: list[Chunk], *, group: Group, reduce_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, chunks: list[Chunk], *, group: Group, reduce_dtype: torch.dtype | None, deferred: bool = False
+    ) -> None:
         self.chunks = chunks
         self.group = group
         self.reduce_dtype = reduce_dtype
+        self.deferred = deferred
+        """Reduce nothing during backward: gradients accumulate in full and `finish` reduces each chunk once."""
         self.sync_enabled = True
         """Off inside the optimizer's ``no_sync``: gradients accumulate without communication."""
         self._ready: dict[int, int] = {chunk.index: 0 for chunk in chunks}
@@ -118,6 +133,8 @@ class BucketGradSync(GradSync):
         max_in_flight: reductions that may be in flight at once; the next bucket first waits for the oldest.
             0: each reduction lands before the next gradient arrives.
         on_reduced: called with a chunk once its gradients are all in (reduced, or kept under ``no_sync``).
+        deferred: leave gradients in ``.grad`` during backward; `finish` copies each chunk's into a bucket and
+            reduces it (see the module docstring).
     """
 
     def __init__(
@@ -132,8 +149,9 @@ class BucketGradSync(GradSync):
         state_device: torch.device | None = None,
         max_in_flight: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
+        deferred: bool = False,
     ) -> None:
-        super().__init__(chunks, group=group, reduce_dtype=reduce_dtype)
+        super().__init__(chunks, group=group, reduce_dtype=reduce_dtype, deferred=deferred)
         self.reduce = reduce
         self.pool = pool
         self.device = device
@@ -191,7 +209,20 @@ class BucketGradSync(GradSync):
     # --- the flow ---------------------------------------------------------------------------------------------
 
     def on_grad_ready(self, chunk: Chunk, slot, param: torch.Tensor) -> None:
-        """Add the gradient into its chunk's bucket; reduce the bucket once it is complete."""
+        """Add the gradient into its chunk's bucket; reduce the bucket once it is complete (deferred: nothing, the
+        gradient stays in ``.grad``)."""
+        if self.deferred:
+            return
+        self._add_to_bucket(chunk, slot, param)
+        if not self._all_grads_in(chunk):
+            return
+        if self.sync_enabled:
+            self.reduce_chunk(chunk)
+        elif self.on_reduced is not None:
+            self.on_reduced(chunk)
+
+    def _add_to_bucket(self, chunk: Chunk, slot, param: torch.Tensor) -> None:
+        """Copy (or add, when the slot already has one) ``param.grad`` into the chunk's bucket; drop ``.grad``."""
         if chunk.index in self._buckets:
             bucket = self._bucket_of(chunk)
         else:
@@ -205,12 +236,6 @@ class BucketGradSync(GradSync):
             region.copy_(param.grad)
             written.add(slot.offset)
         param.grad = None
-        if not self._all_grads_in(chunk):
-            return
-        if self.sync_enabled:
-            self.reduce_chunk(chunk)
-        elif self.on_reduced is not None:
-            self.on_reduced(chunk)
 
     def _zero_unwritten(self, chunk: Chunk, bucket: torch.Tensor) -> None:
         """Zero the regions of a bucket no gradient was written to: unused parameters and the padding."""
@@ -251,7 +276,21 @@ class BucketGradSync(GradSync):
         if bucket is not None:
             self._give_bucket(chunk, bucket)
 
+    def _reduce_accumulated(self) -> None:
+        """Deferred: every chunk's ``.grad`` into a bucket (a slot without one is zero), each bucket reduced. Every
+        chunk is reduced, gradients or not, so the data ranks' collectives match whatever each one ran."""
+        for chunk in self.chunks:
+            for slot in chunk.slots:
+                if slot.param.grad is not None:
+                    self._add_to_bucket(chunk, slot, slot.param)
+            if chunk.index not in self._buckets:
+                self._buckets[chunk.index] = self._take_bucket(chunk, chunk.slots[0].param.dtype)
+                self._written[chunk.index] = set()
+            self.reduce_chunk(chunk)
+
     def finish(self) -> None:
+        if self.deferred:
+            self._reduce_accumulated()
         # chunks with unused parameters, or accumulated under no_sync, still hold a bucket: every rank flushes
         for chunk in self.chunks:
             if chunk.index in self._buckets:
@@ -294,12 +333,19 @@ class PersistentGradSync(GradSync):
         group: the data-parallel group.
         reduce_dtype: the dtype gradients travel in.
         state_device: the device of the gradient shards.
+        deferred: never reduce during backward, only in `finish` (a pipeline's stage-1 gradients always were).
     """
 
     def __init__(
-        self, chunks: list[Chunk], *, group: Group, reduce_dtype: torch.dtype | None, state_device: torch.device
+        self,
+        chunks: list[Chunk],
+        *,
+        group: Group,
+        reduce_dtype: torch.dtype | None,
+        state_device: torch.device,
+        deferred: bool = False,
     ) -> None:
-        super().__init__(chunks, group=group, reduce_dtype=reduce_dtype)
+        super().__init__(chunks, group=group, reduce_dtype=reduce_dtype, deferred=deferred)
         self.state_device = state_device
         self._in_backward = False
         self._in_flight: dict[int, tuple] = {}
@@ -318,7 +364,7 @@ class PersistentGradSync(GradSync):
 
     def run_backward(self, loss: torch.Tensor) -> None:
         self._ready = dict.fromkeys(self._ready, 0)  # a chunk left incomplete before (unused params) starts afresh
-        self._in_backward = True
+        self._in_backward = not self.deferred
         try:
             loss.backward()
         finally:

@@ -166,13 +166,17 @@ class ShardedParams:
         chunks: all chunks.
         group: the data-parallel group.
         pool: where the gathered full copies come from.
+        hold_until_reduced: keep every chunk a forward or backward with gradients gathers until its gradients are
+            reduced (`ChunkGatherer`'s ``hold_until_reduced``; ``grad_reduction="step"``).
     """
 
-    def __init__(self, chunks: list[Chunk], *, group: Group, pool: BufferPool) -> None:
+    def __init__(
+        self, chunks: list[Chunk], *, group: Group, pool: BufferPool, hold_until_reduced: bool = False
+    ) -> None:
         self.chunks = chunks
         self.in_flight: dict[int, object] = {}
         """Always empty: nothing is gathered ahead of a forward by `refresh`."""
-        self.gatherer = ChunkGatherer(chunks, group=group, pool=pool)
+        self.gatherer = ChunkGatherer(chunks, group=group, pool=pool, hold_until_reduced=hold_until_reduced)
 
     def place(self, chunk: Chunk, full: torch.Tensor) -> tuple[torch.Tensor, str]:
         shard = chunk.shard_of(full).clone()

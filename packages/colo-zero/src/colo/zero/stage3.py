@@ -26,6 +26,14 @@ while the model's forward runs with gradients, saved-tensor hooks store such a t
 which chunk* and rebuild it from the chunk's current full copy when backward unpacks it (gathering the chunk if
 it is not gathered then). A buffer anything else still references is not reused.
 
+With ``hold_until_reduced`` (`colo.zero.ZeroConfig.grad_reduction` ``"step"``, what a pipeline's microbatches use)
+a chunk gathered by a forward or backward with gradients stays gathered until its gradients are reduced, once per
+step: each microbatch after the first finds it gathered, and the W steps of a zero-bubble schedule and the tied
+stages' gradient sum find full-size parameters. Memory: the stage's full compute copy from its first forward to the
+reduction (torchtitan's FSDP under pipelining, ``reshard_after_forward=False``, for the same reason);
+communication: one all-gather per chunk per step instead of two per microbatch. Forwards without gradients
+(evaluation) release as usual.
+
 Limits: prefetch follows packing order (pack in execution order with ``param_order=execution_order(...)`` when
 registration order differs); a parameter used by a module that does not own it (``F.linear(x, other.weight)``)
 must be registered on that module too (tie it as ``lm_head.weight = embed.weight``); a module called twice per
@@ -61,6 +69,8 @@ class ChunkGatherer:
         pool: where full buffers come from and go back to (a pool of its own by default).
         keep_last_for_backward: leave the chunk a forward with gradients finishes with gathered, since backward
             starts by gathering it again (FSDP2 does the same for its root module); learned from the first forward.
+        hold_until_reduced: free nothing after a forward or backward with gradients: a chunk stays gathered until
+            the optimizer releases it once its gradients are reduced (see the module docstring).
     """
 
     def __init__(
@@ -70,8 +80,10 @@ class ChunkGatherer:
         group: Group,
         pool: BufferPool | None = None,
         keep_last_for_backward: bool = True,
+        hold_until_reduced: bool = False,
     ) -> None:
         self.chunks = chunks
+        self.hold_until_reduced = hold_until_reduced
         self.group = group
         self.pool = pool if pool is not None else BufferPool()
         self.keep_last_for_backward = keep_last_for_backward
@@ -254,6 +266,10 @@ class ChunkGatherer:
         block in backward (its saved tensors are the parameters themselves, not chunk positions)."""
         return not self._saved_hooks and torch.is_grad_enabled()
 
+    def _holding(self) -> bool:
+        """Whether what is gathered now stays gathered until the gradients are reduced (`hold_until_reduced`)."""
+        return self.hold_until_reduced and torch.is_grad_enabled()
+
     def _before_forward(self, module: torch.nn.Module, args):
         owned = self.module_chunks[id(module)]
         for chunk in owned:
@@ -263,6 +279,8 @@ class ChunkGatherer:
         following = max(chunk.index for chunk in owned) + 1
         if following < len(self.chunks):
             self.prefetch(self.chunks[following])
+        if self._holding():  # nothing is freed in backward: no frozen chunk needs counting
+            return None
         return self.release_after_backward([chunk for chunk in owned if not chunk.trainable], args)
 
     def release_after_backward(self, frozen: list[Chunk], args: tuple) -> tuple | None:
@@ -285,6 +303,8 @@ class ChunkGatherer:
 
     def _after_forward(self, module: torch.nn.Module, args, output):
         owned = self.module_chunks[id(module)]
+        if self._holding():  # held until the gradients are reduced: backward needs no regathering
+            return output
         if self._recomputing():
             # the recomputed block's saved tensors are the gathered parameters: they stay gathered until the
             # gradients are reduced (trainable chunks) or the last module using them is through its backward (frozen

@@ -22,6 +22,11 @@ copy lives (`colo.zero.param_sync`: full at 0/1/2, sharded at 3); the rest is th
   every micro-step.
 - Stage 3 also shards parameters (see `colo.zero.stage3`).
 
+With ``grad_reduction="step"`` (a pipeline schedule's microbatches) no stage reduces during backward: the full
+gradients accumulate over the step and each chunk is reduced once, at `reduce_gradients` (the executor's
+``on_backward_end``) or the step; at stage 3 each chunk is gathered once per step, at its first use, and held
+until that reduction (`colo.zero.grad_sync`, `colo.zero.stage3`).
+
 The optimizer is any torch optimizer; `ZeroOptimizer` swaps its parameters, in place, for one flat fp32 master
 per chunk shard (so LR schedulers built on it keep working). Parameter groups keep their lr / weight decay:
 a chunk never mixes groups.
@@ -113,7 +118,7 @@ class ZeroOptimizer(ChunkOptimizer):
         """Whether gradients are reduced in every microbatch's backward (stages 0, 2, 3; a training loop accumulating
         microbatches then runs the others under ``no_sync`` only if it wants to skip that), or accumulate in full
         buffers and reduce once, in the last microbatch's backward (stage 1)."""
-        return self._grad_strategy is not PersistentGradSync
+        return self._grad_strategy is not PersistentGradSync and self.config.grad_reduction == "backward"
 
     # --- the one place the stage is read ----------------------------------------------------------------------
 
@@ -129,14 +134,20 @@ class ZeroOptimizer(ChunkOptimizer):
 
     def _make_params(self) -> FullParams | ShardedParams:
         if self._param_strategy is ShardedParams:
-            return ShardedParams(self.chunks, group=self.group, pool=self.pool)
+            hold = self.config.grad_reduction == "step"
+            return ShardedParams(self.chunks, group=self.group, pool=self.pool, hold_until_reduced=hold)
         return FullParams(self.chunks, group=self.group, device=self.device, overlap=self._overlap_param_gather)
 
     def _make_grad_sync(self) -> GradSync:
         chunks = self.trainable_chunks
+        deferred = self.config.grad_reduction == "step"
         if self._grad_strategy is PersistentGradSync:
             return PersistentGradSync(
-                chunks, group=self.group, reduce_dtype=self.reduce_dtype, state_device=self.state_device
+                chunks,
+                group=self.group,
+                reduce_dtype=self.reduce_dtype,
+                state_device=self.state_device,
+                deferred=deferred,
             )
         return BucketGradSync(
             chunks,
@@ -148,6 +159,7 @@ class ZeroOptimizer(ChunkOptimizer):
             state_device=self.state_device,
             max_in_flight=self.config.max_reductions_in_flight,
             on_reduced=self.param_sync.release,
+            deferred=deferred,
         )
 
     # --- construction -----------------------------------------------------------------------------------------
@@ -227,6 +239,8 @@ class ZeroOptimizer(ChunkOptimizer):
 
     def _finish_grad_sync(self) -> list[torch.Tensor]:
         self.grad_sync.finish()
+        if self.config.grad_reduction == "step":  # stage 3: frozen chunks held for the step (no gradient frees them)
+            self.param_sync.release_all()
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies into host memory
         grads = []

@@ -46,7 +46,12 @@ class HybridParallel(Plugin):
     the data axes only, before the modules that use it (with prefetch, pooled buffers, saved-tensor hooks and the
     root chunk kept for backward, as `colo.zero.stage3` does without tp). With ``pp > 1`` the batch runs as
     ``num_microbatches`` microbatches through ``schedule`` (`colo.pipeline`), and ZeRO's gradient sync is the
-    executor's end-of-backward callback (ZeRO 0 or 1). The model needs a plan (`colo.apps.booster.plan_for`:
+    executor's end-of-backward callback, at every stage: gradients accumulate in full over the step's microbatches
+    and each chunk is reduce-scattered once after the last backward (`colo.zero.ZeroConfig.grad_reduction`
+    ``"step"``; a zero-bubble schedule's W steps fire no gradient hooks). With ``zero_stage=3`` each stage's chunks
+    are gathered once per step, at the first microbatch that uses them, and held until that reduction (FSDP x TP x
+    PP, torchtitan's layout with ``reshard_after_forward=False``): during the step a stage holds its full parameters
+    and gradients as at ZeRO-1, between steps 1/dp of them. The model needs a plan (`colo.apps.booster.plan_for`:
     colo's native Llama and Hugging Face's Llama have one). Every size is checked against the world size and the
     model before any collective runs.
     """
@@ -69,8 +74,9 @@ class HybridParallel(Plugin):
     sp_mode: str | None = None
     """``None``, ``"megatron"`` (over tp), ``"ulysses"`` or ``"ring"`` (over sp)."""
     zero_stage: int = 1
-    """ZeRO stage of the data-parallel part: 0, 1, 2 or 3 (2 and 3 only without a pipeline; 3 shards each
-    tensor-parallel shard's parameters over the data axes, FSDP x TP)."""
+    """ZeRO stage of the data-parallel part: 0, 1, 2 or 3 (3 shards each tensor-parallel shard's parameters over the
+    data axes, FSDP x TP; with ``pp > 1`` every stage reduces gradients once per step, after the last microbatch's
+    backward, and stage 3 holds a pipeline stage's gathered chunks for the step)."""
     schedule: str = "1f1b"
     """Pipeline schedule: a name of `colo.pipeline.GENERATORS` (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
     ``zero_bubble_h1``)."""
@@ -170,6 +176,7 @@ class HybridParallel(Plugin):
             mixed_precision=_mixed_precision(self),
             tensor_parallel_axes=self.tensor_parallel_axes(),
             pipeline_axis="pp" if self.pp > 1 else None,
+            grad_reduction="step" if self.pp > 1 else "backward",
             checkpoint_names=checkpoint_names,
             norm_replicas=tied_here,  # another stage's parameter: its gradient is counted there
         )
@@ -293,17 +300,6 @@ _RULES: tuple[LayoutRule, ...] = (
         lambda p: f"HybridParallel.zero_stage={p.zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3",
     ),
     LayoutRule(
-        "zero_stage",
-        UnsupportedLayout,
-        lambda p: p.zero_stage == 3 and p.pp > 1,
-        lambda p: (
-            f"HybridParallel: zero_stage=3 with pp={p.pp} is not supported (a pipeline's weight-gradient steps "
-            "and its stage-by-stage schedule would have to drive the per-block parameter gathers); use "
-            "zero_stage<=1 with pp > 1, or pp=1 with zero_stage=3"
-        ),
-        summary="`zero_stage` 3 with `pp` > 1",
-    ),
-    LayoutRule(
         "activation_checkpointing",
         UnsupportedLayout,
         lambda p: p.zero_stage == 3 and p.activation_checkpointing == "selective",
@@ -324,16 +320,6 @@ _RULES: tuple[LayoutRule, ...] = (
             "or compile_blocks=False"
         ),
         summary="`compile_blocks` with `zero_stage` 3",
-    ),
-    LayoutRule(
-        "zero_stage",
-        UnsupportedLayout,
-        lambda p: p.pp > 1 and p.zero_stage == 2,
-        lambda p: (
-            "HybridParallel: pp > 1 with zero_stage=2 is not supported (a pipeline's weight-gradient steps fire "
-            "no gradient hooks, which ZeRO-2 reduces from); use zero_stage=1"
-        ),
-        summary="`zero_stage` 2 with `pp` > 1",
     ),
     LayoutRule(
         "schedule",

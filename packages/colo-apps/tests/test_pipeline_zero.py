@@ -1,0 +1,208 @@
+"""ZeRO-2 and ZeRO-3 under a pipeline (`HybridParallel(pp=2, zero_stage=2 | 3)`, pp2 x dp2 on 4 CPU ranks) match the
+single-process model over 5 AdamW steps: the loss of every step and every parameter at the end (the fp32 masters
+gathered over ``dp``). Gradients accumulate in full over the step's microbatches and each chunk is reduce-scattered
+once after the last backward (``grad_reduction="step"``), so a zero-bubble schedule's W steps (no gradient hooks)
+and the sum of an embedding tied across the first and the last stage are both in it; at stage 3 each chunk is
+gathered once per step and held until then. Also here: a checkpoint saved at pp2 x dp2 ZeRO-3 loads in one process
+with every tensor equal to the saved one.
+
+Tolerances (fp32): losses rtol 1e-5; parameters rtol 1e-5, atol 1e-4. Not bit-identical: microbatches and data
+ranks sum their gradients in another order than the single process, and a zero-bubble schedule's split backward
+adds the weight gradient's pieces in another order; AdamW moves each weight by about lr * g / (|g| + eps), which
+amplifies the rounding of near-zero gradient entries to ~1e-5 (a sharding mistake moves weights by ~lr = 1e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo.comm.testing import run_distributed
+
+STEPS, ROWS, SEQ, LR, VOCAB = 5, 8, 16, 1e-2, 128
+CHUNK_NUMEL = 8192
+"""Several chunks per stage of the tiny Llama: gathering and reduction are per chunk, with prefetch."""
+FP32 = {"rtol": 1e-5, "atol": 1e-4}
+
+
+def make_model(tied: bool, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    from colo.apps import Llama, get_preset
+
+    torch.manual_seed(seed)
+    model = Llama(get_preset("tiny", tie_word_embeddings=tied, num_hidden_layers=layers))
+    model.init_weights(seed)
+    return model
+
+
+def global_batch(step: int) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(500 + step))
+    return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def local_batch(step: int, mesh) -> dict[str, torch.Tensor]:
+    """This data rank's rows of the step's global batch."""
+    rows = ROWS // mesh.size("dp")
+    start = mesh.rank("dp") * rows
+    return {k: v[start : start + rows] for k, v in global_batch(step).items()}
+
+
+def reference_run(tied: bool, steps: int = STEPS, layers: int = 2):
+    """The single-process run: its losses and parameters (every name of a tied one) after ``steps`` steps."""
+    model = make_model(tied, layers=layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        loss = model(**global_batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def reference_piece(reference: dict[str, torch.Tensor], name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    """The piece of the reference that the stage's parameter ``name`` holds: ``*.qkv_proj.{q,k,v}_weight`` are row
+    blocks of the reference's fused ``*.qkv_proj.weight``; a tensor-parallel shard is its layout's slice."""
+    from colo.apps import get_preset
+    from colo.tensor import layout_of
+
+    module, _, leaf = name.rpartition(".")
+    whole = reference[name] if leaf not in ("q_weight", "k_weight", "v_weight") else None
+    if whole is None:
+        config = get_preset("tiny")
+        heads = (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads)
+        whole = reference[f"{module}.weight"].split([n * config.head_dim for n in heads])["qkv".index(leaf[0])]
+    layout = layout_of(param)
+    return layout.local_slice(whole) if layout is not None else whole
+
+
+def boost(tied: bool, layers: int = 2, **settings):
+    from colo.apps import Booster
+    from colo.apps.booster import HybridParallel
+
+    model = make_model(tied, layers=layers)
+    settings = {"pp": 2, "num_microbatches": 4, "chunk_numel": CHUNK_NUMEL, **settings}
+    booster = Booster(HybridParallel(**settings))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    return booster
+
+
+def _train_against_reference(tied: bool, settings: dict):
+    settings = dict(settings)
+    layers = settings.pop("layers", 2)
+    expected_losses, expected = reference_run(tied, layers=layers)
+    booster = boost(tied, layers, **settings)
+    zero = booster.engine.optimizer
+    losses = [booster.train_step(local_batch(step, booster.mesh)).loss for step in range(STEPS)]
+    params = zero.full_params()
+    named = dict(booster.engine.model.named_parameters())
+    found = []
+    for name, value in params.items():
+        try:
+            torch.testing.assert_close(value, reference_piece(expected, name, named[name]), **FP32)
+        except AssertionError as error:
+            found.append(f"{name}: {error}")
+    shards = [chunk.shard_numel * 2 == chunk.numel for chunk in zero.trainable_chunks]
+    gathered = [] if zero.gatherer is None else [c.index for c in zero.chunks if zero.gatherer.is_gathered(c)]
+    gathers = None if zero.gatherer is None else zero.gatherer.num_gathers
+    return losses, expected_losses, sorted(params), found, all(shards), gathered, gathers, len(zero.chunks)
+
+
+INTERLEAVED = {"schedule": "interleaved_1f1b", "num_model_chunks": 2, "layers": 4}
+"""Two model chunks per pipeline rank (4 stages of one layer each)."""
+
+
+@pytest.mark.parametrize(
+    "stage, settings, tied, world_size",
+    [
+        (2, {"schedule": "1f1b"}, False, 4),
+        (2, {"schedule": "zero_bubble_h1"}, True, 4),
+        (2, {"schedule": "gpipe"}, True, 4),
+        (3, {"schedule": "1f1b"}, True, 4),
+        (3, {"schedule": "zero_bubble_h1"}, False, 4),
+        (3, INTERLEAVED, True, 4),
+        (3, {"schedule": "1f1b", "tp": 2}, False, 8),
+    ],
+    ids=[
+        "zero2-1f1b",
+        "zero2-zbh1-tied",
+        "zero2-gpipe-tied",
+        "zero3-1f1b-tied",
+        "zero3-zbh1",
+        "zero3-interleaved-tied",
+        "tp2-zero3-1f1b",
+    ],
+)
+def test_pp2_dp2_zero_matches_the_single_process_model(stage, settings, tied, world_size):
+    """pp2 x dp2 (and pp2 x tp2 x dp2 at 8 ranks, correctness only). A tied embedding is on the first and the last
+    stage: its gradient is the two stages' sum, reduce-scattered after it is summed."""
+    settings = {"zero_stage": stage, **settings}
+    results = run_distributed(_train_against_reference, tied, settings, world_size=world_size)
+    for losses, expected_losses, names, found, sharded, gathered, gathers, num_chunks in results:
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert names and not found, found
+        assert sharded  # every trainable chunk is split over the two data ranks
+        if stage == 3:
+            # nothing stays gathered between steps, and each chunk was gathered once per step, not per microbatch
+            assert gathered == []
+            assert gathers == STEPS * num_chunks
+    # the stages together hold every parameter of the model (a tied lm_head is the embedding's copy)
+    stage_names = {name for _, _, names, *_ in results for name in names}
+    model_names = reference_run(tied, steps=0, layers=settings.get("layers", 2))[1]
+    assert stage_names >= {name for name in model_names if "qkv_proj" not in name and name != "lm_head.weight"}
+
+
+# --- checkpoints: saved at pp2 x dp2 ZeRO-3, loaded in one process ------------------------------------------------
+
+
+def _save_pipeline_zero3(tied: bool, path: str):
+    booster = boost(tied, zero_stage=3)
+    for step in range(2):
+        booster.train_step(local_batch(step, booster.mesh))
+    booster.save(path)
+    return [booster.train_step(local_batch(step, booster.mesh)).loss for step in range(2, 4)]
+
+
+def _load_in_one_process(tied: bool, path: str):
+    from colo.apps import Booster, Zero
+    from colo.tensor.checkpoint import load_checkpoint, read_index
+
+    model = make_model(tied, seed=1)  # another initialisation: everything must come from the checkpoint
+    booster = Booster(Zero(stage=1))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    booster.load(path)
+    index = read_index(path)
+    stored = {name: torch.empty(entry.shape, dtype=entry.dtype) for name, entry in index.tensors.items()}
+    load_checkpoint(path, stored)
+    unequal = []
+    for name, value in model.named_parameters():  # q, k and v are saved apart and stacked into the fused weight
+        if name.endswith("qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            saved = torch.cat([stored[f"{prefix}{part}_proj.weight"] for part in "qkv"])
+        else:
+            saved = stored[name]
+        if not torch.equal(value.detach(), saved):
+            unequal.append(name)
+    states = booster.engine.optimizer.full_optimizer_states()
+    for name, value in states.items():  # <param>/exp_avg: the moments too, bit for bit
+        param, _, state = name.rpartition("/")
+        if not param.endswith("qkv_proj.weight"):
+            if not torch.equal(value, stored[f"optim/{param}/{state}"]):
+                unequal.append(name)
+    loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses = [booster.train_step(global_batch(step)).loss for step in range(2, 4)]
+    return loaded, losses, sorted(index.tensors), unequal
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_checkpoint_saved_at_pp2_dp2_zero3_loads_in_one_process(tied, tmp_path):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(_save_pipeline_zero3, tied, path, world_size=4)[0]
+    loaded, resumed, names, unequal = run_distributed(_load_in_one_process, tied, path, world_size=1)[0]
+    assert unequal == []  # every parameter and moment is the checkpoint's tensor, bit for bit
+    _, expected = reference_run(tied, steps=2)  # what the parallel run saved is the single process's state
+    for name, value in loaded.items():
+        torch.testing.assert_close(value, expected[name], **FP32, msg=name)
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+    assert "layers.0.self_attn.q_proj.weight" in names and "optim/layers.1.mlp.up_proj.weight/exp_avg" in names
+    assert ("lm_head.weight" in names) != tied  # a tied lm_head is saved once, as the embedding
