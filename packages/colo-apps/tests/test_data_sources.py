@@ -77,7 +77,7 @@ def test_clear_errors(tmp_path):
 def test_hf_dataset_needs_datasets(tmp_path, monkeypatch):
     _write(tmp_path / "ds" / "dataset_info.json", "{}")
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed: `import datasets` fails
-    with pytest.raises(ImportError, match="pip install datasets"):
+    with pytest.raises(ImportError, match=r"pip install 'colo-apps\[data\]'"):
         list(read_documents(tmp_path / "ds"))
 
 

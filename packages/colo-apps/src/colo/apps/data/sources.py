@@ -57,8 +57,8 @@ def read_documents(
       ``response_field`` yields ``[{"role": "user", ...}, {"role": "assistant", ...}]``; one with ``text_field``
       yields that string.
     - ``"hf"``: a dataset saved with ``datasets.Dataset.save_to_disk`` (rows read as JSONL records); a
-      ``DatasetDict`` is read at ``split``. Needs ``pip install datasets``.
-    - ``"parquet"``: a Parquet file's rows read as JSONL records, in row order. Needs ``pip install pyarrow``.
+      ``DatasetDict`` is read at ``split``. Needs ``pip install 'colo-apps[data]'``.
+    - ``"parquet"``: a Parquet file's rows read as JSONL records, in row order. Needs ``pip install 'colo-apps[data]'``.
 
     Args:
         paths (str | os.PathLike | Sequence[str | os.PathLike]): files, directories or glob patterns.
@@ -315,7 +315,7 @@ def _read_hf(path: Path, fields: _Fields, split: str) -> Iterator[Document]:
         import datasets
     except ImportError:
         raise ImportError(
-            f"{path} is a Hugging Face dataset; reading it needs the `datasets` package: pip install datasets"
+            f"{path} is a Hugging Face dataset; reading it needs the `datasets` package: pip install 'colo-apps[data]'"
         ) from None
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
@@ -346,6 +346,6 @@ def import_parquet(path: Path):
         import pyarrow.parquet as parquet
     except ImportError:
         raise ImportError(
-            f"{path} is a Parquet file; reading it needs the `pyarrow` package: pip install pyarrow"
+            f"{path} is a Parquet file; reading it needs the `pyarrow` package: pip install 'colo-apps[data]'"
         ) from None
     return parquet

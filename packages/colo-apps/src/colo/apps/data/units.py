@@ -200,7 +200,7 @@ def _load_hf(path: Path):
         import datasets
     except ImportError:
         raise ImportError(
-            f"{path} is a Hugging Face dataset; reading it needs the `datasets` package: pip install datasets"
+            f"{path} is a Hugging Face dataset; reading it needs the `datasets` package: pip install 'colo-apps[data]'"
         ) from None
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
