@@ -39,7 +39,17 @@ def test_sizes_that_do_not_fit_the_world_name_the_field(dims, world, field, word
         ({"sp": 2}, LayoutError, "sp_mode"),
         ({"sp_mode": "ring"}, LayoutError, "sp"),
         ({"zero_stage": 4}, LayoutError, "zero_stage"),
-        ({"zero_stage": 3, "pp": 2, "num_microbatches": 2}, UnsupportedLayout, "zero_stage"),
+        (
+            {
+                "zero_stage": 3,
+                "pp": 2,
+                "num_microbatches": 2,
+                "schedule": "zero_bubble_h1",
+                "pipeline_zero_sync": "microbatch",
+            },
+            UnsupportedLayout,
+            "pipeline_zero_sync",
+        ),
         ({"zero_stage": 3, "activation_checkpointing": "selective"}, UnsupportedLayout, "activation_checkpointing"),
         (
             {"tp": 2, "sp_mode": "megatron", "pp": 2, "num_microbatches": 2, "schedule": "zero_bubble_h1"},

@@ -33,6 +33,7 @@ from .runner import PipelineRunner
 from .zero import ZeroEngine
 
 SP_MODES = (None, "megatron", "ulysses", "ring")
+PIPELINE_ZERO_SYNCS = ("step", "microbatch")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +78,16 @@ class HybridParallel(Plugin):
     """ZeRO stage of the data-parallel part: 0, 1, 2 or 3 (3 shards each tensor-parallel shard's parameters over the
     data axes, FSDP x TP; with ``pp > 1`` every stage reduces gradients once per step, after the last microbatch's
     backward, and stage 3 holds a pipeline stage's gathered chunks for the step)."""
+    pipeline_zero_sync: str = "step"
+    """With ``pp > 1``: when ZeRO reduces gradients and, at stage 3, frees the gathered chunks. ``"step"``: once per
+    step, after the last microbatch's backward; full gradients accumulate over the microbatches and stage 3 holds
+    each chunk from its first gather to then (the stage's full parameters and gradients during the step, as at
+    ZeRO-1; one all-gather and one reduce-scatter per chunk per step). ``"microbatch"`` (``zero_stage`` 2 or 3):
+    every microbatch's backward reduce-scatters its gradients from the gradient hooks and stage 3 frees each chunk
+    after its forward and its backward, gathering it again for the next (1/dp of the gradients and parameters plus
+    the chunks in use and in flight; ``num_microbatches`` reduce-scatters and, at stage 3, 2 x ``num_microbatches``
+    all-gathers per chunk per step). Not with ``zero_bubble_h1`` (its W steps fire no gradient hooks) nor with
+    embeddings tied across stages (their gradients are summed after the last backward)."""
     schedule: str = "1f1b"
     """Pipeline schedule: a name of `colo.pipeline.GENERATORS` (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
     ``zero_bubble_h1``)."""
@@ -141,6 +152,14 @@ class HybridParallel(Plugin):
             restore_lora_layers(lora)
             raise
         aliases = _tied_aliases(original_names)
+        if aliases and self.pp > 1 and self.pipeline_zero_sync == "microbatch":  # every rank sees it, before any group
+            restore_lora_layers(lora)
+            raise UnsupportedLayout(
+                "HybridParallel.pipeline_zero_sync='microbatch' does not work with parameters tied across pipeline "
+                f"stages ({sorted(aliases)}): their gradients are summed after the last backward, after the "
+                "microbatches' reductions; use pipeline_zero_sync='step' or untie them",
+                field="pipeline_zero_sync",
+            )
         checkpoint_names = _names_with_aliases(plan.checkpoint_names(model), aliases)
         mesh = self.build_mesh()
         # every rank holds the whole model: make it rank 0's before the plan cuts it, so that every shard and stage
@@ -176,7 +195,7 @@ class HybridParallel(Plugin):
             mixed_precision=_mixed_precision(self),
             tensor_parallel_axes=self.tensor_parallel_axes(),
             pipeline_axis="pp" if self.pp > 1 else None,
-            grad_reduction="step" if self.pp > 1 else "backward",
+            grad_reduction="step" if self.pp > 1 and self.pipeline_zero_sync == "step" else "backward",
             checkpoint_names=checkpoint_names,
             norm_replicas=tied_here,  # another stage's parameter: its gradient is counted there
         )
@@ -337,6 +356,34 @@ _RULES: tuple[LayoutRule, ...] = (
             "tp, so the tp ranks' collectives diverge); use schedule='1f1b' or 'gpipe'"
         ),
         summary="`sp_mode: megatron` with `pp` > 1 and `schedule: zero_bubble_h1`",
+    ),
+    LayoutRule(
+        "pipeline_zero_sync",
+        LayoutError,
+        lambda p: p.pipeline_zero_sync not in PIPELINE_ZERO_SYNCS,
+        lambda p: (
+            f"HybridParallel.pipeline_zero_sync={p.pipeline_zero_sync!r} is unknown; use one of {PIPELINE_ZERO_SYNCS}"
+        ),
+    ),
+    LayoutRule(
+        "pipeline_zero_sync",
+        LayoutError,
+        lambda p: p.pipeline_zero_sync == "microbatch" and (p.pp == 1 or p.zero_stage < 2),
+        lambda p: (
+            "HybridParallel.pipeline_zero_sync='microbatch' is for pp > 1 with zero_stage 2 or 3 (got "
+            f"pp={p.pp}, zero_stage={p.zero_stage}); leave it at 'step'"
+        ),
+    ),
+    LayoutRule(
+        "pipeline_zero_sync",
+        UnsupportedLayout,
+        lambda p: p.pipeline_zero_sync == "microbatch" and p.schedule == "zero_bubble_h1",
+        lambda p: (
+            "HybridParallel: pipeline_zero_sync='microbatch' with schedule='zero_bubble_h1' is not supported (its "
+            "split weight-gradient steps fire no gradient hooks, which a per-microbatch reduction runs from); use "
+            "pipeline_zero_sync='step', or schedule='1f1b' or 'gpipe'"
+        ),
+        summary="`pipeline_zero_sync: microbatch` with `schedule: zero_bubble_h1`",
     ),
     LayoutRule(
         "num_model_chunks",
