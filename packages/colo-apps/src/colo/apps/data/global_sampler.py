@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .blend import Blend
+from .streaming import CHECKPOINT_KIND
 
 _STATE_VERSION = 1
 KIND = "global-position"
@@ -90,10 +91,14 @@ class GlobalPositionSampler:
                 (the message names the field).
         """
         if state.get("kind") != KIND:
+            what = (
+                "streamed raw files (data.streaming)"
+                if state.get("kind") == CHECKPOINT_KIND
+                else "read raw files (data.paths tokenized in memory)"
+            )
             raise ValueError(
-                "cannot resume the data position: the checkpoint's run read raw files (data.paths tokenized in "
-                "memory), this run reads prepared corpora; resume with the checkpoint's data, or start a fresh run "
-                "(checkpoint.resume=none)"
+                f"cannot resume the data position: the checkpoint's run {what}, this run reads prepared corpora; "
+                "resume with the checkpoint's data, or start a fresh run (checkpoint.resume=none)"
             )
         mine = self.blend.identity()
         for key in ("seed", "shuffle", "block"):

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .streaming import CHECKPOINT_KIND
+
 _STATE_VERSION = 1
 
 
@@ -149,11 +151,15 @@ class ResumableDistributedSampler:
             ValueError: the dataset length, seed, shuffle or drop_last differ from the saved run's (the message
                 names the field), or the consumed samples do not divide into the new global batch size.
         """
-        if state.get("kind") is not None:  # a GlobalPositionSampler's state: the run read prepared corpora
+        if state.get("kind") is not None:  # a GlobalPositionSampler's or a stream's state
+            what = (
+                "streamed data.paths (data.streaming)"
+                if state["kind"] == CHECKPOINT_KIND
+                else "read prepared corpora (data.blend or a prepared corpus in data.paths)"
+            )
             raise ValueError(
-                "cannot resume the sampler: the checkpoint's run read prepared corpora (data.blend or a prepared "
-                "corpus in data.paths), this run reads raw files; resume with the checkpoint's data, or start a "
-                "fresh run (checkpoint.resume=none)"
+                f"cannot resume the sampler: the checkpoint's run {what}, this run reads raw files tokenized in "
+                "memory; resume with the checkpoint's data settings, or start a fresh run (checkpoint.resume=none)"
             )
         for name in ("dataset_len", "seed", "shuffle", "drop_last"):
             if name in state and state[name] != getattr(self, name):

@@ -13,6 +13,9 @@ plus how many of that document's tokens were consumed. A window always ends at s
 no partial window there and a fresh source loaded from the state yields the next batch exactly as the uninterrupted
 one would. The share of a rank depends on the number of ranks, so a state resumes only at the data-parallel size it
 was saved at; a corpus prepared with ``colo data prepare`` resumes across sizes.
+
+`HeldOutHead` reads the first windows of the unsplit corpus once (for evaluation) and says how many documents of
+each rank's share to skip (``skip_documents``) so that the training stream starts after them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ BUILDERS = ("json", "text", "parquet")
 _SUFFIX_BUILDERS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet"}
 STATE_FORMAT = "colo.streaming_packed"
 STATE_VERSION = 1
+CHECKPOINT_KIND = "streaming"
+"""The ``kind`` of a run checkpoint's data position when the run streamed (every data-parallel rank's state)."""
 _POLL_SECONDS = 0.05  # how often a blocked worker looks for a stop request
 
 
@@ -71,7 +76,7 @@ def load_streaming_corpus(
         ImportError: ``datasets`` is missing or older than 2.18.
     """
     datasets = _import_datasets()
-    files = _expand(paths)
+    files = expand_paths(paths)
     if builder is None:
         found = sorted({_SUFFIX_BUILDERS.get(Path(file).suffix.lower(), "text") for file in files})
         if len(found) > 1:
@@ -110,6 +115,8 @@ class StreamingPackedSource:
         repeat (bool): start a new pass when the corpus ends (as ``batches(..., repeat=True)``); otherwise stop,
             dropping the last partial batch. Default: ``True``.
         prefetch_batches (int): batches the thread may read ahead. Default: ``4``.
+        skip_documents (int): documents at the head of this rank's share never read, in every pass (a held-out
+            head: `HeldOutHead.documents_to_skip`). Default: ``0``.
 
     Example::
 
@@ -135,10 +142,13 @@ class StreamingPackedSource:
         add_eos: bool = True,
         repeat: bool = True,
         prefetch_batches: int = 4,
+        skip_documents: int = 0,
     ) -> None:
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("prefetch_batches", prefetch_batches)):
             if value <= 0:
                 raise ValueError(f"{name}={value} must be positive")
+        if skip_documents < 0:
+            raise ValueError(f"skip_documents={skip_documents} must not be negative")
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in 0..world_size-1 with world_size={world_size} positive")
         datasets = _import_datasets()
@@ -152,7 +162,7 @@ class StreamingPackedSource:
         self.tokenizer = tokenizer
         self.seq_len, self.batch_size, self.rank, self.world_size = seq_len, batch_size, rank, world_size
         self.text_field, self.add_bos, self.add_eos, self.repeat = text_field, add_bos, add_eos, repeat
-        self.prefetch_batches = prefetch_batches
+        self.prefetch_batches, self.skip_documents = prefetch_batches, skip_documents
         self.num_shards = corpus.num_shards
         self._position = _Position(epoch=0, dataset=None, document_offset=0, batches_yielded=0)
         self._producer: _Producer | None = None
@@ -198,6 +208,7 @@ class StreamingPackedSource:
             "num_shards": self.num_shards,
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
+            "skip_documents": self.skip_documents,
             **vars(self._position),
         }
         return json.loads(json.dumps(state))  # a deep copy, and proof it is JSON
@@ -229,6 +240,12 @@ class StreamingPackedSource:
             raise ValueError(
                 f"the corpus has {self.num_shards} shards (files) and the state was saved over {state['num_shards']}; "
                 "resume over the same files"
+            )
+        if state.get("skip_documents", 0) != self.skip_documents:
+            raise ValueError(
+                f"the streaming data state skipped {state.get('skip_documents', 0)} documents at the head of this "
+                f"rank's share and this source skips {self.skip_documents} (a different held-out head); resume with "
+                "the saved settings (in a run: eval.every_steps, eval.num_sequences, data.seq_len)"
             )
         self._stop_producer()
         self._position = _Position(
@@ -288,6 +305,8 @@ class _Producer:
         from datasets.distributed import split_dataset_by_node
 
         self.dataset = split_dataset_by_node(source.corpus, rank=source.rank, world_size=source.world_size)
+        if source.skip_documents:  # after the split: of this rank's share (see HeldOutHead.documents_to_skip)
+            self.dataset = self.dataset.skip(source.skip_documents)
         self.tokenizer, self.text_field = source.tokenizer, source.text_field
         self.add_bos, self.add_eos, self.repeat = source.add_bos, source.add_eos, source.repeat
         self.seq_len, self.batch_size, self.start = source.seq_len, source.batch_size, start
@@ -404,8 +423,105 @@ class _Producer:
             yield tokens, states.popleft()
 
 
-def _expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """The files of ``paths`` (files, directories, globs), each entry's sorted, in the order given."""
+class HeldOutHead:
+    """The first ``num_windows`` windows of an unsplit streamed corpus, held out of training for evaluation.
+
+    The head is read once, in file order, on every rank alike (so every rank holds the same windows): documents
+    framed and packed as `StreamingPackedSource` packs them, until ``num_windows * seq_len`` tokens are taken. The
+    training stream starts after the documents those windows used (the rest of the last one is not trained on
+    either): each rank's `StreamingPackedSource` is given ``skip_documents=documents_to_skip(rank, world_size)``.
+
+    Indexing gives rows ``{"input_ids", "labels"}`` as `PackedDataset` does.
+
+    Args:
+        corpus (datasets.IterableDataset): the unsplit streaming dataset (one shard per file, read in order).
+        tokenizer (Tokenizer): the tokenizer.
+        num_windows (int): windows to hold out.
+        seq_len (int): tokens per window.
+        text_field (str): the record field holding the text. Default: ``"text"``.
+        add_bos (bool): start every document with ``bos``. Default: ``True``.
+        add_eos (bool): end every document with ``eos``. Default: ``True``.
+
+    Raises:
+        ValueError: the corpus holds fewer than ``num_windows * seq_len`` tokens, or a record lacks ``text_field``.
+    """
+
+    def __init__(
+        self,
+        corpus: IterableDataset,
+        tokenizer: Tokenizer,
+        *,
+        num_windows: int,
+        seq_len: int,
+        text_field: str = "text",
+        add_bos: bool = True,
+        add_eos: bool = True,
+    ) -> None:
+        if num_windows <= 0 or seq_len <= 0:
+            raise ValueError(f"num_windows={num_windows} and seq_len={seq_len} must be positive")
+        needed = num_windows * seq_len
+        tokens, filled = np.empty(needed, dtype=np.int64), 0
+        self.documents_per_file = [0] * corpus.num_shards
+        for index in range(corpus.num_shards):
+            if filled == needed:
+                break
+            shard = corpus.shard(num_shards=corpus.num_shards, index=index)
+            texts = _texts(shard, text_field, where=f"file {index} of the held-out head")
+            for document in tokenize_documents(texts, tokenizer, add_bos=add_bos, add_eos=add_eos):
+                take = min(document.size, needed - filled)
+                tokens[filled : filled + take] = document[:take]
+                filled += take
+                self.documents_per_file[index] += 1
+                if filled == needed:
+                    break
+        if filled < needed:
+            raise ValueError(
+                f"the streamed corpus holds {filled} tokens, fewer than the {num_windows} held-out windows of "
+                f"{seq_len} tokens; add data or hold out fewer windows"
+            )
+        self.windows = torch.from_numpy(tokens).view(num_windows, seq_len)
+
+    @property
+    def num_documents(self) -> int:
+        """Documents the held-out windows used (the last one perhaps in part)."""
+        return sum(self.documents_per_file)
+
+    def documents_to_skip(self, rank: int, world_size: int) -> int:
+        """The ``skip_documents`` of rank ``rank``'s `StreamingPackedSource`: its share starts after the head.
+
+        ``datasets.distributed.split_dataset_by_node`` gives a rank every ``world_size``-th file when the files
+        divide by the ranks: the held-out documents among its files are then the head of its share (the head is the
+        first files' first documents). Otherwise it gives a rank every ``world_size``-th document of the whole
+        stream, and ``IterableDataset.skip`` after that split skips the whole stream's first documents: all of them.
+        """
+        num_files = len(self.documents_per_file)
+        if num_files % world_size:
+            return self.num_documents
+        return sum(self.documents_per_file[rank::world_size])
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = self.windows[index]
+        return {"input_ids": window, "labels": window.clone()}
+
+
+def _texts(dataset: IterableDataset, text_field: str, *, where: str) -> Iterator[str]:
+    """The ``text_field`` of each record of ``dataset`` (a record without it: a `ValueError` naming the fields)."""
+    for index, record in enumerate(dataset):
+        if not isinstance(record, Mapping) or text_field not in record:
+            fields = list(record) if isinstance(record, Mapping) else type(record).__name__
+            raise ValueError(
+                f"record {index} of {where} has no field {text_field!r} (it has {fields}); pass text_field= naming "
+                "the field that holds the text"
+            )
+        yield record[text_field]
+
+
+def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The files `load_streaming_corpus` reads for ``paths`` (files, directories, globs), each entry's sorted, in the
+    order given, as absolute paths."""
     entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not entries:
         raise ValueError("no data files given; pass files, directories or glob patterns")

@@ -276,7 +276,20 @@ class DataSection(_Section):
         description="Read at most this many tokens of the corpus (None: all of it; task='pretrain'); of each "
         "prepared corpus, its stream's first this many tokens.",
     )
-    shuffle: bool = Field(default=True, description="Shuffle the sequences each epoch (seeded by `seed`).")
+    shuffle: bool = Field(
+        default=True,
+        description="Shuffle the sequences each epoch (seeded by `seed`). A streamed corpus (data.streaming) is read "
+        "in file order and ignores it.",
+    )
+    streaming: bool = Field(
+        default=False,
+        description="Stream data.paths (JSON Lines, text or Parquet files; task='pretrain', packing='fixed') "
+        "through Hugging Face datasets while training instead of tokenizing the corpus at start-up "
+        "(colo.apps.data.streaming): each data-parallel rank reads its share of the files (or of the documents), "
+        "packed into seq_len windows in a background thread, in file order (data.shuffle does not apply); with "
+        "eval.every_steps the corpus's first eval.num_sequences windows are held out. A run resumes exactly at the "
+        "same data-parallel size only (prepare the corpus with colo data prepare to resume at any size).",
+    )
 
     def prepared_corpora(self) -> list[tuple[str, str, float]]:
         """``(field, path, weight)`` of each prepared corpus the run reads (``data.blend``, or a prepared corpus
@@ -333,6 +346,43 @@ class DataSection(_Section):
                 f"data.format={self.format!r} says how to read raw files; a prepared corpus is already tokenized: "
                 "drop data.format"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _streams_raw_files(self):
+        if not self.streaming:
+            return self
+        if not task_spec(self.task).streams:
+            readers = sorted(name for name, spec in task_specs().items() if spec.streams)
+            raise ValueError(
+                f"data.streaming is read with data.task in {readers} (data.task={self.task!r}); set "
+                "data.streaming=false"
+            )
+        refusals = (
+            (
+                self.packing != "fixed",
+                "data.streaming packs the stream into fixed windows, and data.packing='documents' bin-packs whole "
+                "documents (which needs the whole corpus); set data.packing=fixed or data.streaming=false",
+            ),
+            (
+                bool(self.blend or self.prepared_corpora()),
+                "data.streaming reads raw files, and a prepared corpus (data.blend, or one in data.paths) is already "
+                "tokenized and read from its shards without a start-up cost; drop data.streaming",
+            ),
+            (
+                self.max_tokens is not None,
+                f"data.streaming reads the corpus while training, and data.max_tokens={self.max_tokens} caps what is "
+                "read at start-up; drop data.max_tokens (schedule.total_steps bounds what a streamed run reads)",
+            ),
+            (
+                self.format == "hf",
+                "data.streaming reads JSON Lines, text or Parquet files, and data.format='hf' names saved Hugging "
+                "Face datasets; set data.format to 'auto', 'jsonl' or 'text', or data.streaming=false",
+            ),
+        )
+        for refused, message in refusals:
+            if refused:
+                raise ValueError(message)
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,8 @@ selects), a held-out tail for evaluation, and the resumable sampler over this ra
   replies only, a padded tail); with ``packing='documents'`` several whole conversations per row and
   ``position_ids`` restarting per conversation.
 
+``data.streaming`` reads ``data.paths`` while training instead (`colo.apps.train.streaming_data`).
+
 ``data.blend`` (or a prepared corpus in ``data.paths``) reads prepared token shards instead of tokenizing at
 start-up (`open_prepared`): the same rows (`colo.apps.data.prepared`), blended by weight with each corpus's
 held-out tail split off (`colo.apps.data.blend.Blend`), read from one global sample position that a run resumes at
@@ -55,10 +57,11 @@ class RunData:
 
     Attributes:
         tokenizer: encodes the corpus and decodes samples.
-        train: the training rows.
+        train: the training rows (``None`` when streamed: `colo.apps.train.streaming_data.StreamingRunData`).
         eval: the held-out rows (``None`` without evaluation).
         sampler: this rank's batches of ``train`` indices (resumable: its state goes into checkpoints): a
-            `ResumableDistributedSampler`, or a `GlobalPositionSampler` over prepared corpora.
+            `ResumableDistributedSampler`, or a `GlobalPositionSampler` over prepared corpora (``None`` when
+            streamed).
         batch_size: rows per step on this data-parallel rank.
         tokens_per_row: the real (non-padding) tokens of ``train`` rows, indexed with a batch's indices; ``None``
             when every row is full (fixed windows).
@@ -68,9 +71,9 @@ class RunData:
     """
 
     tokenizer: object
-    train: Dataset
+    train: Dataset | None
     eval: Dataset | None
-    sampler: ResumableDistributedSampler | GlobalPositionSampler
+    sampler: ResumableDistributedSampler | GlobalPositionSampler | None
     batch_size: int
     tokens_per_row: np.ndarray | RowLengths | None = None
     description: str = ""
@@ -92,6 +95,18 @@ class RunData:
                 else:
                     yield batch, int(self.tokens_per_row[indices].sum())
 
+    def state_dict(self, group) -> dict:
+        """The data position a checkpoint keeps (JSON; the trainer saves rank 0's): the sampler's, the same on
+        every rank of ``group`` (the data-parallel ranks)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict, group) -> None:
+        """Continue at `state_dict`'s position (the message of a refusal names what differs)."""
+        self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        """Release what reading holds (a stream's thread); nothing for rows in memory."""
+
 
 def build_data(
     config: RunConfig,
@@ -108,7 +123,7 @@ def build_data(
         config: the run config (``data``, ``eval``, ``seed``; ``plugin`` for what the layout can feed the model).
         tokenizer: from `load_tokenizer(config.data.tokenizer)`.
         rows: ``(dataset, real tokens of each row or None, description)``; ``None``: the rows of ``data.task``'s
-            task (its ``dataset_rows``).
+            task (its ``dataset_rows``). Not read with ``data.streaming`` (`build_streaming_data`).
         num_replicas: data-parallel ranks that get different samples (``plugin.sample_axes``).
         rank: this rank's index among them.
         vocab_size: the model's vocabulary, which every batch's ids are checked against (`RunData.vocab_size`).
@@ -129,6 +144,12 @@ def build_data(
             f"data.global_batch_size={data.global_batch_size} gives {batch_size} sequences per data-parallel rank, "
             f"which do not split into schedule.num_microbatches={config.schedule.num_microbatches}; make "
             f"global_batch_size a multiple of {num_replicas * config.schedule.num_microbatches}"
+        )
+    if data.streaming:
+        from .streaming_data import build_streaming_data
+
+        return build_streaming_data(
+            config, tokenizer, num_replicas=num_replicas, rank=rank, batch_size=batch_size, vocab_size=vocab_size
         )
     if rows is None:
         from .task import task_spec

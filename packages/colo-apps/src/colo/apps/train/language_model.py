@@ -124,7 +124,7 @@ class LanguageModelTask(TrainTask):
             num_replicas=group.size,
             rank=group.rank,
             vocab_size=self.llama_config.vocab_size,
-            rows=self.dataset_rows(self.config, self.tokenizer),
+            rows=None if self.config.data.streaming else self.dataset_rows(self.config, self.tokenizer),
         )
 
     def describe(self, ctx: TaskContext) -> list[str]:
@@ -139,8 +139,9 @@ class LanguageModelTask(TrainTask):
         lines = [
             f"model: {type(ctx.booster.unwrap()).__name__} {config.model.init_from or config.model.preset}, "
             f"{shape.num_parameters() / 1e6:.2f}M parameters{moe}, "
-            f"vocab {shape.vocab_size} | data: {len(data.train)} sequences of {config.data.seq_len} "
-            f"tokens, {config.data.global_batch_size} per step"
+            f"vocab {shape.vocab_size} | data: "
+            + ("streamed" if data.train is None else f"{len(data.train)}")
+            + f" sequences of {config.data.seq_len} tokens, {config.data.global_batch_size} per step"
             + (f", {len(data.eval)} held out" if data.eval is not None else ""),
         ]
         if config.lora.enabled:
@@ -303,13 +304,18 @@ class LanguageModelTask(TrainTask):
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
     def data_state(self, ctx: TaskContext) -> dict:
-        """The sampler's position (the batches this rank consumed; over prepared corpora, the global sample
-        position)."""
-        return ctx.data.sampler.state_dict()
+        """The data position (`RunData.state_dict`): the batches this rank consumed; over prepared corpora, the
+        global sample position; a streamed run's, every data-parallel rank's stream position."""
+        return ctx.data.state_dict(ctx.sample_group)
 
     def load_data_state(self, ctx: TaskContext, state: dict | None) -> None:
         if state is not None:
-            ctx.data.sampler.load_state_dict(state)
+            ctx.data.load_state_dict(state, ctx.sample_group)
+
+    def close(self, ctx: TaskContext) -> None:
+        """Stop reading the data (a stream's background thread)."""
+        if ctx.data is not None:
+            ctx.data.close()
 
     def run_metadata(self, ctx: TaskContext) -> dict:
         """The model's shape and tokenizer (how `colo.apps.runs.load_llama` opens the checkpoint), and an
@@ -381,6 +387,7 @@ LANGUAGE_MODEL_TASKS = (
         summary="next-token loss on every token of text documents",
         load=lambda: LanguageModelTask,
         reads_prepared_corpora=True,
+        streams=True,
         batches_rows_of_seq_len=True,
         supports_moe=True,
     ),

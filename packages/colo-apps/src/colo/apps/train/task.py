@@ -64,6 +64,8 @@ class TaskSpec:
         reads_data_files: the task reads ``data.paths`` as text / JSONL / Hugging Face datasets.
         reads_prepared_corpora: the task reads prepared token shards (``data.blend``, or a prepared corpus in
             ``data.paths``; `colo.apps.data.prepared`).
+        streams: the task reads ``data.paths`` as a stream while it trains (``data.streaming``;
+            `colo.apps.data.streaming`).
         reads_chat_template: the task reads ``data.chat_template``.
         rows_vary_in_labelled_tokens: its rows hold different numbers of labelled tokens (the default
             ``plugin.loss_weighting`` is then ``'token'``).
@@ -83,6 +85,7 @@ class TaskSpec:
     trains_llama: bool = True
     reads_data_files: bool = True
     reads_prepared_corpora: bool = False
+    streams: bool = False
     reads_chat_template: bool = False
     rows_vary_in_labelled_tokens: bool = False
     batches_rows_of_seq_len: bool = False
@@ -225,7 +228,7 @@ class TrainTask:
     ``logging.every_steps`` steps `throughput` and `take_metrics`; every ``eval.every_steps`` steps `evaluate`.
     Checkpoints: `state`, `data_state`, `run_metadata` and `save_beside` when saving; `before_resume`, then
     `load_state`, `load_data_state` and `after_resume` (then the RNG states are restored) when resuming. At the
-    end of a run that reached its last step, `finish`.
+    end of a run that reached its last step, `finish`; at the end of every run, normally or by an exception, `close`.
 
     Args:
         config: the validated run config.
@@ -303,6 +306,10 @@ class TrainTask:
     def finish(self, ctx: TaskContext, *, final_checkpoint: str | None) -> str | None:
         """After the last step (every rank): what the run shows at its end (a sample, a grid's path), or ``None``."""
         return None
+
+    def close(self, ctx: TaskContext) -> None:
+        """When the run ends, normally or by an exception (every rank): release what `build_data` opened (a
+        streamed corpus's reading thread)."""
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 

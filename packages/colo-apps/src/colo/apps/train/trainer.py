@@ -246,6 +246,8 @@ class Trainer:
             guard.finished("failed", error)
             self.log.close(status="failed")  # the trackers' runs end as failed (a no-op once `_fit` closed it)
             raise
+        finally:
+            self.task.close(self.ctx)  # e.g. a streamed corpus's reading thread
         guard.finished("preempted" if result.preempted else "done")
         return result
 
