@@ -293,3 +293,37 @@ def test_the_per_microbatch_policy_refuses_embeddings_tied_across_stages():
     for field, message in run_distributed(_boost_tied_per_microbatch, world_size=2):
         assert field == "pipeline_zero_sync"
         assert "tied across pipeline stages (['lm_head.weight'])" in message and "pipeline_zero_sync='step'" in message
+
+
+# --- colo plan models these layouts ------------------------------------------------------------------------------
+
+PLAN_CASES = [
+    ("pp2-dp2-zero3", "tiny", {"plugin": "hybrid", "pp": 2, "dp": 2, "zero_stage": 3, "precision": "fp32"}, 2),
+    ("pp2-dp2-zero2-bf16", "tiny", {"plugin": "hybrid", "pp": 2, "dp": 2, "zero_stage": 2, "precision": "bf16"}, 2),
+]
+
+
+def test_colo_plan_models_pipelined_zero_exactly():
+    """`colo.apps.plan` against a pp2 x dp2 run (test_plan_memory's measurement, two steps): static memory equal to
+    `memory_report()` on every rank (pooled buffers within the planner's bound: at stage 3 every chunk of the stage
+    held for the step), communication equal to `CommTracker`'s per (collective, axis): one reduce-scatter per chunk
+    per step and, at stage 3, one all-gather per chunk per step; activations within 2% as there."""
+    from colo.apps.plan import activation_memory, static_memory, step_communication
+    from colo.comm.testing import load_beside
+
+    plan_test = load_beside(__file__, "test_plan_memory.py", module_name="colo_apps_test_plan_memory_for_pp_zero")
+    measured = run_distributed(plan_test._measure, PLAN_CASES, world_size=4, timeout=240)
+    for name, preset, fields, microbatches in PLAN_CASES:
+        layout = plan_test._layout(fields, microbatches, preset)
+        config, seq_len = plan_test._config(preset), plan_test.SHAPES[preset][1]
+        for rank_results in measured:
+            report, activations, comm, coord = next(r[1:5] for r in rank_results if r[0] == name)
+            pp_rank = coord["pp"]
+            predicted = static_memory(config, layout, pp_rank=pp_rank, data_rank=plan_test._data_rank(layout, coord))
+            for key in ("params", "grads", "masters", "optimizer_states", "padding", "host"):
+                assert getattr(predicted, key) == report[key], (name, key)
+            assert report["workspace"] <= predicted.workspace
+            volumes = step_communication(config, layout, seq_len, pp_rank=pp_rank)
+            assert {k: v for k, v in volumes.items() if v} == {k: v for k, v in comm.items() if v}, name
+            expected = activation_memory(config, layout, seq_len, pp_rank=pp_rank).peak
+            assert activations == pytest.approx(expected, rel=0.02), name

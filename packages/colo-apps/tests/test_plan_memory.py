@@ -57,6 +57,8 @@ LAYOUTS = [
     ),
     ("sp2-ring", "tiny", {"plugin": "hybrid", "sp": 2, "sp_mode": "ring", "zero_stage": 1, "precision": "fp32"}, 1),
     ("pp2-1f1b", "tiny", {"plugin": "hybrid", "pp": 2, "zero_stage": 1, "precision": "fp32"}, 2),
+    ("pp2-zero2-1f1b", "tiny", {"plugin": "hybrid", "pp": 2, "zero_stage": 2, "precision": "fp32"}, 2),
+    ("pp2-zero3-bf16", "tiny", {"plugin": "hybrid", "pp": 2, "zero_stage": 3, "precision": "bf16"}, 2),
     (
         "pp2-bf16-gpipe",
         "tiny",

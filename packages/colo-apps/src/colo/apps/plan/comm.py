@@ -8,7 +8,8 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
   of this rank's chunks (`colo.zero.plan_chunks`'s sizes): stage 0 all-reduces each gradient chunk, stages 1-3
   reduce-scatter it (stage 1 once per step, after accumulating; stages 0/2/3 every microbatch unless a pipeline
   drives the sync once per step), stages 1/2 all-gather the updated parameters after the step, stage 3 gathers every
-  chunk before forward and all but the last-used one again in backward (Gemini: all of them);
+  chunk before forward and all but the last-used one again in backward (Gemini: all of them) in every microbatch,
+  under a pipeline once per step (held until the step's reduction);
 - ``tp`` (Megatron 1D): per microbatch, forward all-reduces after ``o_proj`` / ``down_proj`` and the vocabulary-
   parallel embedding, backward all-reduces of the inputs of q/k/v, gate, up and ``lm_head``, and the two fp32
   all-reduces of the vocabulary-parallel cross-entropy; with Megatron-SP the all-reduces become all-gathers /
@@ -122,7 +123,10 @@ def step_communication(
             add("reduce_scatter", axes, numel * er, syncs)
             if stage in (1, 2):
                 add("all_gather", axes, numel * ec)
-        if stage == 3:
+        if stage == 3 and layout.pp > 1:  # gathered at the first microbatch, held until the step's reduction
+            for numel in static.chunk_numels:
+                add("all_gather", data_axes, numel * ec)
+        elif stage == 3:
             backward = static.num_chunks if layout.plugin == "gemini" else static.num_chunks - 1
             for numel in static.chunk_numels:
                 add("all_gather", data_axes, numel * ec, microbatches)

@@ -159,6 +159,9 @@ class StaticMemory:
     padding: int
     host: int = 0
     workspace: int = 0
+    step_gradients: int = 0
+    """Under a pipeline at stages 0/2/3: the full gradients (compute dtype) the parameters' ``.grad`` hold from the
+    first backward until the step's one reduction (``grad_reduction="step"``); 0 otherwise."""
     num_chunks: int = 0
     chunk_bytes: list[int] = field(default_factory=list, repr=False)
     """Full-chunk sizes in compute-dtype bytes (the units of the data-parallel collectives)."""
@@ -172,8 +175,9 @@ class StaticMemory:
 
     @property
     def device(self) -> int:
-        """Model-state bytes on the device (everything but the host part), pooled buffers included."""
-        return self.total - self.host + self.workspace
+        """Model-state bytes on the device (everything but the host part), pooled buffers and a pipeline's step
+        gradients included."""
+        return self.total - self.host + self.workspace + self.step_gradients
 
 
 @dataclass(frozen=True)
@@ -312,7 +316,8 @@ def _static_memory(
     else:
         parts = [(entries, layout.data_ranks, data_rank)]
     totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
-    padding = host = pooled = 0
+    padding = host = pooled = step_gradients = 0
+    pipelined = layout.plugin == "hybrid" and layout.pp > 1  # ZeRO reduces once per step, stage 3 holds its gathers
     chunk_numels: list[int] = []
     expert_chunks = 0
     for index, (part, ranks, part_rank) in enumerate(parts):
@@ -329,8 +334,13 @@ def _static_memory(
         expert_chunks += len(numels) if index == 1 else 0
         ec = layout.compute_bytes
         er = ec if layout.precision != "fp32" else 4
-        pooled += _pooled_buffers(stage, [n * ec for n in numels], er / ec, max_reductions_in_flight, gemini)
+        pooled += _pooled_buffers(
+            stage, [n * ec for n in numels], er / ec, max_reductions_in_flight, gemini, pipelined=pipelined
+        )
+        if pipelined and stage != 1:
+            step_gradients += sum(plan.used for plan in plans) * ec
     return StaticMemory(
+        step_gradients=step_gradients,
         padding=padding,
         host=host,
         workspace=pooled,
@@ -403,14 +413,17 @@ def _zero_buffers(stage, numel, shard, full_pad, shard_pad, *, ec, er, mixed, of
     return buffers
 
 
-def _pooled_buffers(stage: int, chunk_bytes: list[int], reduce_ratio: float, in_flight: int, gemini: bool) -> int:
+def _pooled_buffers(
+    stage: int, chunk_bytes: list[int], reduce_ratio: float, in_flight: int, gemini: bool, *, pipelined: bool = False
+) -> int:
     """An upper bound of `BufferPool`'s bytes: stages 0/2/3 keep up to ``in_flight + 1`` gradient buckets, stage 3
-    also the gathered chunks in use at once (the chunk in use, the prefetched one and the root kept for backward)."""
+    also the gathered chunks in use at once (the chunk in use, the prefetched one and the root kept for backward;
+    under a pipeline every chunk of the stage, held from its first gather to the step's reduction)."""
     if stage == 1 or gemini or not chunk_bytes:
         return 0
     largest = sorted(chunk_bytes, reverse=True)
     buckets = int(sum(largest[: in_flight + 1]) * max(reduce_ratio, 1.0) * 2)  # up to fp32 buckets
-    gathers = sum(largest[:3]) if stage == 3 else 0
+    gathers = (sum(largest) if pipelined else sum(largest[:3])) if stage == 3 else 0
     return buckets + gathers
 
 
@@ -669,6 +682,7 @@ class MemoryBreakdown:
             "optimizer": s.optimizer_states,
             "host": s.host,
             "pooled buffers": s.workspace,
+            "step gradients": s.step_gradients,
             "activations": self.activations.peak,
         }
 

@@ -61,7 +61,7 @@ def table_rows(results: list[PlanResult], peak: float) -> list[dict]:
                 "memory_gib": memory.device_total / GiB,
                 "states_gib": (terms["params"] + terms["grads"] + terms["masters"] + terms["optimizer"] - terms["host"])
                 / GiB,
-                "buffers_gib": terms["pooled buffers"] / GiB,
+                "buffers_gib": (terms["pooled buffers"] + terms["step gradients"]) / GiB,
                 "activations_gib": terms["activations"] / GiB,
                 "step_s": time.total,
                 "compute_s": time.compute,

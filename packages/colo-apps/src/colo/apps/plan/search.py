@@ -121,8 +121,6 @@ def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 
                 if tp > 1 and sp == 1 and pp == 1:
                     modes.append("megatron")
                 for sp_mode, stage in itertools.product(modes, (0, 1, 2, 3)):
-                    if pp > 1 and stage > 1:
-                        continue
                     if sp > 1 and (config.num_attention_heads // tp) % sp:
                         continue
                     fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=sp_mode, zero_stage=stage, precision=precision)

@@ -207,7 +207,8 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
         dp_reduce = 2 * (n - 1) / n * params * 4 / bandwidth if n > 1 else 0.0
     stage = layout.stage
     reduce_window = backward if (stage == 1 or layout.pp > 1) else microbatches * backward
-    gather_window = forward if stage in (1, 2) else microbatches * (forward + backward)
+    # stage 3 under a pipeline gathers each chunk once, during the first microbatch's forward
+    gather_window = forward if stage in (1, 2) or layout.pp > 1 else microbatches * (forward + backward)
     exposed = max(0.0, dp_reduce - reduce_window) + max(0.0, dp_gather - gather_window)
     static = static_memory(config, layout, no_decay_vectors=True)
     state_bytes = static.masters + static.grads + static.optimizer_states
