@@ -29,6 +29,13 @@ LAYOUTS = {  # the settings, and whether the batches carry position_ids (packed 
     "pp2-tp2-megatron": ({"pp": 2, "tp": 2, "sp_mode": "megatron"}, True),
     # zero-bubble: the weight-gradient steps apart (Megatron-SP is refused with it, see below)
     "pp2-sp2-ulysses-zbh1": ({"pp": 2, "sp": 2, "sp_mode": "ulysses", "schedule": "zero_bubble_h1"}, True),
+    # ZeRO-2 / ZeRO-3 under the pipeline (over dp x sp: sp replicates the weights), ZeRO-3 with zero-bubble's W steps
+    "pp2-sp2-ulysses-zbh1-zero3": (
+        {"pp": 2, "sp": 2, "sp_mode": "ulysses", "schedule": "zero_bubble_h1", "zero_stage": 3},
+        True,
+    ),
+    "pp2-sp2-ring-zero2": ({"pp": 2, "sp": 2, "sp_mode": "ring", "zero_stage": 2}, True),
+    "pp2-tp2-megatron-zero3": ({"pp": 2, "tp": 2, "sp_mode": "megatron", "zero_stage": 3}, True),
     # no pipeline: the checkpoint of a fused q/k/v weight replicated over sp (no tensor-parallel layout)
     "sp2-ulysses-dp2": ({"sp": 2, "sp_mode": "ulysses"}, False),
 }
@@ -113,7 +120,7 @@ def _train_layouts(layouts, root):
     results = {}
     for name, (settings, packed) in layouts.items():
         expected_losses, expected_eval, expected = references[packed]
-        booster = Booster(HybridParallel(num_microbatches=MICROBATCHES, zero_stage=1, **settings))
+        booster = Booster(HybridParallel(**{"num_microbatches": MICROBATCHES, "zero_stage": 1, **settings}))
         model = make_model()
         booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
         mesh = booster.engine.mesh
