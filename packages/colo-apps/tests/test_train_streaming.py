@@ -140,6 +140,21 @@ def _train_three_ways(files: list[str], root: str) -> dict:
             StreamingRunData.train_batches = original
         seen.update(losses=result.losses, eval_losses=result.eval_losses, start=result.start_step)
         seen["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("colo-streaming")]
+
+    def failing(self):  # a run that fails after its first batch: its stream is closed all the same
+        batches = original(self)
+        yield next(batches)
+        raise RuntimeError("a failure inside the loop")
+
+    StreamingRunData.train_batches = failing
+    config = {**trainer_config(files, f"{root}/failed"), "checkpoint": {"enabled": False}}
+    try:
+        train(validate_config(config))
+    except RuntimeError as error:
+        runs["failed"] = {"error": str(error)}
+    finally:
+        StreamingRunData.train_batches = original
+    runs["failed"]["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("colo-streaming")]
     return runs
 
 
@@ -155,6 +170,7 @@ def test_a_streamed_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_pat
         assert {**stopped["losses"], **resumed["losses"]} == full["losses"]
         assert stopped["eval_losses"] == {STOP: full["eval_losses"][STOP]}
         assert full["threads"] == stopped["threads"] == resumed["threads"] == []  # every source closed
+        assert rank["failed"] == {"error": "a failure inside the loop", "threads": []}  # also when the run fails
         assert "streamed (data.streaming) from " in full["description"]
         assert "split over 2 data-parallel ranks by file" in full["description"]
         assert "the corpus's first 4 windows" in full["description"]

@@ -141,23 +141,24 @@ def build_streaming_data(
         eval=head,
         sampler=None,
         batch_size=batch_size,
-        description=_describe(config, files, num_replicas, head),
+        description=_describe(config, files, corpus.num_shards, num_replicas, head),
         vocab_size=vocab_size,
         source=source,
     )
 
 
-def _describe(config: RunConfig, files: list[str], num_replicas: int, head: HeldOutHead | None) -> str:
+def _describe(config: RunConfig, files: list[str], num_shards: int, num_replicas: int, head: HeldOutHead | None) -> str:
+    """The log line: what is streamed, from which files, how the data-parallel ranks split it, what is held out."""
     data = config.data
     shown = ", ".join(files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
     if num_replicas == 1:
         split = "on one data-parallel rank"
-    elif len(files) % num_replicas == 0:
+    elif num_shards % num_replicas == 0:
         split = f"split over {num_replicas} data-parallel ranks by file (rank r reads files r, r + {num_replicas}, ...)"
     else:
         split = (
             f"split over {num_replicas} data-parallel ranks by document (rank r reads documents r, r + "
-            f"{num_replicas}, ...: {len(files)} files do not divide over the ranks)"
+            f"{num_replicas}, ...: {num_shards} files do not divide over the ranks)"
         )
     text = f"streamed (data.streaming) from {shown}, fixed windows of {data.seq_len} tokens packed while training"
     text += f", {split}"
