@@ -170,8 +170,30 @@ def _plugin_run(kind, settings):
         ("hybrid", {"tp": 4, "zero_stage": 0}, 4),  # tp4 > 2 kv heads: k/v (and their lora_B rows) replicated
         ("hybrid", {"tp": 2, "sp_mode": "megatron", "zero_stage": 1}, 2),  # Megatron-SP
         ("hybrid", {"tp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 0}, 4),  # pp2 x tp2
+        # pp2 x dp2 ZeRO-3 under ZB-H1, with full activation checkpointing: frozen base chunks held for the step
+        (
+            "hybrid",
+            {
+                "pp": 2,
+                "num_microbatches": 4,
+                "zero_stage": 3,
+                "schedule": "zero_bubble_h1",
+                "activation_checkpointing": "full",
+            },
+            4,
+        ),
     ],
-    ids=["ddp", "zero2", "zero3", "gemini", "dp2-tp2-zero1", "tp4-kv-replicated", "tp2-megatron-sp", "pp2-tp2"],
+    ids=[
+        "ddp",
+        "zero2",
+        "zero3",
+        "gemini",
+        "dp2-tp2-zero1",
+        "tp4-kv-replicated",
+        "tp2-megatron-sp",
+        "pp2-tp2",
+        "pp2-dp2-zero3-zbh1-checkpointed",
+    ],
 )
 def test_lora_under_each_plugin_matches_the_single_process_lora_model(kind, settings, world_size):
     for result in run_distributed(_plugin_run, kind, settings, world_size=world_size):
