@@ -76,11 +76,11 @@ def reference_piece(reference: dict[str, torch.Tensor], name: str, param: torch.
     return layout.local_slice(whole) if layout is not None else whole
 
 
-def boost(tied: bool, layers: int = 2, **settings):
+def boost(tied: bool, layers: int = 2, seed: int = 0, **settings):
     from colo.apps import Booster
     from colo.apps.booster import HybridParallel
 
-    model = make_model(tied, layers=layers)
+    model = make_model(tied, seed=seed, layers=layers)
     settings = {"pp": 2, "num_microbatches": 4, "chunk_numel": CHUNK_NUMEL, **settings}
     booster = Booster(HybridParallel(**settings))
     booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
@@ -248,6 +248,46 @@ def _load_in_one_process(tied: bool, path: str):
     return loaded, losses, sorted(index.tensors), unequal
 
 
+def _saved_name(name: str) -> str:
+    """The checkpoint's (unfused) name of a parallel parameter: ``qkv_proj.q_weight`` is saved as ``q_proj.weight``."""
+    for part in "qkv":
+        name = name.replace(f"qkv_proj.{part}_weight", f"{part}_proj.weight")
+    return name
+
+
+def _load_into_layout(settings: dict, path: str, out: str):
+    """Load ``path`` into a pipelined layout: every gathered master and moment is the checkpoint's slice (tp) of the
+    saved tensor, bit for bit; then save the layout's own checkpoint to ``out``."""
+    from colo.tensor import layout_of
+    from colo.tensor.checkpoint import load_checkpoint, read_index
+
+    booster = boost(False, seed=1, **settings)  # another initialisation: everything must come from the checkpoint
+    booster.load(path)
+    index = read_index(path)
+    stored = {name: torch.empty(entry.shape, dtype=entry.dtype) for name, entry in index.tensors.items()}
+    load_checkpoint(path, stored)
+    zero = booster.engine.optimizer
+    named = dict(booster.engine.model.named_parameters())
+    unequal = []
+    tensors = {**zero.full_params(), **zero.full_optimizer_states()}
+    for name, value in tensors.items():
+        param, _, state = name.partition("/")
+
+        def saved_tensor(saved_name: str, state: str = state) -> torch.Tensor:
+            return stored[f"optim/{saved_name}/{state}" if state else saved_name]
+
+        if param.endswith("qkv_proj.weight"):  # without tp the fused weight is the three stacked
+            prefix = param.removesuffix("qkv_proj.weight")
+            saved = torch.cat([saved_tensor(f"{prefix}{part}_proj.weight") for part in "qkv"])
+        else:
+            saved = saved_tensor(_saved_name(param))
+        layout = layout_of(named[param])
+        if not torch.equal(value, layout.local_slice(saved) if layout is not None else saved):
+            unequal.append(name)
+    booster.save(out)
+    return len(tensors), unequal
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_a_checkpoint_saved_at_pp2_dp2_zero3_loads_in_one_process(tied, tmp_path):
     path = str(tmp_path / "ckpt")
@@ -327,3 +367,14 @@ def test_colo_plan_models_pipelined_zero_exactly():
             assert {k: v for k, v in volumes.items() if v} == {k: v for k, v in comm.items() if v}, name
             expected = activation_memory(config, layout, seq_len, pp_rank=pp_rank).peak
             assert activations == pytest.approx(expected, rel=0.02), name
+
+
+def test_a_checkpoint_reshards_from_pp2_dp2_zero3_to_pp2_tp2_zero2_and_back(tmp_path):
+    """pp2 x dp2 ZeRO-3 -> pp2 x tp2 ZeRO-2 -> pp2 x dp2 ZeRO-3: each load holds the saved tensors exactly (a tp shard
+    the slice of the saved tensor), masters and moments alike."""
+    first, second, third = (str(tmp_path / name) for name in ("zero3", "tp2-zero2", "zero3-again"))
+    run_distributed(_save_pipeline_zero3, False, first, world_size=4)
+    for count, unequal in run_distributed(_load_into_layout, {"tp": 2, "zero_stage": 2}, first, second, world_size=4):
+        assert count > 0 and unequal == []
+    for count, unequal in run_distributed(_load_into_layout, {"zero_stage": 3}, second, third, world_size=4):
+        assert count > 0 and unequal == []
