@@ -396,3 +396,62 @@ def test_estimate_memory_follows_the_zero_formulas():
     assert (offloaded.device, offloaded.host) == (2 * psi + 2 * psi / n, 12 * psi / n)
     with pytest.raises(ValueError, match="stage=5"):
         estimate_memory(psi, stage=5, dp=n)
+
+
+def _reduce_at_the_step(stage: int, num_steps: int = 3, microsteps: int = 2):
+    """``grad_reduction="step"``: each step's microsteps accumulate full gradients, the last one written to ``.grad``
+    outside autograd's hooks (as a pipeline's W step writes them); ``reduce_gradients`` reduces each chunk once."""
+    mesh = Mesh(dp=torch.distributed.get_world_size())
+    n, rank = mesh.size("dp"), mesh.rank("dp")
+    model, reference = make_models()
+    zero = ZeroOptimizer(
+        model,
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        mesh=mesh,
+        stage=stage,
+        chunk_numel=48,
+        grad_reduction="step",
+    )
+    reference_optimizer = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    names = [name for name, p in reference.named_parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    reductions = []
+    for step in range(num_steps):
+        tokens, targets = batch(step, rows=n * ROWS_PER_RANK)
+        reference(tokens, targets).backward()
+        mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        with CommTracker() as tracker:
+            micro = list(zip(tokens[mine].chunk(microsteps), targets[mine].chunk(microsteps)))
+            for index, (micro_tokens, micro_targets) in enumerate(micro):
+                loss = model(micro_tokens, micro_targets) / microsteps
+                if index < microsteps - 1:
+                    zero.backward(loss)
+                    continue
+                for param, grad in zip(trainable, torch.autograd.grad(loss, trainable)):  # no gradient hook fires
+                    param.grad = grad if param.grad is None else param.grad + grad
+            zero.reduce_gradients()
+        reductions.append(tracker.calls("reduce_scatter"))
+        grads = zero.full_grads()
+        for name, param in reference.named_parameters():
+            if param.requires_grad:
+                torch.testing.assert_close(grads[name], param.grad, **FP32, msg=f"grad {name} {step}")
+        zero.step()
+        zero.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    params = zero.full_params()
+    mismatches = [n for n in names if not torch.allclose(params[n], dict(reference.named_parameters())[n], **FP32)]
+    gathers = zero.gatherer.num_gathers if zero.gatherer is not None else None
+    return reductions, len(zero.trainable_chunks), len(zero.chunks), gathers, mismatches
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_reducing_at_the_step_sees_gradients_written_outside_the_hooks(stage):
+    for reductions, trainable, num_chunks, gathers, mismatches in run_distributed(
+        _reduce_at_the_step, stage, world_size=2
+    ):
+        assert not mismatches, mismatches
+        if stage != 0:  # one reduce-scatter per trainable chunk per step, whatever the microsteps
+            assert reductions == [trainable] * 3
+        if stage == 3:  # each chunk gathered once per step and held until the reduction
+            assert gathers == 3 * num_chunks
