@@ -156,12 +156,15 @@ def test_pp2_dp2_zero_matches_the_single_process_model(stage, settings, tied, wo
 
 
 @pytest.mark.parametrize(
-    "stage, schedule", [(2, "gpipe"), (3, "1f1b")], ids=["zero2-gpipe-microbatch", "zero3-1f1b-microbatch"]
+    "stage, settings",
+    [(2, {"schedule": "gpipe"}), (3, {"schedule": "1f1b"}), (3, INTERLEAVED)],
+    ids=["zero2-gpipe-microbatch", "zero3-1f1b-microbatch", "zero3-interleaved-microbatch"],
 )
-def test_the_per_microbatch_policy_matches_the_single_process_model(stage, schedule):
+def test_the_per_microbatch_policy_matches_the_single_process_model(stage, settings):
     """``pipeline_zero_sync="microbatch"``: every microbatch's backward reduce-scatters from the gradient hooks and
-    ZeRO-3 frees each chunk after every use, so a chunk is gathered twice per microbatch (forward and backward)."""
-    settings = {"zero_stage": stage, "schedule": schedule, "pipeline_zero_sync": "microbatch"}
+    ZeRO-3 frees each chunk after every use, so a chunk is gathered twice per microbatch (forward and backward);
+    interleaved: each model chunk's call is a forward of its own (saved weights stored as chunk positions)."""
+    settings = {"zero_stage": stage, "pipeline_zero_sync": "microbatch", **settings}
     for losses, expected_losses, names, found, _, gathered, gathers, num_chunks in run_distributed(
         _train_against_reference, False, settings, world_size=4
     ):

@@ -224,8 +224,7 @@ class ChunkGatherer:
     def install(self, model: torch.nn.Module, chunk_of: dict[int, Chunk]) -> None:
         """Register the forward hooks on every module that owns parameters of the chunks, and the saved-tensor
         hooks around ``model``'s own forward."""
-        self.handles.append(model.register_forward_pre_hook(self._before_model_forward))
-        self.handles.append(model.register_forward_hook(self._after_model_forward, always_call=True))
+        self.add_forward_root(model)
         for module in model.modules():
             owned = []
             for param in module.parameters(recurse=False):
@@ -239,6 +238,13 @@ class ChunkGatherer:
                 self.users[chunk.index].add(id(module))
             self.handles.append(module.register_forward_pre_hook(self._before_forward))
             self.handles.append(module.register_forward_hook(self._after_forward))
+
+    def add_forward_root(self, module: torch.nn.Module) -> None:
+        """Treat a call of ``module`` as a whole forward (saved-tensor hooks around it, the chunk it ends with kept
+        for backward): the model itself, or each model chunk of an interleaved pipeline stage, whose container is
+        never called."""
+        self.handles.append(module.register_forward_pre_hook(self._before_model_forward))
+        self.handles.append(module.register_forward_hook(self._after_model_forward, always_call=True))
 
     def remove(self) -> None:
         """Remove the hooks."""

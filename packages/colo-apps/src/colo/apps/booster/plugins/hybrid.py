@@ -201,6 +201,9 @@ class HybridParallel(Plugin):
         )
         if part is None:
             return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
+        if zero.gatherer is not None and len(part.chunks) > 1:  # the executor calls each model chunk, not the container
+            for chunk in part.chunks:
+                zero.gatherer.add_forward_root(chunk)
         tied_copies = [  # the checkpoint names of this rank's tied copies of another stage's parameters
             saved
             for name, p in target.named_parameters()
