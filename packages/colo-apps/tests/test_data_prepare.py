@@ -19,11 +19,13 @@ from colo.apps.data import (
     TokenCorpus,
     describe_corpus,
     load_tokenizer,
+    prepare,
     prepare_corpus,
     read_documents,
     tokenize_documents,
 )
 from colo.apps.data.describe import decode_escaped
+from colo.apps.data.row_index import CACHE_DIR
 
 runner = CliRunner()
 
@@ -122,10 +124,16 @@ def test_one_and_two_workers_write_byte_identical_corpora(tmp_path):
     inputs = _text_and_jsonl(tmp_path / "raw")
     tokenizer = _bpe_tokenizer(tmp_path / "bpe", _words(7, 3000))
     one = prepare_corpus(inputs, tmp_path / "one", tokenizer=tokenizer, workers=1, shard_tokens=300)
-    two = prepare_corpus(inputs, tmp_path / "two", tokenizer=tokenizer, workers=2, shard_tokens=300)
+    two = prepare_corpus(inputs, tmp_path / "two", tokenizer=tokenizer, workers=2, shard_tokens=300, progress=True)
     assert one["shards_written"] == two["shards_written"] == len(one["shards"]) > 4
     assert _files(tmp_path / "one") == _files(tmp_path / "two")
     _assert_same_documents(tmp_path / "two", _reference(inputs, load_tokenizer(tokenizer)))
+
+    # A bad record in one unit ends the whole run with its error (the other worker is not waited for).
+    with (inputs / "records.jsonl").open("a") as file:
+        file.write("{not json\n")
+    with pytest.raises(ValueError, match=r"records\.jsonl line 123: not valid JSON"):
+        prepare_corpus(inputs, tmp_path / "three", tokenizer=tokenizer, workers=2, shard_tokens=300)
 
 
 def test_a_crashed_prepare_resumes_rewriting_only_the_missing_shards(tmp_path):
@@ -138,6 +146,7 @@ def test_a_crashed_prepare_resumes_rewriting_only_the_missing_shards(tmp_path):
     for name in ("shard-00001.tokens", "shard-00001.json", "shard-00002.tokens", "shard-00002.json"):
         (out / name).unlink()
     (out / "shard-00002.tokens.tmp").write_bytes(b"\x01\x02\x03")
+    (out / "shard-00002.index.tmp").write_bytes(b"\x01")
     for path in out.iterdir():  # an old time stamp, so a rewrite cannot hide in the clock's resolution
         os.utime(path, ns=(1_000_000_000, 1_000_000_000))
     before = _mtimes(out)
@@ -168,7 +177,10 @@ def test_rerunning_a_finished_prepare_writes_nothing_and_changed_inputs_are_refu
         prepare_corpus(inputs, out, workers=1, shard_tokens=1000)
     with pytest.raises(CorpusError, match="shard_tokens was 1000, now 2000"):
         prepare_corpus(inputs, out, workers=1, shard_tokens=2000, overwrite=False)
+    (out / "cache").mkdir()  # the trainer's row index cache (colo.apps.data.row_index) goes with the corpus
+    (out / "cache" / "rows.json").write_text("{}")
     replaced = prepare_corpus(inputs, out, workers=1, shard_tokens=1000, overwrite=True)
+    assert not (out / "cache").exists() and CACHE_DIR == prepare.CACHE_DIR
     _assert_same_documents(out, _reference(inputs, ByteTokenizer()))
     assert replaced["num_tokens"] == first["num_tokens"] + len(" more")
 
@@ -248,8 +260,12 @@ def test_colo_data_prepare_and_inspect(tmp_path):
         failed = runner.invoke(app, command)
         assert failed.exit_code == 2 and failed.stderr.count("\n") == 1 and failed.stderr.startswith("colo: ")
     assert "not a prepared corpus" in runner.invoke(app, ["data", "inspect", str(inputs)]).stderr
-    foreign = runner.invoke(app, ["data", "prepare", str(inputs), "--out", str(inputs)])
-    assert foreign.exit_code == 2 and "is not part of a prepared corpus" in foreign.stderr
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    foreign = runner.invoke(app, ["data", "prepare", str(inputs), "--out", str(tmp_path / "notes"), "--overwrite"])
+    assert foreign.exit_code == 2 and "holds todo.txt, which is not part of a prepared corpus" in foreign.stderr
+    inside = runner.invoke(app, ["data", "prepare", str(tmp_path), "--out", str(out)])
+    assert inside.exit_code == 2 and "lies inside the output directory" in inside.stderr
 
 
 def test_input_errors_name_the_file_and_line(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -49,6 +50,8 @@ MIN_SHARDS = 64
 """By default a corpus is cut into at least this many shards (where its files can be cut, and none smaller than
 1 MiB of input), so that every worker has work until near the end; the count depends on the corpus alone."""
 _MIN_UNIT_BYTES = 1 << 20
+CACHE_DIR = "cache"
+"""Where the trainer caches what it derives from a corpus (`colo.apps.data.row_index.CACHE_DIR`)."""
 PLAN = "prepare.json"
 _PLAN_VERSION = 1
 _SAMPLE_CHARS = 1 << 18  # text tokenized to estimate input bytes per token when planning the units
@@ -113,6 +116,12 @@ def prepare_corpus(
     fingerprint = _fingerprint(sources, format, text_field, shard_tokens, identity)
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
     out = Path(out_dir)
+    for path, _ in sources:
+        if out.resolve() in path.resolve().parents:
+            raise ValueError(
+                f"the input {path} lies inside the output directory {out}: write the corpus outside the input "
+                "directories, or name the input files"
+            )
     if overwrite:
         _remove_corpus(out)
     plan = _check_existing(out, identity, fingerprint, digest)
@@ -190,16 +199,22 @@ def _fingerprint(sources, format: str, text_field: str, shard_tokens: int, ident
 
 
 def _remove_corpus(out: Path) -> None:
-    """Delete the corpus files at ``out`` (nothing else; `_check_existing` refuses a folder holding other files)."""
+    """Delete the corpus files at ``out``, and the trainer's caches in its ``cache/`` (nothing else: a folder holding
+    other files is refused)."""
     if not out.is_dir():
         return
     _check_only_corpus_files(out)
     for path in out.iterdir():
-        path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _check_only_corpus_files(out: Path) -> None:
     for path in sorted(out.iterdir()):
+        if path.name == CACHE_DIR and path.is_dir():  # the trainer's row indexes (`colo.apps.data.row_index`)
+            continue
         ours = path.name in (MANIFEST, PLAN, MANIFEST + ".tmp", PLAN + ".tmp") or (
             path.name.startswith("shard-") and path.name.endswith(_CORPUS_FILE_SUFFIXES)
         )
@@ -300,8 +315,9 @@ def _finished(out: Path, unit: WorkUnit, digest: str, dtype: np.dtype, verify: b
 
 
 def _remove_shard(out: Path, name: str) -> None:
-    for suffix in _CORPUS_FILE_SUFFIXES + (".tokens.tmp",):
-        (out / f"{name}{suffix}").unlink(missing_ok=True)
+    """Delete a shard's files and any partial ``.tmp`` ones a crash left."""
+    for path in out.glob(f"{name}.*"):
+        path.unlink()
 
 
 class _Job:
