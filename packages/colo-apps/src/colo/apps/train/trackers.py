@@ -174,6 +174,11 @@ class WandbTracker:
         if status == "preempted":  # W&B shows the run as preempted; the resumed run reopens it
             self.run.mark_preempting()
         self.run.finish(exit_code={"finished": 0, "failed": 1, "preempted": PREEMPTED_EXIT_CODE}[status])
+        import wandb
+
+        # run.finish() can return before W&B's service process has written an offline run's records (the run file
+        # then holds its header only); tearing the service down waits for them, so a finished run is on disk
+        wandb.teardown()
 
 
 _MLFLOW_NAME = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in metric and param names
