@@ -56,8 +56,10 @@ IMPLS = {
     "colo_z3_1f1b": "colo HybridParallel(pp=2, zero_stage=3), 1F1B, step policy",
     "colo_z3_zbh1": "colo HybridParallel(pp=2, zero_stage=3), ZB-H1, step policy",
     "colo_z1_1f1b": "colo HybridParallel(pp=2, zero_stage=1), 1F1B",
+    "colo_z1_zbh1": "colo HybridParallel(pp=2, zero_stage=1), ZB-H1 (not a default row)",
     "torch_fsdp2_pp": "torch FSDP2 fully_shard per stage (reshard_after_forward=False) + pipelining Schedule1F1B",
 }
+DEFAULT_IMPLS = ["colo_z3_1f1b", "colo_z3_zbh1", "colo_z1_1f1b", "torch_fsdp2_pp"]
 PEER = "torch_fsdp2_pp"
 SHAPES = {"compute": (4, 256), "overhead": (4, 64)}
 """Per data rank per step: (sequences, tokens per sequence), cut into ``--microbatches`` microbatches of rows:
@@ -67,6 +69,7 @@ COLO_SETTINGS = {
     "colo_z3_1f1b": {"zero_stage": 3, "schedule": "1f1b", "pipeline_zero_sync": "step"},
     "colo_z3_zbh1": {"zero_stage": 3, "schedule": "zero_bubble_h1", "pipeline_zero_sync": "step"},
     "colo_z1_1f1b": {"zero_stage": 1, "schedule": "1f1b"},
+    "colo_z1_zbh1": {"zero_stage": 1, "schedule": "zero_bubble_h1"},
 }
 
 
@@ -248,7 +251,7 @@ def summarize(runs: list[dict], args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=DEFAULT_IMPLS)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--preset", default="tiny-llama")
     parser.add_argument("--microbatches", type=int, default=4)
@@ -258,16 +261,32 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--row-timeout", type=float, default=900.0)
     parser.add_argument("--out", default=str(RESULTS / "pipeline_zero_cpu.json"))
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's repeats to those already in --out (same recipe) and summarize them all",
+    )
     args = parser.parse_args()
     load_before = _load()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    previous, sessions = [], []
+    if args.append and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        keys = ("preset", "microbatches", "steps", "warmup", "seed")
+        if any(old["recipe"][key] != getattr(args, key) for key in keys):
+            raise SystemExit(f"--append: {args.out} was measured with another recipe ({keys})")
+        previous = old["runs"]
+        sessions = old["machine"].get(
+            "sessions", [{k: old["machine"][k] for k in ("started_utc", "load_avg_before", "load_avg_after")}]
+        )
+    offset = 1 + max((r["repeat"] for r in previous), default=-1)
     runs = []
     for repeat in range(args.repeats):
         shift = repeat % len(args.impls)
         for shape in args.shapes:
             for impl in args.impls[shift:] + args.impls[:shift]:
                 row = measure(impl, shape, args)
-                row["repeat"], row["load_avg"] = repeat, _load()
+                row["repeat"], row["load_avg"] = offset + repeat, _load()
                 runs.append(row)
                 status = (
                     f"{row['tokens_per_s']:8.1f} tokens/s, {row['peak_rss_mb']:.0f} MB"
@@ -277,6 +296,10 @@ def main() -> int:
                 print(f"[repeat {repeat}] {shape:>8} {impl:>15}: {status} (load {row['load_avg'][0]:.1f})", flush=True)
                 if "error" in row:
                     print(row["error"][-3000:], flush=True)
+    runs = previous + runs
+    shapes = sorted({r["shape"] for r in runs}, key=list(SHAPES).index)
+    args.impls = [impl for impl in IMPLS if any(r["impl"] == impl for r in runs)]
+    args.shapes = shapes
     summary: dict = {shape: summarize([r for r in runs if r["shape"] == shape], args) for shape in args.shapes}
     for shape in args.shapes:
         batch, seq = SHAPES[shape]
@@ -303,6 +326,11 @@ def main() -> int:
             "load_avg_before": load_before,
             "load_avg_after": _load(),
             "started_utc": started,
+            "sessions": [
+                *sessions,
+                {"started_utc": started, "load_avg_before": load_before, "load_avg_after": _load()},
+            ],
+            "repeats_total": 1 + max(r["repeat"] for r in runs),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "world_size": PP * DP,
@@ -335,7 +363,7 @@ def main() -> int:
             },
             **vars(args),
         },
-        "rows": IMPLS,
+        "rows": {impl: IMPLS[impl] for impl in args.impls},
         "summary": summary,
         "runs": runs,
     }
