@@ -208,7 +208,10 @@ class ChunkGatherer:
             return tensor
         found = self.locate_saved(tensor)
         if found is None:
-            return tensor
+            # detached: the graph holding the tensor object itself (an op's saved output, whose grad_fn is that graph)
+            # is a reference cycle through C++ that Python's collector cannot break, so a graph kept alive by
+            # ``retain_graph`` (a ZB-H1 pipeline's split backward) leaked its saved activations every step
+            return tensor.detach()
         chunk, offset = found
         return SavedChunkView(chunk, offset, tuple(tensor.shape), tuple(tensor.stride()))
 
