@@ -1,9 +1,9 @@
 """The ``plugin`` section of the run config: one pydantic model per Booster plugin, chosen by ``name``.
 
 The fields are the plugin dataclasses' own (`DDP`, `Zero`, `Gemini`, `HybridParallel`, `ExpertParallel`), with
-their docstrings as descriptions; the plugin's ``__post_init__`` checks run at validation time, so a bad combination
-(``compile_blocks`` with ``zero_stage=3``, an unknown schedule...) is reported against the ``plugin`` field before anything
-starts.
+their docstrings as descriptions; the plugin's ``__post_init__`` checks run at validation time, so a bad
+combination (``compile_blocks`` with ``zero_stage=3``, an unknown schedule...) is reported against the ``plugin``
+field before anything starts.
 ``num_microbatches`` comes from ``schedule.num_microbatches`` and the materialization seed from ``seed``.
 """
 
