@@ -275,6 +275,10 @@ def test_input_errors_name_the_file_and_line(tmp_path):
     # cut into byte ranges: the bad line lies in a later unit, its number counts the lines before that unit
     with pytest.raises(ValueError, match=r"bad\.jsonl line 151: not valid JSON"):
         prepare_corpus(tmp_path / "bad.jsonl", tmp_path / "out", workers=1, shard_tokens=2000)
+    lines[150] = json.dumps({"text": "fixed"})  # fixed, the unfinished run starts over from the new file
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    prepare_corpus(tmp_path / "bad.jsonl", tmp_path / "out", workers=1, shard_tokens=2000)
+    _assert_same_documents(tmp_path / "out", _reference(tmp_path / "bad.jsonl", ByteTokenizer()))
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match=r"chat\.jsonl line 1: a chat conversation"):
         prepare_corpus(tmp_path / "chat.jsonl", tmp_path / "chat", workers=1)

@@ -1,8 +1,9 @@
 """`colo data prepare`: raw text, JSON Lines, Parquet or saved Hugging Face datasets tokenized into a prepared corpus.
 
-The inputs are cut into work units (`colo.apps.data.units`), each tokenized by a worker process into one shard
-(`colo.apps.data.shards`), so the corpus is byte-identical whatever the number of workers, and holds exactly the
-token stream `tokenize_documents(read_documents(inputs), tokenizer)` gives, document for document.
+The inputs are cut into work units (`colo.apps.data.units`), each tokenized by a worker process
+(`colo.apps.data.prepare_workers`) into one shard (`colo.apps.data.shards`), so the corpus is byte-identical whatever
+the number of workers, and holds exactly the token stream `tokenize_documents(read_documents(inputs), tokenizer)`
+gives, document for document.
 
 Besides the corpus files the directory holds ``prepare.json`` (the inputs' fingerprint and the units) and one
 ``shard-NNNNN.json`` per finished shard (its manifest record, written after the shard's files). A crash leaves
@@ -19,20 +20,18 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, fields
+from dataclasses import fields
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
+from .prepare_workers import ShardJob, available_cpus, run_units, start_forkserver
 from .shards import (
     BLOCK_BYTES,
     MANIFEST,
     CorpusError,
     ShardRecord,
-    ShardWriter,
     TokenShard,
     _write_atomically,
     read_manifest,
@@ -42,7 +41,7 @@ from .shards import (
 )
 from .sources import read_documents, source_files
 from .tokenizer import ByteTokenizer, HFTokenizer, encode_arrays, load_tokenizer
-from .units import WorkUnit, plan_units, read_unit
+from .units import WorkUnit, plan_units
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 """Most tokens a shard holds by default (about 16.8M: 32 MiB of ``uint16`` tokens); a shard is one unit of work."""
@@ -55,8 +54,6 @@ CACHE_DIR = "cache"
 PLAN = "prepare.json"
 _PLAN_VERSION = 1
 _SAMPLE_CHARS = 1 << 18  # text tokenized to estimate input bytes per token when planning the units
-_BATCH_DOCUMENTS = 1024  # documents tokenized per batched call in a worker
-_BATCH_CHARS = 4 << 20  # ... or fewer, once this many characters are pending
 _CORPUS_FILE_SUFFIXES = (".tokens", ".index", ".tokens.crc32", ".index.crc32", ".json", ".tmp")
 
 
@@ -106,7 +103,7 @@ def prepare_corpus(
     """
     if shard_tokens is not None and shard_tokens <= 0:
         raise ValueError(f"shard_tokens={shard_tokens} must be positive")
-    workers = _default_workers() if workers is None else workers
+    workers = available_cpus() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     loaded, spec = _load(tokenizer)
@@ -127,7 +124,7 @@ def prepare_corpus(
     plan = _check_existing(out, identity, fingerprint, digest)
     if plan is None:
         if workers > 1:
-            _start_forkserver()  # its imports run while the units are planned here
+            start_forkserver()  # its imports run while the units are planned here
         bytes_per_token = _bytes_per_token(sources, loaded, format, text_field)
         input_bytes = sum(entry[2] for entry in fingerprint["files"])
         if shard_tokens is None:
@@ -153,19 +150,12 @@ def prepare_corpus(
         return {**read_manifest(out), "shards_written": 0}
     for unit in todo:
         _remove_shard(out, unit.name)
-    job = _Job(str(out), text_field, dtype.str, digest)
-    for record in _run(todo, job, loaded, spec, workers=workers, progress=progress):
+    job = ShardJob(str(out), text_field, dtype.str, digest)
+    for record in run_units(todo, job, loaded, spec, workers=workers, progress=progress):
         records[record["unit"]["number"]] = record
     shards = [_shard_record(records[unit.number]) for unit in units]
     manifest = _write_manifest(out, identity, shards, plan, sources)
     return {**manifest, "shards_written": len(todo)}
-
-
-def _default_workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _load(tokenizer):
@@ -225,14 +215,18 @@ def _check_only_corpus_files(out: Path) -> None:
 
 
 def _check_existing(out: Path, identity: dict, fingerprint: dict, digest: str) -> dict | None:
-    """The plan of an earlier run on the same inputs (to resume or check), ``None`` for a fresh directory, or a
-    `CorpusError` for one prepared with another tokenizer, from other inputs, or holding other files."""
+    """The plan of an earlier run on the same inputs (to resume or check), ``None`` for a fresh directory (or an
+    unfinished run on other inputs, whose files are deleted: nothing of it was published), or a `CorpusError` for a
+    directory prepared with another tokenizer, a finished corpus of other inputs, or one holding other files."""
     if not out.exists():
         return None
     if not out.is_dir():
         raise CorpusError(f"--out {out} is a file; name a directory")
     manifest = read_manifest(out) if (out / MANIFEST).is_file() else None
-    plan = json.loads((out / PLAN).read_text()) if (out / PLAN).is_file() else None
+    try:
+        plan = json.loads((out / PLAN).read_text()) if (out / PLAN).is_file() else None
+    except ValueError:
+        raise CorpusError(f"{out / PLAN} is not valid JSON; pass --overwrite to prepare {out} again") from None
     if manifest is None and plan is None:
         _check_only_corpus_files(out)
         return None
@@ -243,6 +237,9 @@ def _check_existing(out: Path, identity: dict, fingerprint: dict, digest: str) -
             f"{recorded.get('vocab_size')} ids); this prepare's tokenizer is {identity['name']!r} ({identity['kind']}, "
             f"{identity['vocab_size']} ids): write to another --out, or pass --overwrite to replace that corpus"
         )
+    if manifest is None and plan["fingerprint"] != digest:  # a run that never finished, on other inputs: start over
+        _remove_corpus(out)
+        return None
     if plan is None:  # a finished corpus whose plan was deleted: planned again (the same units) if the inputs match
         if manifest.get("prepared", {}).get("fingerprint") == digest:
             return None
@@ -320,133 +317,6 @@ def _remove_shard(out: Path, name: str) -> None:
         path.unlink()
 
 
-class _Job:
-    """What every worker needs besides its unit (plain values: sent to spawned processes)."""
-
-    def __init__(self, out: str, text_field: str, dtype: str, digest: str) -> None:
-        self.out, self.text_field, self.dtype, self.digest = out, text_field, dtype, digest
-
-
-def _run(todo: list[WorkUnit], job: _Job, tokenizer, spec, *, workers: int, progress: bool):
-    """Tokenize ``todo`` (biggest first), yielding each shard's record as it finishes."""
-    bar = _Progress(sum(unit.weight for unit in todo), len(todo)) if progress and todo else None
-    order = sorted(todo, key=lambda unit: (-unit.weight, unit.number))
-    try:
-        if workers == 1 or len(todo) == 1:
-            for unit in order:
-                record = prepare_unit(unit, job, tokenizer)
-                if bar:
-                    bar.advance(unit.weight)
-                yield record
-            return
-        yield from _run_in_processes(order, job, spec, workers=workers, bar=bar)
-    finally:
-        if bar:
-            bar.stop()
-
-
-def _start_forkserver():
-    """Start the server the workers fork from, in the background; it imports this module (colo, torch) once."""
-    import multiprocessing
-    import threading
-    from multiprocessing import forkserver
-
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    threading.Thread(target=forkserver.ensure_running, name="colo-forkserver", daemon=True).start()
-    return context
-
-
-def _run_in_processes(order: list[WorkUnit], job: _Job, spec, *, workers: int, bar):
-    context = _start_forkserver()
-    threads = max(1, _default_workers() // workers)
-    with ProcessPoolExecutor(
-        min(workers, len(order)), mp_context=context, initializer=_init_worker, initargs=(spec, threads)
-    ) as pool:
-        pending = {pool.submit(_prepare_in_worker, unit.to_json(), job): unit for unit in order}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    unit = pending.pop(future)
-                    try:
-                        record = future.result()
-                    except BrokenProcessPool:
-                        raise CorpusError(
-                            f"a worker died while tokenizing {unit.name} (out of memory, or killed); the finished "
-                            "shards are kept: run the same colo data prepare again to resume"
-                        ) from None
-                    if bar:
-                        bar.advance(unit.weight)
-                    yield record
-        except BaseException:
-            # An input error (or Ctrl-C) ends the run now: the other workers' units are not waited for (their
-            # partial files are rewritten by the next run).
-            processes = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for process in processes:
-                process.terminate()
-            raise
-
-
-_WORKER_TOKENIZER = None
-
-
-def _init_worker(spec, threads: int) -> None:
-    """Load the tokenizer once per worker process; its Rust thread pool gets this worker's share of the CPUs."""
-    global _WORKER_TOKENIZER
-    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-    if spec is None or isinstance(spec, str):
-        _WORKER_TOKENIZER = load_tokenizer(spec)
-    elif isinstance(spec, tuple):
-        path, bos_id, eos_id, pad_id = spec
-        _WORKER_TOKENIZER = HFTokenizer(path)
-        _WORKER_TOKENIZER.bos_id, _WORKER_TOKENIZER.eos_id, _WORKER_TOKENIZER.pad_id = bos_id, eos_id, pad_id
-    else:
-        _WORKER_TOKENIZER = spec
-
-
-def _prepare_in_worker(unit: dict, job: _Job) -> dict:
-    return prepare_unit(WorkUnit.from_json(unit), job, _WORKER_TOKENIZER)
-
-
-def prepare_unit(unit: WorkUnit, job: _Job, tokenizer) -> dict:
-    """Tokenize one unit into its shard, streaming: ``_BATCH_DOCUMENTS`` documents (or ``_BATCH_CHARS``
-    characters) are encoded in one batched call and written; returns the shard's record, also written beside it."""
-    out = Path(job.out)
-    writer = ShardWriter(out, unit.name, np.dtype(job.dtype))
-    prefix = np.asarray([tokenizer.bos_id], dtype=np.int32)
-    suffix = np.asarray([tokenizer.eos_id], dtype=np.int32)
-    try:
-        batch: list[str] = []
-        chars = 0
-        for text in read_unit(unit, text_field=job.text_field):
-            batch.append(text)
-            chars += len(text)
-            if len(batch) >= _BATCH_DOCUMENTS or chars >= _BATCH_CHARS:
-                _write_batch(writer, tokenizer, batch, prefix, suffix)
-                batch, chars = [], 0
-        if batch:
-            _write_batch(writer, tokenizer, batch, prefix, suffix)
-        shard = writer.finish()
-    except BaseException:
-        writer.abandon()
-        raise
-    record = {**asdict(shard), "fingerprint": job.digest, "unit": unit.to_json()}
-    _write_atomically(out / f"{unit.name}.json", (json.dumps(record) + "\n").encode())
-    return record
-
-
-def _write_batch(writer: ShardWriter, tokenizer, texts: list[str], prefix: np.ndarray, suffix: np.ndarray) -> None:
-    """Encode ``texts`` in one call and append them framed ``[bos] tokens [eos]``."""
-    bodies = encode_arrays(tokenizer, texts)
-    pieces = []
-    for body in bodies:
-        pieces += (prefix, body, suffix)
-    lengths = np.fromiter((body.size for body in bodies), dtype=np.int64, count=len(bodies)) + 2
-    writer.add_documents(np.concatenate(pieces), lengths)
-
-
 def _shard_record(record: dict) -> ShardRecord:
     return ShardRecord(**{field.name: record[field.name] for field in fields(ShardRecord)})
 
@@ -467,37 +337,3 @@ def _write_manifest(out: Path, identity: dict, shards: list[ShardRecord], plan: 
     # Shards without documents (a unit of empty files) stay on disk for resuming but out of the manifest.
     kept = [shard for shard in shards if shard.documents]
     return write_manifest(out, tokenizer=identity, shards=kept, prepared=prepared)
-
-
-class _Progress:
-    """A rich progress bar on stderr over the input bytes of the units to tokenize."""
-
-    def __init__(self, total_bytes: int, units: int) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        self.progress = Progress(
-            TextColumn(f"tokenizing {units} shard{'s' if units != 1 else ''}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-        )
-        self.task = self.progress.add_task("prepare", total=max(total_bytes, 1))
-        self.progress.start()
-
-    def advance(self, weight: int) -> None:
-        self.progress.advance(self.task, weight)
-
-    def stop(self) -> None:
-        self.progress.stop()
