@@ -11,8 +11,9 @@ processes, and writes the token ids to disk:
 - colo: ``colo data prepare FILES --out DIR --tokenizer tokenizer.json --workers N`` (uint16 shards, document index,
   CRC-32s, manifest);
 - datasets: ``load_dataset("json", data_files=FILES, num_proc=N)``, ``.map(tokenize, batched=True, num_proc=N,
-  remove_columns=["text"])``, ``.save_to_disk(DIR)`` (a fresh cache directory each time; ids as the Python ints
-  the tokenizer returns, stored as Arrow's inferred ``list<int64>``, as Hugging Face's ``run_clm.py`` does);
+  remove_columns=["text"])``, ``.save_to_disk(DIR)`` (a fresh cache directory each time; ids returned as the
+  Python lists the tokenizer gives, as Hugging Face's ``run_clm.py`` does, which datasets stores as
+  ``list<int32>`` for an ``input_ids`` column);
 - litdata: ``optimize(fn, inputs=FILES, output_dir=DIR, chunk_size=2049 * 8012, item_loader=TokensLoader(),
   num_workers=N)`` with ``fn`` reading a file and yielding each document's int32 tensor (litdata's documented
   pre-training recipe; litdata is imported from ``--litdata-path``, a ``pip install --target`` directory, so the
