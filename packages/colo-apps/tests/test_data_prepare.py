@@ -120,7 +120,7 @@ def tokenizer_sha(tokenizer):
     return tokenizer_identity(tokenizer)["sha256"]
 
 
-def test_one_and_two_workers_write_byte_identical_corpora(tmp_path):
+def test_one_and_two_workers_write_byte_identical_corpora(tmp_path, monkeypatch):
     inputs = _text_and_jsonl(tmp_path / "raw")
     tokenizer = _bpe_tokenizer(tmp_path / "bpe", _words(7, 3000))
     one = prepare_corpus(inputs, tmp_path / "one", tokenizer=tokenizer, workers=1, shard_tokens=300)
@@ -128,6 +128,9 @@ def test_one_and_two_workers_write_byte_identical_corpora(tmp_path):
     assert one["shards_written"] == two["shards_written"] == len(one["shards"]) > 4
     assert _files(tmp_path / "one") == _files(tmp_path / "two")
     _assert_same_documents(tmp_path / "two", _reference(inputs, load_tokenizer(tokenizer)))
+    monkeypatch.chdir(inputs)  # the manifest names the tokenizer by its absolute path: inspect decodes from anywhere
+    (first,) = describe_corpus(tmp_path / "two", samples=1)["samples"]
+    assert first["text"] == (inputs / "doc0.txt").read_text()[: len(first["text"])] and len(first["text"]) > 20
 
     # A bad record in one unit ends the whole run with its error (the other worker is not waited for).
     with (inputs / "records.jsonl").open("a") as file:

@@ -123,10 +123,10 @@ def prepare_corpus(
         _remove_corpus(out)
     plan = _check_existing(out, identity, fingerprint, digest)
     if plan is None:
-        if workers > 1:
+        input_bytes = sum(entry[2] for entry in fingerprint["files"])
+        if workers > 1 and input_bytes > 2 * _MIN_UNIT_BYTES:  # enough for two units: workers will be started
             start_forkserver()  # its imports run while the units are planned here
         bytes_per_token = _bytes_per_token(sources, loaded, format, text_field)
-        input_bytes = sum(entry[2] for entry in fingerprint["files"])
         if shard_tokens is None:
             target_bytes = min(DEFAULT_SHARD_TOKENS * bytes_per_token, max(input_bytes / MIN_SHARDS, _MIN_UNIT_BYTES))
         else:
@@ -160,8 +160,10 @@ def prepare_corpus(
 
 def _load(tokenizer):
     """``(tokenizer, what a worker loads it from)``: a path or ``None``, (path, special ids), or the object."""
-    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
+    if tokenizer is None or str(tokenizer) == "byte":
+        tokenizer = load_tokenizer(None)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(Path(tokenizer).resolve())  # the manifest names it wherever it is read from
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer, None
     if isinstance(tokenizer, HFTokenizer):
