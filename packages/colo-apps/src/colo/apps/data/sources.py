@@ -310,7 +310,8 @@ def _read_jsonl(path: Path, fields: _Fields) -> Iterator[Document]:
             yield fields.document(record, f"{path} line {number}")
 
 
-def _read_hf(path: Path, fields: _Fields, split: str) -> Iterator[Document]:
+def load_hf_dataset(path: Path, split: str):
+    """The dataset saved at ``path`` (``save_to_disk``); a ``DatasetDict``'s ``split``."""
     try:
         import datasets
     except ImportError:
@@ -322,7 +323,11 @@ def _read_hf(path: Path, fields: _Fields, split: str) -> Iterator[Document]:
         if split not in dataset:
             raise ValueError(f"{path}: no split {split!r}; it has {sorted(dataset)}; pass split= one of them")
         dataset = dataset[split]
-    for index, record in enumerate(dataset):
+    return dataset
+
+
+def _read_hf(path: Path, fields: _Fields, split: str) -> Iterator[Document]:
+    for index, record in enumerate(load_hf_dataset(path, split)):
         yield fields.document(record, f"{path} row {index}")
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .sources import _Fields, _read_jsonl, _read_text, import_parquet
+from .sources import _Fields, _read_jsonl, _read_text, import_parquet, load_hf_dataset
 
 SPLIT = "train"
 """The split read from a saved ``DatasetDict`` (as `read_documents` reads it by default)."""
@@ -167,7 +167,7 @@ def _parquet_pieces(path: Path, target_bytes: int, text_field: str) -> list[Segm
 
 
 def _hf_pieces(path: Path, target_bytes: int, text_field: str) -> list[Segment]:
-    dataset = _load_hf(path)
+    dataset = load_hf_dataset(path, SPLIT)
     _check_column(path, dataset.column_names, text_field, lambda: str(dataset.features[text_field]))
     rows = dataset.num_rows
     if rows == 0:
@@ -193,21 +193,6 @@ def _check_column(path: Path, names: Sequence[str], text_field: str, type_of) ->
         raise ValueError(
             f"{path}: column {text_field!r} holds {kind}, not text; name the text column with --text-field"
         )
-
-
-def _load_hf(path: Path):
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(
-            f"{path} is a Hugging Face dataset; reading it needs the `datasets` package: pip install 'colo-apps[data]'"
-        ) from None
-    dataset = datasets.load_from_disk(str(path))
-    if isinstance(dataset, datasets.DatasetDict):
-        if SPLIT not in dataset:
-            raise ValueError(f"{path}: no split {SPLIT!r}; it has {sorted(dataset)}: pass that split's directory")
-        dataset = dataset[SPLIT]
-    return dataset
 
 
 def read_unit(unit: WorkUnit, *, text_field: str = "text") -> Iterator[str]:
@@ -318,7 +303,7 @@ def _read_parquet_rows(path: Path, start: int, stop: int, text_field: str) -> It
 
 
 def _read_hf_rows(path: Path, start: int, stop: int, text_field: str) -> Iterator[str]:
-    rows = _load_hf(path).with_format(None).select_columns([text_field]).select(range(start, stop))
+    rows = load_hf_dataset(path, SPLIT).with_format(None).select_columns([text_field]).select(range(start, stop))
     row = start
     for batch in rows.iter(batch_size=_ROWS):
         texts = batch[text_field]
