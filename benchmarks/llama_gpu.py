@@ -15,6 +15,11 @@ the same for every row, so the comparison is of the model's forward and backward
   (flash backend on H100 for bf16), eager.
 - ``hf-sdpa-compiled``: the same with every decoder layer compiled.
 
+A row may carry ``@attn=sdpa`` or ``@attn=triton`` (``colo@attn=sdpa``): the row runs with ``COLO_PLAIN_ATTENTION``
+set so, measuring colo's model with plain attention through SDPA or through colo's kernel whatever the tuning file
+chooses. Compiled rows report dynamo's counters (graph breaks with their reasons, graphs, recompiles);
+``--profile`` adds, per colo row, the 25 CUDA kernels with the most self time over one more step.
+
 MFU = tokens/s x ``flops_per_token(config, seq_len)`` (6N + 12·L·S·H·D, the full score matrix as the PaLM
 convention counts it) / the device's dense bf16 peak (`colo.kernels.bench.device_peaks`). Each row builds a fresh
 model from seed 0, runs ``--warmup`` steps (the first compiles; reported as ``first_step_s``) and ``--steps`` timed
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -40,6 +46,7 @@ from colo.apps.models.llama.flops import flops_per_token
 from colo.kernels.bench import device_peaks
 
 IMPLS = ("colo", "hf-sdpa", "colo-compiled", "hf-sdpa-compiled")
+ROW_OPTIONS = {"attn": "COLO_PLAIN_ATTENTION"}
 
 
 def _build(impl: str, preset: str) -> torch.nn.Module:
@@ -65,8 +72,51 @@ def _build(impl: str, preset: str) -> torch.nn.Module:
     return model
 
 
-def run_row(impl: str, *, preset: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
+def run_row(spec: str, *, preset: str, batch: int, seq: int, warmup: int, steps: int, profile: bool = False) -> dict:
+    impl, _, option = spec.partition("@")
+    saved = dict(os.environ)
+    if option:
+        name, _, value = option.partition("=")
+        os.environ[ROW_OPTIONS[name]] = value
+    try:
+        return _run_row(impl, preset=preset, batch=batch, seq=seq, warmup=warmup, steps=steps, profile=profile)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _profile_step(model, ids) -> list[dict]:
+    """The CUDA kernels with the most self time over one training step (forward, backward; no optimizer)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+    events = []
+    for event in prof.key_averages():
+        self_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        events.append({"name": event.key[:120], "self_ms": self_us / 1e3, "calls": event.count})
+    events.sort(key=lambda e: -e["self_ms"])
+    return events[:25]
+
+
+def _dynamo_counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})
+    return {
+        "graph_breaks": sum(breaks.values()),
+        "graph_break_reasons": {str(reason)[:200]: count for reason, count in list(breaks.items())[:10]},
+        "totals": {name: sum(values.values()) for name, values in counters.items()},
+        "stats": dict(counters.get("stats", {})),
+    }
+
+
+def _run_row(impl: str, *, preset: str, batch: int, seq: int, warmup: int, steps: int, profile: bool) -> dict:
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = _build(impl, preset)
@@ -100,6 +150,11 @@ def run_row(impl: str, *, preset: str, batch: int, seq: int, warmup: int, steps:
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "losses": losses,
     }
+    if impl.endswith("compiled"):
+        row["dynamo"] = _dynamo_counters()
+    if profile and impl.startswith("colo"):
+        row["profile"] = _profile_step(model, ids)
+    optimizer.zero_grad(set_to_none=True)
     del model, optimizer
     return row
 
@@ -114,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true", help="the top CUDA kernels of one step per colo row")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -132,7 +188,13 @@ def main() -> None:
         for impl in impls[repeat % len(impls) :] + impls[: repeat % len(impls)]:
             try:
                 row = run_row(
-                    impl, preset=args.preset, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps
+                    impl,
+                    preset=args.preset,
+                    batch=args.batch,
+                    seq=args.seq,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    profile=args.profile,
                 )
             except Exception as error:  # noqa: BLE001 - one failing row must not lose the others
                 row = {"impl": impl, "error": f"{type(error).__name__}: {error}"[:500]}
@@ -146,7 +208,7 @@ def main() -> None:
                 f"step {row['step_s']:.3f} s  first {row['first_step_s']:.1f} s  "
                 f"peak {row['peak_memory_gib']:.1f} GiB  loss {row['losses'][-1]:.3f}"
             )
-            print(f"{impl:17s} {summary}", flush=True)
+            print(f"{impl:22s} {summary}", flush=True)
             if args.json:
                 with open(args.json, "w") as file:
                     json.dump(report, file, indent=2)

@@ -2,7 +2,10 @@
 # The GPU checks of colo in one staged run (issue 32), for a lent CUDA machine with torch and triton but no network.
 #
 #   bash scripts/gpu_check.sh [STAGES]       STAGES: comma-separated subset of env,tests,llama,kernels,gemini (all)
-#                                            and suite (opt-in: the whole test suite on the GPU machine, issue 39)
+#                                            and the opt-in suite (the whole test suite on the GPU machine, issue 39),
+#                                            tune (benchmarks/kernel_tuning.py, issue 50: writes tuning.json, which every
+#                                            later stage then runs with through COLO_KERNEL_TUNING; put it first) and
+#                                            train (colo train --preset llama-1b on one GPU, ZeRO-2, 8 x 2048 per step)
 #
 # Writes into $OUT (default ./gpu-out): log.txt (everything printed), tests_{kernels,comm,gemini}.xml (junit), llama_gpu.json,
 # kernels_bench.json (one merged report; each op ran in its own process with the copy_ baseline beside it),
@@ -57,6 +60,20 @@ for name in ("pydantic", "transformers", "liger_kernel", "deepspeed", "colo.apps
     except Exception as error:
         print(name, "NOT importable:", type(error).__name__, error)
 EOF
+fi
+
+if wants tune; then
+    stage tune
+    seconds=$(cap tune "${TUNE_CAP:-200}" 60)
+    if ((seconds > 0)); then
+        timeout -k 5 "$seconds" python3 benchmarks/kernel_tuning.py --out "$OUT/tuning.json" \
+            --report "$OUT/tuning_report.json" ${TUNE_ARGS:-}
+        echo "tune exit $?"
+    fi
+    if [[ -s $OUT/tuning.json ]]; then
+        export COLO_KERNEL_TUNING=$OUT/tuning.json
+        echo "later stages run with COLO_KERNEL_TUNING=$COLO_KERNEL_TUNING"
+    fi
 fi
 
 if wants tests; then
@@ -166,6 +183,22 @@ if wants gemini; then
         timeout -k 5 "$seconds" python3 benchmarks/gemini_offload.py --device cuda --hidden 2048 --blocks 8 --rows 4096 \
             --rounds 3 --steps 2 --budget-fraction 0.5 --out "$OUT/gemini_offload_cuda.json"
         echo "gemini exit $?"
+    fi
+fi
+if wants train; then
+    # the CLI on one GPU at the benchmark's shape: steady-state tokens/s and MFU from its own log (issue 50)
+    stage train
+    seconds=$(cap train "${TRAIN_CAP:-100}" 50)
+    if ((seconds > 0)); then
+        rm -rf /tmp/colo-train-1b
+        timeout -k 5 "$seconds" python3 -m colo.apps.cli train --preset llama-1b --set plugin.name=zero \
+            --set plugin.stage=2 --set data.global_batch_size=8 --set schedule.num_microbatches=1 \
+            --set schedule.stop_at_step="${TRAIN_STEPS:-30}" --set checkpoint.enabled=false \
+            --set eval.every_steps=100000 --set eval.num_sequences=8 --set logging.every_steps=5 \
+            --set logging.tensorboard=false --set logging.progress_bar=false --set data.max_tokens=2000000 \
+            --set output_dir=/tmp/colo-train-1b ${TRAIN_ARGS:-}
+        echo "train exit $?"
+        find /tmp/colo-train-1b -name "*.jsonl" -size -8M | head -1 | xargs -r -I{} cp {} "$OUT/train_metrics.jsonl"
     fi
 fi
 stage done

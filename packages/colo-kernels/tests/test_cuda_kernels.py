@@ -180,6 +180,40 @@ def test_flash_attention_grouped_query(dtype, causal, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q,seq_k", [(1000, 1000), (300, 1000), (77, 1000)])
+def test_flash_attention_uneven_lengths(dtype, causal, seq_q, seq_k):
+    """Lengths that are no multiple of any block, and fewer queries than keys (the causal mask bottom-right
+    aligned): the kernels' unmasked interior blocks and masked edge blocks together cover every score once."""
+    from colo.kernels.flash_attention import flash_attention, flash_attention_reference
+
+    q = torch.randn(2, seq_q, 8, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, seq_k, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    _check(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"),
+        lambda q, k, v: flash_attention_reference(q, k, v, causal=causal),
+        [q, k, v],
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_attention_through_sdpa(monkeypatch, causal):
+    """``COLO_PLAIN_ATTENTION=sdpa``: plain 16-bit attention runs SDPA on colo's layout, grouped-query heads too."""
+    from colo.kernels.flash_attention import PLAIN_ATTENTION_ENV, flash_attention, flash_attention_reference
+
+    monkeypatch.setenv(PLAIN_ATTENTION_ENV, "sdpa")
+    q = torch.randn(2, 1000, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _check(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal),
+        lambda q, k, v: flash_attention_reference(q, k, v, causal=causal),
+        [q, k, v],
+        torch.bfloat16,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_flash_attention_documents_and_kv_offsets(dtype):
     from colo.kernels.flash_attention import flash_attention, flash_attention_reference
 

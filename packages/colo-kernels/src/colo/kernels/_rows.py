@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import UnsupportedKernelInput
+from .tuning import tuned_config
 
 try:
     import triton
@@ -19,11 +20,15 @@ MAX_FUSED_COLS = 65536
 """Widest row the row-wise Triton kernels hold in one block; wider inputs need ``backend="torch"``."""
 
 
-def _row_tiling(op: str, n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_N, ROWS, num_warps)`` for a kernel that holds whole rows of ``n_cols`` elements.
+def _row_tiling(
+    op: str, n_rows: int, n_cols: int, device: torch.device, kernel: str = "forward"
+) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)`` for ``op``'s ``kernel`` (``"forward"`` or ``"backward"``), which holds whole
+    rows of ``n_cols`` elements.
 
-    On a GPU a tile is about 2k+ elements (several short rows per program); in Triton's interpreter every tile
-    operation is one numpy call, so tiles are as large as 32k elements to keep CPU tests fast.
+    On a GPU a tile is about 2k+ elements (several short rows per program), or what `colo.kernels.tuning` measured
+    for the op, kernel and ``BLOCK_N`` on the GPU's architecture; in Triton's interpreter every tile operation is
+    one numpy call, so tiles are as large as 32k elements to keep CPU tests fast.
     """
     if n_cols > MAX_FUSED_COLS:
         raise UnsupportedKernelInput(
@@ -36,6 +41,9 @@ def _row_tiling(op: str, n_rows: int, n_cols: int, device: torch.device) -> tupl
     else:
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 32768 // block_n))
     num_warps = min(16, max(4, rows * block_n // 512))
+    tuned = tuned_config(f"{op}.{kernel}", device, block_n=block_n)
+    if tuned is not None:
+        rows, num_warps = int(tuned.get("ROWS", rows)), int(tuned.get("num_warps", num_warps))
     return block_n, rows, num_warps
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .dispatch import TRITON_DTYPES, UnsupportedKernelInput, op_backend, resolve_backend
+from .tuning import tuned_config
 
 try:
     import triton
@@ -28,6 +29,39 @@ except ImportError:  # triton is a Linux-only dependency; the reference still wo
     triton = None
 
 if triton is not None:
+
+    @triton.jit
+    def _adamw_update(
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, numel, beta1, beta2, eps, decay_factor, step_size,
+        bias_correction2_sqrt, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """The AdamW update of ``offsets`` of one tensor; without MASKED every offset is inside the tensor."""
+        if MASKED:
+            mask = offsets < numel
+            param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
+            exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+        else:
+            param = tl.load(param_ptr + offsets).to(tl.float32)
+            grad = tl.load(grad_ptr + offsets).to(tl.float32)
+            exp_avg = tl.load(exp_avg_ptr + offsets)
+            exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets)
+
+        param = param * decay_factor  # decoupled weight decay: p *= 1 - lr * weight_decay
+        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+        denominator = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        param = (param - step_size * exp_avg / denominator).to(param_ptr.dtype.element_ty)
+
+        if MASKED:
+            tl.store(param_ptr + offsets, param, mask=mask)
+            tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+            tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+        else:
+            tl.store(param_ptr + offsets, param)
+            tl.store(exp_avg_ptr + offsets, exp_avg)
+            tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
 
     @triton.jit
     def _adamw_kernel(
@@ -48,31 +82,35 @@ if triton is not None:
         step_size,
         bias_correction2_sqrt,
         BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
     ):
+        """Program ``i`` updates chunk ``i``: BLOCK elements of one tensor. A chunk wholly inside its tensor runs
+        without masks; ALIGNED (every address 16-byte aligned, checked on the host) lets loads be vectorized."""
         chunk = tl.program_id(0)
         tensor = tl.load(chunk_tensor_ptr + chunk)
-        offsets = tl.load(chunk_index_ptr + chunk).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < tl.load(numels_ptr + tensor)
+        start = tl.load(chunk_index_ptr + chunk).to(tl.int64) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        numel = tl.load(numels_ptr + tensor)
         # the *_like pointers are first tensors of the group: they only give the element types to cast to
         param_ptr = tl.load(param_addrs_ptr + tensor).to(param_like_ptr.dtype)
         grad_ptr = tl.load(grad_addrs_ptr + tensor).to(grad_like_ptr.dtype)
         exp_avg_ptr = tl.load(exp_avg_addrs_ptr + tensor).to(state_like_ptr.dtype)
         exp_avg_sq_ptr = tl.load(exp_avg_sq_addrs_ptr + tensor).to(state_like_ptr.dtype)
-
-        param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
-
-        param = param * decay_factor  # decoupled weight decay: p *= 1 - lr * weight_decay
-        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-        denominator = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-        param = param - step_size * exp_avg / denominator
-
-        tl.store(param_ptr + offsets, param.to(param_like_ptr.dtype.element_ty), mask=mask)
-        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+        if ALIGNED:
+            param_ptr = tl.multiple_of(param_ptr, 16)
+            grad_ptr = tl.multiple_of(grad_ptr, 16)
+            exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
+            exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
+        if start + BLOCK <= numel:
+            _adamw_update(
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, numel, beta1, beta2, eps, decay_factor,
+                step_size, bias_correction2_sqrt, False,
+            )  # fmt: skip
+        else:
+            _adamw_update(
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, numel, beta1, beta2, eps, decay_factor,
+                step_size, bias_correction2_sqrt, True,
+            )  # fmt: skip
 
 
 def _launch_group(
@@ -82,21 +120,29 @@ def _launch_group(
     exp_avg_sqs: list[torch.Tensor],
     scalars: dict[str, float],
 ) -> None:
-    """One launch of `_adamw_kernel` over tensors that share a device, a param dtype and a grad dtype."""
+    """One launch of `_adamw_kernel` over tensors that share a device, a param dtype and a grad dtype.
+
+    On a GPU the chunk size and warps are 4096 and 8 unless `colo.kernels.tuning` has a measured ``adamw`` entry
+    for the architecture (``BLOCK``, ``num_warps``, ``aligned_hint``: whether to tell the compiler the addresses
+    are 16-byte aligned when they are)."""
     device = params[0].device
     numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+    aligned_hint = False
     if device.type == "cuda":
         block, num_warps = 4096, 8
+        tuned = tuned_config("adamw", device) or {}
+        block, num_warps = int(tuned.get("BLOCK", block)), int(tuned.get("num_warps", num_warps))
+        aligned_hint = bool(tuned.get("aligned_hint", False))
     else:  # interpreter: one numpy call per tile operation, so fewer, larger programs run faster
         block, num_warps = min(65536, triton.next_power_of_2(int(numels.max()))), 4
     chunks_per_tensor = (numels + block - 1) // block
     num_chunks = int(chunks_per_tensor.sum())
     if num_chunks == 0:
         return
-    addresses = torch.tensor(
-        [[t.data_ptr() for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)], dtype=torch.int64
-    )
-    tables = torch.cat((addresses, numels[None, :], chunks_per_tensor[None, :])).to(device, non_blocking=True)
+    pointers = [[t.data_ptr() for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
+    aligned = aligned_hint and all(address % 16 == 0 for row in pointers for address in row)
+    tables = torch.cat((torch.tensor(pointers, dtype=torch.int64), numels[None, :], chunks_per_tensor[None, :]))
+    tables = tables.to(device, non_blocking=True)
     numels, chunks_per_tensor = tables[4], tables[5]
     chunk_tensor = torch.repeat_interleave(
         torch.arange(len(params), device=device), chunks_per_tensor, output_size=num_chunks
@@ -105,7 +151,7 @@ def _launch_group(
     chunk_index = torch.arange(num_chunks, device=device) - chunk_starts[chunk_tensor]
     _adamw_kernel[(num_chunks,)](
         tables[0], tables[1], tables[2], tables[3], numels, chunk_tensor, chunk_index,
-        params[0], grads[0], exp_avgs[0], **scalars, BLOCK=block, num_warps=num_warps,
+        params[0], grads[0], exp_avgs[0], **scalars, BLOCK=block, ALIGNED=aligned, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -64,6 +64,11 @@ def _requested(backend: str | None) -> str:
     return backend
 
 
+def requested_backend(backend: str | None = None) -> str:
+    """The backend asked for before resolution: ``backend`` if given, else `use_backend`'s, else ``COLO_KERNELS``."""
+    return _requested(backend)
+
+
 def resolve_backend(op: str, *tensors: torch.Tensor, backend: str | None = None) -> str:
     """The backend (``"triton"`` or ``"torch"``) that runs ``op`` on ``tensors``.
 

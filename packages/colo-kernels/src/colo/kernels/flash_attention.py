@@ -30,10 +30,18 @@ returns the block's ``(out, lse)`` for the caller to merge across blocks, and th
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-from .dispatch import UnsupportedKernelInput, check_triton_dtypes, interpreter_enabled, op_backend, resolve_backend
+from .dispatch import (
+    UnsupportedKernelInput,
+    check_triton_dtypes,
+    interpreter_enabled,
+    op_backend,
+    requested_backend,
+    resolve_backend,
+)
 from .document_mask import (
     DocumentMask,
     block_counter,
@@ -43,6 +51,7 @@ from .document_mask import (
     query_block_ranges,
     record_blocks,
 )
+from .tuning import tuned_config
 
 try:
     import triton
@@ -244,6 +253,74 @@ if triton is not None:
         return visible
 
     @triton.jit
+    def _interior_key_end(
+        begin_n, start_m, seq_k, diagonal, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """End of the key blocks from ``begin_n`` that every query of the block at ``start_m`` sees whole: no causal
+        edge, no sequence end, no document mask (those blocks run without a mask); ``begin_n`` with documents."""
+        if VARLEN:
+            interior_end = begin_n
+        else:
+            full_end = seq_k
+            if CAUSAL:  # query start_m sees keys up to start_m + diagonal, and every later query sees them too
+                full_end = tl.minimum(tl.maximum(start_m + diagonal + 1, 0), seq_k)
+            interior_end = (full_end // BLOCK_N) * BLOCK_N  # begin_n is 0 without documents
+        return interior_end
+
+    @triton.jit
+    def _forward_step(
+        acc,
+        row_sum,
+        row_max,
+        q,
+        k_base,
+        v_base,
+        k_docs_ptr,
+        q_docs,
+        rows,
+        cols,
+        offs_d,
+        kv_row_stride,
+        batch,
+        seq_q,
+        seq_k,
+        diagonal,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
+        MASKED: tl.constexpr,
+        NATIVE_DOT: tl.constexpr,
+    ):
+        """One key block of the online softmax: ``(acc, row_sum, row_max)`` updated. Without MASKED every key of
+        the block is in the sequence and visible to every query (an interior block)."""
+        kv_offsets = cols[:, None] * kv_row_stride + offs_d[None, :]
+        if MASKED:
+            col_ok = cols < seq_k
+            k = tl.load(k_base + kv_offsets, mask=col_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + kv_offsets)
+        scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
+        if MASKED:
+            k_docs = cols
+            if VARLEN:
+                k_docs = tl.load(k_docs_ptr + batch * seq_k + cols, mask=col_ok, other=0)
+            visible = _visible(rows, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
+            scores = tl.where(visible, scores, -float("inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # rows that have seen no visible key yet keep max -inf: subtract 0 instead so exp2 gives 0, not NaN
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            v = tl.load(v_base + kv_offsets, mask=col_ok[:, None], other=0.0)
+        else:
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            shift = new_max
+            v = tl.load(v_base + kv_offsets)
+        correction = tl.exp2(row_max - shift)
+        probs = tl.exp2(scores - shift[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + _dot(probs, v, NATIVE_DOT)
+        return acc, row_sum, new_max
+
+    @triton.jit
     def _attention_forward_kernel(
         q_ptr,
         k_ptr,
@@ -307,25 +384,18 @@ if triton is not None:
         if VARLEN:
             q_docs = tl.load(q_docs_ptr + batch * seq_q + offs_m, mask=row_ok, other=0)
         num_blocks = 0
-        for start_n in range(begin_n, end_n, BLOCK_N):
-            cols = start_n + offs_n
-            col_ok = cols < seq_k
-            k = tl.load(k_base + cols[:, None] * kv_row_stride + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
-            k_docs = cols
-            if VARLEN:
-                k_docs = tl.load(k_docs_ptr + batch * seq_k + cols, mask=col_ok, other=0)
-            visible = _visible(offs_m, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
-            scores = tl.where(visible, scores, -float("inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-            # rows that have seen no visible key yet keep max -inf: subtract 0 instead so exp2 gives 0, not NaN
-            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-            correction = tl.exp2(row_max - shift)
-            probs = tl.exp2(scores - shift[:, None])
-            row_sum = row_sum * correction + tl.sum(probs, axis=1)
-            v = tl.load(v_base + cols[:, None] * kv_row_stride + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            acc = acc * correction[:, None] + _dot(probs, v, NATIVE_DOT)
-            row_max = new_max
+        interior_end = _interior_key_end(begin_n, start_m, seq_k, diagonal, CAUSAL, VARLEN, BLOCK_N)
+        for start_n in range(begin_n, interior_end, BLOCK_N):
+            acc, row_sum, row_max = _forward_step(
+                acc, row_sum, row_max, q, k_base, v_base, k_docs_ptr, q_docs, offs_m, start_n + offs_n, offs_d,
+                kv_row_stride, batch, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, VARLEN, False, NATIVE_DOT,
+            )  # fmt: skip
+            num_blocks += 1
+        for start_n in range(interior_end, end_n, BLOCK_N):
+            acc, row_sum, row_max = _forward_step(
+                acc, row_sum, row_max, q, k_base, v_base, k_docs_ptr, q_docs, offs_m, start_n + offs_n, offs_d,
+                kv_row_stride, batch, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, VARLEN, True, NATIVE_DOT,
+            )  # fmt: skip
             num_blocks += 1
         if COUNT:
             tl.store(count_ptr + batch_head * tl.num_programs(0) + block_m, num_blocks)
@@ -363,6 +433,101 @@ if triton is not None:
         """Recomputed ``(BLOCK_M, BLOCK_N)`` fp32 probabilities ``exp(scores - lse)``, 0 where not visible."""
         scores = _dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2
         return tl.where(visible, tl.exp2(scores - lse_log2[:, None]), 0.0)
+
+    @triton.jit
+    def _dkdv_step(
+        dk,
+        dv,
+        k,
+        v,
+        k_docs,
+        q_base,
+        dout_base,
+        lse_row_ptr,
+        delta_row_ptr,
+        q_docs_ptr,
+        rows,
+        cols,
+        offs_d,
+        q_row_stride,
+        batch,
+        seq_q,
+        seq_k,
+        diagonal,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
+        MASKED: tl.constexpr,
+        NATIVE_DOT: tl.constexpr,
+    ):
+        """One query block's contribution to a key block's ``(dk, dv)``; without MASKED every query of the block
+        sees every key (an interior block)."""
+        row_ok = rows < seq_q
+        q_offsets = rows[:, None] * q_row_stride + offs_d[None, :]
+        q = tl.load(q_base + q_offsets, mask=row_ok[:, None], other=0.0)
+        dout = tl.load(dout_base + q_offsets, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_row_ptr + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_row_ptr + rows, mask=row_ok, other=0.0)
+        if MASKED:
+            # lse = -inf: the row sees no key anywhere; +inf makes its probabilities exactly 0
+            lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+            q_docs = rows
+            if VARLEN:
+                q_docs = tl.load(q_docs_ptr + batch * seq_q + rows, mask=row_ok, other=0)
+            visible = _visible(rows, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
+            probs = _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT)
+        else:
+            probs = tl.exp2(_dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2 - (lse * 1.4426950408889634)[:, None])
+        dv += _dot(tl.trans(probs), dout, NATIVE_DOT)
+        dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
+        dscores = probs * (dprobs - delta[:, None])
+        dk += _dot(tl.trans(dscores), q, NATIVE_DOT)
+        return dk, dv
+
+    @triton.jit
+    def _dq_step(
+        dq,
+        q,
+        dout,
+        lse_log2,
+        delta,
+        k_base,
+        v_base,
+        k_docs_ptr,
+        q_docs,
+        rows,
+        cols,
+        offs_d,
+        kv_row_stride,
+        batch,
+        seq_q,
+        seq_k,
+        diagonal,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        VARLEN: tl.constexpr,
+        MASKED: tl.constexpr,
+        NATIVE_DOT: tl.constexpr,
+    ):
+        """One key block's contribution to a query block's ``dq``; without MASKED an interior block."""
+        kv_offsets = cols[:, None] * kv_row_stride + offs_d[None, :]
+        if MASKED:
+            col_ok = cols < seq_k
+            k = tl.load(k_base + kv_offsets, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + kv_offsets, mask=col_ok[:, None], other=0.0)
+            k_docs = cols
+            if VARLEN:
+                k_docs = tl.load(k_docs_ptr + batch * seq_k + cols, mask=col_ok, other=0)
+            visible = _visible(rows, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
+            probs = _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT)
+        else:
+            k = tl.load(k_base + kv_offsets)
+            v = tl.load(v_base + kv_offsets)
+            probs = tl.exp2(_dot(q, tl.trans(k), NATIVE_DOT) * qk_scale_log2 - lse_log2[:, None])
+        dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
+        dscores = probs * (dprobs - delta[:, None])
+        dq += _dot(dscores, k, NATIVE_DOT)
+        return dq
 
     @triton.jit
     def _attention_backward_dkdv_kernel(
@@ -422,29 +587,31 @@ if triton is not None:
         if VARLEN:
             k_docs = tl.load(k_docs_ptr + batch * seq_k + offs_n, mask=col_ok, other=0)
         num_blocks = 0
+        # query blocks from interior_begin see every key of this block (rows past seq_q load zeros and add nothing;
+        # keys past seq_k only reach dk/dv rows that are not stored), so they run without a mask
+        interior_begin = end_m
+        if not VARLEN:
+            interior_begin = begin_m
+            if CAUSAL:
+                edge = start_n + BLOCK_N - 1 - diagonal - begin_m  # the first query that sees the block's last key
+                interior_begin = tl.minimum(begin_m + tl.cdiv(tl.maximum(edge, 0), BLOCK_M) * BLOCK_M, end_m)
         for head in range(kv_head * group, kv_head * group + group):
             q_base = q_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
             dout_base = dout_ptr + (batch * seq_q * heads_q + head) * HEAD_DIM
             row_base = (batch * heads_q + head) * seq_q
-            for start_m in range(begin_m, end_m, BLOCK_M):
-                rows = start_m + offs_m
-                row_ok = rows < seq_q
-                q_offsets = rows[:, None] * q_row_stride + offs_d[None, :]
-                q = tl.load(q_base + q_offsets, mask=row_ok[:, None], other=0.0)
-                dout = tl.load(dout_base + q_offsets, mask=row_ok[:, None], other=0.0)
-                lse = tl.load(lse_ptr + row_base + rows, mask=row_ok, other=0.0)
-                # lse = -inf: the row sees no key anywhere; +inf makes its probabilities exactly 0
-                lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
-                delta = tl.load(delta_ptr + row_base + rows, mask=row_ok, other=0.0)
-                q_docs = rows
-                if VARLEN:
-                    q_docs = tl.load(q_docs_ptr + batch * seq_q + rows, mask=row_ok, other=0)
-                visible = _visible(rows, offs_n, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
-                probs = _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT)
-                dv += _dot(tl.trans(probs), dout, NATIVE_DOT)
-                dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
-                dscores = probs * (dprobs - delta[:, None])
-                dk += _dot(tl.trans(dscores), q, NATIVE_DOT)
+            for start_m in range(begin_m, interior_begin, BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk, dv, k, v, k_docs, q_base, dout_base, lse_ptr + row_base, delta_ptr + row_base, q_docs_ptr,
+                    start_m + offs_m, offs_n, offs_d, q_row_stride, batch, seq_q, seq_k, diagonal, qk_scale_log2,
+                    CAUSAL, VARLEN, True, NATIVE_DOT,
+                )  # fmt: skip
+                num_blocks += 1
+            for start_m in range(interior_begin, end_m, BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk, dv, k, v, k_docs, q_base, dout_base, lse_ptr + row_base, delta_ptr + row_base, q_docs_ptr,
+                    start_m + offs_m, offs_n, offs_d, q_row_stride, batch, seq_q, seq_k, diagonal, qk_scale_log2,
+                    CAUSAL, VARLEN, False, NATIVE_DOT,
+                )  # fmt: skip
                 num_blocks += 1
         if COUNT:
             tl.store(count_ptr + batch_head * tl.num_programs(0) + block_n, num_blocks)
@@ -513,38 +680,53 @@ if triton is not None:
         if VARLEN:
             q_docs = tl.load(q_docs_ptr + batch * seq_q + offs_m, mask=row_ok, other=0)
         num_blocks = 0
-        for start_n in range(begin_n, end_n, BLOCK_N):
-            cols = start_n + offs_n
-            col_ok = cols < seq_k
-            kv_offsets = cols[:, None] * kv_row_stride + offs_d[None, :]
-            k = tl.load(k_base + kv_offsets, mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + kv_offsets, mask=col_ok[:, None], other=0.0)
-            k_docs = cols
-            if VARLEN:
-                k_docs = tl.load(k_docs_ptr + batch * seq_k + cols, mask=col_ok, other=0)
-            visible = _visible(offs_m, cols, seq_q, seq_k, diagonal, q_docs, k_docs, CAUSAL, VARLEN)
-            probs = _attention_probs(q, k, lse_log2, visible, qk_scale_log2, NATIVE_DOT)
-            dprobs = _dot(dout, tl.trans(v), NATIVE_DOT)
-            dscores = probs * (dprobs - delta[:, None])
-            dq += _dot(dscores, k, NATIVE_DOT)
+        interior_end = _interior_key_end(begin_n, start_m, seq_k, diagonal, CAUSAL, VARLEN, BLOCK_N)
+        for start_n in range(begin_n, interior_end, BLOCK_N):
+            dq = _dq_step(
+                dq, q, dout, lse_log2, delta, k_base, v_base, k_docs_ptr, q_docs, offs_m, start_n + offs_n, offs_d,
+                kv_row_stride, batch, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, VARLEN, False, NATIVE_DOT,
+            )  # fmt: skip
+            num_blocks += 1
+        for start_n in range(interior_end, end_n, BLOCK_N):
+            dq = _dq_step(
+                dq, q, dout, lse_log2, delta, k_base, v_base, k_docs_ptr, q_docs, offs_m, start_n + offs_n, offs_d,
+                kv_row_stride, batch, seq_q, seq_k, diagonal, qk_scale_log2, CAUSAL, VARLEN, True, NATIVE_DOT,
+            )  # fmt: skip
             num_blocks += 1
         if COUNT:
             tl.store(count_ptr + batch_head * tl.num_programs(0) + block_m, num_blocks)
         tl.store(dq_ptr + q_offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _launch_config(q: torch.Tensor) -> dict:
-    """Block sizes and flags for the Triton kernels on ``q``'s device and dtype.
+KERNELS = ("forward", "backward_dkdv", "backward_dq")
+"""The Triton kernels whose launch configuration is chosen (and tuned) separately; the backward's small ``delta``
+kernel follows ``backward_dq``'s query blocks."""
+
+_CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"})
+
+
+def _launch_config(q: torch.Tensor, kernel: str, causal: bool) -> dict:
+    """Block sizes, warps, pipeline stages and the dot flag for one of the Triton `KERNELS` on ``q``.
 
     In Triton's interpreter each tile operation is one numpy call, so blocks of 32 keep the number of programs
     and loop iterations small for test shapes while still covering several blocks per sequence. On a GPU, 16-bit
-    inputs use 64 x 64 tiles and tensor-core dots; fp32 uses exact fp32 dots on 32 x 32 tiles (registers).
+    inputs use tensor-core dots, with the configuration `colo.kernels.tuning` measured for the GPU's architecture,
+    head size and mask where there is one (else 64 x 64 tiles); fp32 uses exact fp32 dots on 32 x 32 tiles.
     """
     head_dim = q.shape[-1]
     native = q.is_cuda and not interpreter_enabled() and q.dtype in (torch.bfloat16, torch.float16)
     block = 64 if native else 32
-    num_warps = 8 if (native and head_dim >= 128) else 4
-    return {"BLOCK_M": block, "BLOCK_N": block, "NATIVE_DOT": native, "num_warps": num_warps}
+    config = {"BLOCK_M": block, "BLOCK_N": block, "num_warps": 8 if (native and head_dim >= 128) else 4}
+    if native:
+        dtype = str(q.dtype).removeprefix("torch.")
+        tuned = tuned_config(f"flash_attention.{kernel}", q.device, dtype=dtype, head_dim=head_dim, causal=causal)
+        if tuned is not None:
+            unknown = set(tuned) - _CONFIG_KEYS
+            if unknown:
+                raise ValueError(f"tuning entry flash_attention.{kernel}: unknown keys {sorted(unknown)}")
+            config.update(tuned)
+    config["NATIVE_DOT"] = native
+    return config
 
 
 def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -574,7 +756,7 @@ def _block_forward_triton(q, k, v, causal, scale, documents=None):
         return out, lse.fill_(float("-inf"))
     if seq_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    config = _launch_config(q)
+    config = _launch_config(q, "forward", causal)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     grid = (triton.cdiv(seq_q, block_m), batch * heads_q)
     ranges = None
@@ -598,18 +780,19 @@ def _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents=Non
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    config = _launch_config(q)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    dkdv_config = _launch_config(q, "backward_dkdv", causal)
+    dq_config = _launch_config(q, "backward_dq", causal)
     delta = torch.empty(batch, heads_q, seq_q, dtype=torch.float32, device=q.device)
-    _attention_backward_delta_kernel[(triton.cdiv(seq_q, block_m), batch * heads_q)](
-        out, dout, delta, seq_q, heads_q, HEAD_DIM=head_dim, BLOCK_M=block_m
+    _attention_backward_delta_kernel[(triton.cdiv(seq_q, dq_config["BLOCK_M"]), batch * heads_q)](
+        out, dout, delta, seq_q, heads_q, HEAD_DIM=head_dim, BLOCK_M=dq_config["BLOCK_M"]
     )
     varlen = documents is not None
     key_ranges = query_ranges = None
     if varlen:
-        key_ranges = key_block_ranges(documents, causal, seq_q, seq_k, block_m, block_n)
-        query_ranges = query_block_ranges(documents, causal, seq_q, seq_k, block_m, block_n)
-    grid = (triton.cdiv(seq_k, block_n), batch * heads_kv)
+        key_ranges = key_block_ranges(documents, causal, seq_q, seq_k, dkdv_config["BLOCK_M"], dkdv_config["BLOCK_N"])
+        query_ranges = query_block_ranges(documents, causal, seq_q, seq_k, dq_config["BLOCK_M"], dq_config["BLOCK_N"])
+    config = dkdv_config
+    grid = (triton.cdiv(seq_k, config["BLOCK_N"]), batch * heads_kv)
     counter = block_counter(grid[0] * grid[1], q.device)
     _attention_backward_dkdv_kernel[grid](
         q, k, v, dout, lse, delta, dk, dv, *_varlen_args(documents, key_ranges, seq_q, seq_k, q.device),
@@ -617,7 +800,8 @@ def _block_backward_triton(dout, q, k, v, out, lse, causal, scale, documents=Non
         CAUSAL=causal, VARLEN=varlen, COUNT=counter is not None, HEAD_DIM=head_dim, **config,
     )  # fmt: skip
     record_blocks("backward_dkdv", counter)
-    grid = (triton.cdiv(seq_q, block_m), batch * heads_q)
+    config = dq_config
+    grid = (triton.cdiv(seq_q, config["BLOCK_M"]), batch * heads_q)
     counter = block_counter(grid[0] * grid[1], q.device)
     _attention_backward_dq_kernel[grid](
         q, k, v, dout, lse, delta, dq, *_varlen_args(documents, query_ranges, seq_q, seq_k, q.device),
@@ -784,11 +968,58 @@ def flash_attention(
     """
     _check_shapes("flash_attention", q, k, v)
     documents = _document_args("flash_attention", q, k, document_ids, query_document_ids, kv_offsets)
+    requested = requested_backend(backend)
     backend = resolve_backend("flash_attention", q, k, v, backend=backend)
     if backend == "triton":
         _check_triton_inputs("flash_attention", q=q, k=k, v=v)
+        plain = all(argument is None for argument in documents)
+        if requested == "auto" and plain and _plain_attention_runs_sdpa(q, k, causal):
+            return _sdpa_attention(q, k, v, bool(causal), _default_scale(q, scale))
     out, _ = torch.ops.colo.flash_attention(q, k, v, bool(causal), _default_scale(q, scale), *documents, backend)
     return out
+
+
+PLAIN_ATTENTION_ENV = "COLO_PLAIN_ATTENTION"
+"""Which kernel `flash_attention` runs on CUDA for 16-bit attention without documents or offsets when the backend is
+``auto``: ``triton`` (colo's kernel), ``sdpa`` (``scaled_dot_product_attention``, FlashAttention-2 inside torch) or
+``auto`` (the default: what `colo.kernels.tuning` measured faster on the GPU's architecture for the head size and
+mask, else ``triton``). Masks with documents or offsets always run colo's kernel."""
+
+
+@torch.compiler.assume_constant_result
+def _plain_attention_implementation(device_index: int, dtype: str, head_dim: int, causal: bool) -> str:
+    """``"sdpa"`` or ``"triton"`` for plain attention with these properties (constant under ``torch.compile``)."""
+    choice = os.environ.get(PLAIN_ATTENTION_ENV, "auto")
+    if choice not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"{PLAIN_ATTENTION_ENV}={choice!r}: use auto, sdpa or triton")
+    if choice == "auto":
+        device = torch.device("cuda", device_index)
+        tuned = tuned_config("flash_attention.plain", device, dtype=dtype, head_dim=head_dim, causal=causal)
+        choice = (tuned or {}).get("implementation", "triton")
+    return choice
+
+
+def _plain_attention_runs_sdpa(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether plain attention on these CUDA inputs runs through SDPA (see `PLAIN_ATTENTION_ENV`): 16-bit, and for a
+    causal mask equal query and key lengths (SDPA aligns the causal mask top-left, colo bottom-right)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or (causal and q.shape[1] != k.shape[1]):
+        return False
+    dtype = str(q.dtype).removeprefix("torch.")
+    return _plain_attention_implementation(q.device.index, dtype, q.shape[-1], bool(causal)) == "sdpa"
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on colo's ``(batch, seq, heads, head_dim)`` layout, grouped-query heads
+    included, without copies (the transposes are views SDPA takes as they are)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
 
 
 def attention_block_forward(

@@ -127,7 +127,7 @@ def _backward_triton(dy, dh_out, h, weight, rstd, compute_dweight):
     n_cols = shape[-1]
     h = h.contiguous().view(-1, n_cols)
     n_rows = h.shape[0]
-    block_n, rows, num_warps = _row_tiling("rms_norm", n_rows, n_cols, h.device)
+    block_n, rows, num_warps = _row_tiling("rms_norm", n_rows, n_cols, h.device, kernel="backward")
     grid = _backward_grid(triton.cdiv(n_rows, rows), h.device)
     dh = torch.empty_like(h)
     dweight_partial = torch.empty((grid, n_cols), dtype=torch.float32, device=h.device)
