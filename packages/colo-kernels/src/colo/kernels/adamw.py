@@ -122,17 +122,19 @@ def _launch_group(
 ) -> None:
     """One launch of `_adamw_kernel` over tensors that share a device, a param dtype and a grad dtype.
 
-    On a GPU the chunk size and warps are 4096 and 8 unless `colo.kernels.tuning` has a measured ``adamw`` entry
-    for the architecture (``BLOCK``, ``num_warps``, ``aligned_hint``: whether to tell the compiler the addresses
-    are 16-byte aligned when they are)."""
+    The kernel reads the tensors' addresses from a table, so the compiler cannot know their alignment: when every
+    address is 16-byte aligned (checked here) it is told so, and the loads and stores of full chunks become 128-bit
+    (scalar 32-bit otherwise: PTX for sm_90 shows 0 vs 16 ``ld.global.v4`` per program at BLOCK 4096). On a GPU
+    the chunk size and warps are 4096 and 8 unless `colo.kernels.tuning` has a measured ``adamw`` entry for the
+    architecture (``BLOCK``, ``num_warps``, ``aligned_hint``)."""
     device = params[0].device
     numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-    aligned_hint = False
+    aligned_hint = True
     if device.type == "cuda":
         block, num_warps = 4096, 8
         tuned = tuned_config("adamw", device) or {}
         block, num_warps = int(tuned.get("BLOCK", block)), int(tuned.get("num_warps", num_warps))
-        aligned_hint = bool(tuned.get("aligned_hint", False))
+        aligned_hint = bool(tuned.get("aligned_hint", True))
     else:  # interpreter: one numpy call per tile operation, so fewer, larger programs run faster
         block, num_warps = min(65536, triton.next_power_of_2(int(numels.max()))), 4
     chunks_per_tensor = (numels + block - 1) // block
