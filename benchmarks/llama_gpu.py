@@ -79,7 +79,8 @@ def run_row(spec: str, *, preset: str, batch: int, seq: int, warmup: int, steps:
         name, _, value = option.partition("=")
         os.environ[ROW_OPTIONS[name]] = value
     try:
-        return _run_row(impl, preset=preset, batch=batch, seq=seq, warmup=warmup, steps=steps, profile=profile)
+        row = _run_row(impl, preset=preset, batch=batch, seq=seq, warmup=warmup, steps=steps, profile=profile)
+        return row | {"impl": spec}
     finally:
         os.environ.clear()
         os.environ.update(saved)
