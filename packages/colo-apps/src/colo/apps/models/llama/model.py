@@ -106,15 +106,15 @@ def attention_document_ids(position_ids: torch.Tensor, batch_size: int) -> torch
 
 
 def layers_document_mask(
-    document_ids: torch.Tensor | None, *, whole_sequence: bool
+    document_ids: torch.Tensor | None, *, whole_sequence: bool, seq_q: int | None = None
 ) -> torch.Tensor | DocumentMask | None:
     """What the layers of one forward attend with: ``document_ids`` made one `DocumentMask` for all of them
-    (`colo.kernels.build_document_mask`: checked once, block ranges cached), or as given when they are the
-    ``whole_sequence``'s ids for a sequence-parallel core, or under ``torch.compile`` (the compiled graph reads
-    nothing on the host either way)."""
+    (`colo.kernels.build_document_mask`, for ``seq_q`` queries per row, ``None``: one per id; checked once, block
+    ranges cached), or as given when they are the ``whole_sequence``'s ids for a sequence-parallel core, or under
+    ``torch.compile`` (the compiled graph reads nothing on the host either way)."""
     if document_ids is None or whole_sequence or torch.compiler.is_compiling():
         return document_ids
-    return build_document_mask(document_ids)
+    return build_document_mask(document_ids, seq_q=seq_q)
 
 
 class Llama(nn.Module):
@@ -226,6 +226,10 @@ class Llama(nn.Module):
         batch, seq = input_ids.shape
         kv_cache.check_input(batch, seq, num_layers=len(self.layers), device=input_ids.device)
         cos, sin = self.rotary_emb(seq, position_ids, offset=kv_cache.length)
+        # the new tokens' queries over every cached and new key (a paged cache's layers mask themselves)
+        document_ids = layers_document_mask(
+            document_ids, whole_sequence=not self.document_ids_from_positions, seq_q=seq
+        )
         h = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, kv_cache=kv_cache.layer(index), document_ids=document_ids)
