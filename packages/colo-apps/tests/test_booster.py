@@ -248,3 +248,29 @@ def test_parameters_handed_out_are_current_right_after_load_and_step(plugin_name
         assert not stale, f"model.state_dict() right after a step is stale: {stale}"
         stale = [name for name in after_unwrap if not torch.equal(unwrapped[name], after_unwrap[name])]
         assert not stale, f"booster.unwrap()'s parameters right after a step are stale: {stale}"
+
+
+def _single_rank_ddp_run(steps):
+    from colo.apps.booster import Booster
+
+    model, optimizer, scheduler = make_training()
+    booster = Booster(make_plugin("ddp"))  # two microbatches (the no_sync path) and clipping, as above
+    boosted, *_ = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    losses = [booster.train_step(global_batch(step, 1)).loss for step in steps]
+    tensors, _ = booster.engine.checkpoint_state()  # what a checkpoint holds
+    wrapped = isinstance(boosted, torch.nn.parallel.DistributedDataParallel)
+    return wrapped, boosted is model and booster.unwrap() is model, sorted(tensors), losses, full_params(booster, model)
+
+
+def test_ddp_on_one_rank_does_not_wrap_the_model_and_trains_as_the_single_process_run():
+    # one data-parallel rank has nothing to average: DDP's wrapper would only add its hooks and bucket copies to
+    # every step. The run still equals the eager model + AdamW (same tolerances as above: microbatches are averaged
+    # in another order than the whole batch), and checkpoints keep the model's own names (no "module." prefix).
+    steps = range(3)
+    expected, expected_params = reference_run(steps, 1, 0.5)
+    wrapped, unwrapped, names, losses, params = run_distributed(_single_rank_ddp_run, steps, world_size=1)[0]
+    assert not wrapped and unwrapped
+    assert [name for name in names if not name.startswith("optim/")] == sorted(expected_params)
+    assert losses == pytest.approx([loss for loss, _, _ in expected], rel=1e-5)
+    for name, value in expected_params.items():
+        torch.testing.assert_close(params[name], value, **TOLERANCE, msg=name)

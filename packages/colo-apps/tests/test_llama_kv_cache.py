@@ -171,3 +171,40 @@ def test_cache_of_another_shape_says_which():
         model(_tokens(1, 2), kv_cache=wrong_heads)
     with pytest.raises(ValueError, match="max_len=0 must be a positive int"):
         KVCache(num_layers=2, batch_size=1, max_len=0, num_kv_heads=2, head_dim=16)
+
+
+def test_a_decoding_step_with_padded_rows_checks_the_document_ids_once_not_per_layer(monkeypatch):
+    # left-padded prompts decode with document ids over every cached and new key (-1 on the padding): the model
+    # builds one DocumentMask per step, so the ids are read on the host once per step, not once per layer, and the
+    # logits are those of handing every layer the raw ids (bit-equal: the same masked attention)
+    from colo.apps.models.llama import model as llama_model
+    from colo.kernels import document_mask as documents
+
+    checks = []
+    check = documents.check_document_ids
+
+    def counting_check(*args, check_values=True, **kwargs):
+        checks.extend([args[1]] if check_values else [])  # the host sync
+        return check(*args, check_values=check_values, **kwargs)
+
+    monkeypatch.setattr(documents, "check_document_ids", counting_check)
+    model = _model(num_hidden_layers=3)
+    ids = _tokens(2, 9)
+    keys = torch.zeros(2, 9, dtype=torch.long)
+    keys[1, :3] = -1  # row 1: three padding slots, then its prompt
+
+    def decode():
+        cache = KVCache.for_model(model, batch_size=2, max_len=9)
+        with torch.no_grad():
+            prefill = model(ids[:, :8], kv_cache=cache, document_ids=keys[:, :8]).logits
+            return prefill, model(ids[:, 8:], kv_cache=cache, document_ids=keys).logits
+
+    shared = decode()
+    assert checks == ["document_ids", "document_ids"]  # prefill and one step, three layers each
+    checks.clear()
+    with monkeypatch.context() as per_layer:
+        per_layer.setattr(llama_model, "layers_document_mask", lambda document_ids, **_: document_ids)
+        expected = decode()
+    assert len(checks) == 6
+    for actual, reference in zip(shared, expected):
+        torch.testing.assert_close(actual, reference, rtol=0, atol=0)

@@ -139,3 +139,45 @@ def test_packed_rows_under_tp_megatron_sp_ulysses_and_ring_equal_the_single_proc
     for results in run_distributed(_parallel_packed_losses, cases, world_size=2):
         for name, kind, _ in cases:
             assert results[name] == pytest.approx(expected[kind], rel=1e-5), name
+
+
+def test_llama_checks_document_ids_and_computes_block_ranges_once_per_forward_not_per_layer(monkeypatch):
+    # a 3-layer Llama on packed rows builds one DocumentMask per forward: the ids are read on the host once (not in
+    # each layer), each kind of Triton block range is computed once, and loss and gradients are bit-equal to handing
+    # every layer the raw ids (the same kernels over the same ranges)
+    from colo.apps import Llama, get_preset
+    from colo.apps.models.llama import model as llama_model
+    from colo.kernels import document_mask as documents
+    from colo.kernels import use_backend
+
+    calls = []
+    for name in ("_query_block_ranges", "_key_block_ranges"):
+        compute = getattr(documents, name)
+        monkeypatch.setattr(documents, name, lambda *args, _c=compute, _n=name: calls.append(_n) or _c(*args))
+    check = documents.check_document_ids
+
+    def counting_check(*args, check_values=True, **kwargs):
+        calls.extend(["checked values"] if check_values else [])  # the host sync
+        return check(*args, check_values=check_values, **kwargs)
+
+    monkeypatch.setattr(documents, "check_document_ids", counting_check)
+    model = Llama(get_preset("tiny", num_hidden_layers=3))
+    model.init_weights(0)
+    batch, _ = packed_batch()
+
+    def loss_and_grads():
+        calls.clear()
+        with use_backend("triton"):
+            return _loss_and_grads(model, model(**batch).loss)
+
+    shared_loss, shared_grads = loss_and_grads()
+    assert calls.count("checked values") == 1
+    assert sorted(set(calls)) == ["_key_block_ranges", "_query_block_ranges", "checked values"]
+    assert len(calls) <= 4  # query ranges of the forward (and of the backward, if its blocks differ), key ranges
+    with monkeypatch.context() as per_layer:
+        per_layer.setattr(llama_model, "layers_document_mask", lambda document_ids, whole_sequence: document_ids)
+        loss, grads = loss_and_grads()
+    assert calls.count("checked values") == 3 and calls.count("_key_block_ranges") == 3  # before: every layer
+    torch.testing.assert_close(shared_loss, loss, rtol=0, atol=0)
+    for shared, expected in zip(shared_grads, grads):
+        torch.testing.assert_close(shared, expected, rtol=0, atol=0)

@@ -191,3 +191,60 @@ def test_bad_document_ids_raise_clear_errors():
         flash_attention(q, k, v, causal=True, document_ids=ids, kv_offsets=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match=r"kv_offsets must be an int or an integer tensor of shape \(batch,\)"):
         flash_attention(q, k, v, causal=True, kv_offsets=torch.tensor([0]))
+
+
+def test_a_built_mask_is_checked_once_and_its_block_ranges_computed_once_for_every_layer(monkeypatch):
+    # two "layers" attend with one DocumentMask: the ids are read once (when it is built), each kind of block range
+    # is computed once (forward: query blocks; backward: key blocks, and query blocks again only if the backward's
+    # block sizes differ), and the results are bit-equal to passing the ids to every call (same kernels, same ranges)
+    from colo.kernels import build_document_mask
+    from colo.kernels import document_mask as documents
+
+    calls = []
+    for name in ("_query_block_ranges", "_key_block_ranges"):
+        compute = getattr(documents, name)
+        monkeypatch.setattr(documents, name, lambda *args, _c=compute, _n=name: calls.append(_n) or _c(*args))
+    check = documents.check_document_ids
+
+    def counting_check(*args, check_values=True, **kwargs):
+        calls.extend(["checked values"] if check_values else [])  # the host sync
+        return check(*args, check_values=check_values, **kwargs)
+
+    monkeypatch.setattr(documents, "check_document_ids", counting_check)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 2, 16, generator=generator).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 64, 2, 16, generator=generator)
+    ids = torch.stack([_ids((5, 40, 19)), _ids((64,))])  # blocks of 32: two query blocks, two key blocks per row
+
+    def two_layers(document_ids):
+        out = flash_attention(q, k, v, causal=True, backend="triton", document_ids=document_ids)
+        out = flash_attention(out, k, v, causal=True, backend="triton", document_ids=document_ids)
+        return (out, *_grads(out, q, k, v, dout))
+
+    per_call = two_layers(ids)
+    assert calls.count("checked values") == 2 and calls.count("_query_block_ranges") == 4  # per call, fwd and bwd
+    calls.clear()
+    mask = build_document_mask(ids)
+    assert calls == ["checked values"]
+    shared = two_layers(mask)
+    assert "checked values" not in calls[1:]
+    assert sorted(set(calls[1:])) == ["_key_block_ranges", "_query_block_ranges"]
+    assert len(calls[1:]) == len(mask.block_ranges) <= 3  # each (kind, causal, seq_q, seq_k, blocks) once
+    for actual, expected in zip(shared, per_call):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_a_built_mask_of_other_shapes_or_with_separate_offsets_is_refused():
+    from colo.kernels import build_document_mask
+
+    q, k, v = (torch.randn(2, 8, 2, 16) for _ in range(3))
+    mask = build_document_mask(torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="query_document_ids / kv_offsets|holds the query ids and offsets"):
+        flash_attention(q, k, v, causal=True, document_ids=mask, kv_offsets=0)
+    with pytest.raises(ValueError, match=r"the DocumentMask is for keys of shape \(batch, seq_k\) = \(2, 8\)"):
+        flash_attention(q[:, :4], k[:, :4], v[:, :4], causal=True, document_ids=mask)
+    with pytest.raises(ValueError, match="build it with seq_q=4"):
+        flash_attention(q[:, :4], k, v, causal=True, document_ids=mask)
+    decreasing = torch.tensor([[0, 1, 0, 1]])
+    with pytest.raises(ValueError, match="build_document_mask: document_ids must be non-decreasing"):
+        build_document_mask(decreasing)

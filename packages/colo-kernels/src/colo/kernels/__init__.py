@@ -10,7 +10,7 @@ using them without graph breaks, ``torch.export`` keeps them, and checkpointing 
 from .adamw import FusedAdamW, adamw_reference, fused_adamw
 from .cross_entropy import cross_entropy, cross_entropy_reference
 from .dispatch import UnsupportedKernelInput, resolve_backend, triton_available, use_backend
-from .document_mask import count_attention_blocks, document_ids_from_position_ids
+from .document_mask import DocumentMask, build_document_mask, count_attention_blocks, document_ids_from_position_ids
 from .flash_attention import (
     attention_block_backward,
     attention_block_forward,
@@ -27,12 +27,14 @@ from .swiglu import swiglu, swiglu_reference
 __version__ = "0.1.0"
 
 __all__ = [
+    "DocumentMask",
     "FusedAdamW",
     "UnsupportedKernelInput",
     "__version__",
     "adamw_reference",
     "attention_block_backward",
     "attention_block_forward",
+    "build_document_mask",
     "count_attention_blocks",
     "cross_entropy",
     "cross_entropy_reference",

@@ -22,19 +22,28 @@ Because ids are non-decreasing, the keys a block of queries can see are one cont
 of the block's first document to the last key of its last one, cut by the causal mask); the Triton kernels loop
 over that range only, so fully masked blocks are never loaded. `count_attention_blocks` counts the blocks the
 kernels did compute (a test hook: counting stores one integer per program).
+
+**One mask per forward.** Checking the ids reads them on the host (a device sync), and the block ranges are a few
+``searchsorted`` launches: per attention call, that is once per layer. A model builds the mask once per forward with
+`build_document_mask` and passes the `DocumentMask` as every layer's ``document_ids``: the ids are checked once, and
+the ranges are computed once per ``(causal, seq_q, seq_k, block_m, block_n)`` and cached on the mask. The attention
+operators take tensors only: they find the cache on the mask's ``kv_offsets`` tensor, which the autograd graph keeps
+for the backward (under ``torch.compile`` too, for a mask built outside the compiled region).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 
 
-class DocumentMask(NamedTuple):
-    """Validated document-mask inputs of one attention call (see the module docstring).
+class DocumentMask:
+    """Validated document-mask inputs of attention (see the module docstring), with the Triton kernels' block
+    ranges cached on it: build one with `build_document_mask` and pass it as ``document_ids`` to every layer.
+
+    Its tensors must not change in place while it is in use (the cached ranges follow from their values).
 
     Attributes:
         query_ids: ``(batch, seq_q)`` int64 document ids of the queries.
@@ -42,9 +51,47 @@ class DocumentMask(NamedTuple):
         kv_offsets: ``(batch,)`` int64 position of each row's first query among its keys.
     """
 
-    query_ids: torch.Tensor | None
-    key_ids: torch.Tensor | None
-    kv_offsets: torch.Tensor
+    def __init__(self, query_ids: torch.Tensor | None, key_ids: torch.Tensor | None, kv_offsets: torch.Tensor):
+        self.query_ids, self.key_ids, self.kv_offsets = query_ids, key_ids, kv_offsets
+        self.block_ranges: dict[tuple, torch.Tensor] = {}
+        """``query_block_ranges`` / ``key_block_ranges`` results by ``(kind, causal, seq_q, seq_k, block_m,
+        block_n)``."""
+
+    def check_fits(self, op: str, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Raise a `ValueError` unless this mask is shaped for queries ``q`` and keys ``k`` (no device sync)."""
+        batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
+        key_shape = None if self.key_ids is None else tuple(self.key_ids.shape)
+        if tuple(self.kv_offsets.shape) != (batch,) or key_shape not in (None, (batch, seq_k)):
+            raise ValueError(
+                f"{op}: the DocumentMask is for keys of shape (batch, seq_k) = {key_shape}, but k has batch {batch} "
+                f"and seq_k {seq_k}; build the mask for this attention's keys"
+            )
+        if self.query_ids is not None and tuple(self.query_ids.shape) != (batch, seq_q):
+            raise ValueError(
+                f"{op}: the DocumentMask is for {self.query_ids.shape[1]} queries per row, but q has {seq_q}; build it "
+                f"with seq_q={seq_q}"
+            )
+        if self.kv_offsets.device != q.device:
+            raise ValueError(f"{op}: the DocumentMask is on {self.kv_offsets.device}, q/k/v on {q.device}")
+
+
+_SHARED_RANGES = "_colo_document_mask"
+"""The attribute of a built mask's ``kv_offsets`` tensor that holds ``(query_ids, key_ids, block_ranges)``: the
+operators get the tensors, and the saved ``kv_offsets`` keeps the cache alive until the backward (the tensors do not
+point back at the mask: no reference cycle)."""
+
+
+def shared_document_mask(
+    query_ids: torch.Tensor | None, key_ids: torch.Tensor | None, kv_offsets: torch.Tensor | None
+) -> DocumentMask | None:
+    """The mask `build_document_mask` built from these very tensors, with its cached block ranges; ``None`` for
+    tensors of no built mask (how the attention operators, which take tensors, find the cache)."""
+    shared = getattr(kv_offsets, _SHARED_RANGES, None)
+    if shared is None or shared[0] is not query_ids or shared[1] is not key_ids:
+        return None
+    mask = DocumentMask(query_ids, key_ids, kv_offsets)
+    mask.block_ranges = shared[2]
+    return mask
 
 
 def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -110,7 +157,7 @@ def document_mask_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    document_ids: torch.Tensor | None,
+    document_ids: torch.Tensor | DocumentMask | None,
     query_document_ids: torch.Tensor | None = None,
     kv_offsets: torch.Tensor | int | None = None,
     check_values: bool = True,
@@ -119,13 +166,14 @@ def document_mask_inputs(
 
     The shapes, dtypes and devices are always checked. The values (ids non-decreasing in each row, offsets that
     keep the queries within the keys) only with ``check_values``: reading them is data-dependent, so the attention
-    ops skip it under ``torch.compile`` / ``torch.export`` (a graph break otherwise) and check in eager mode.
+    ops skip it under ``torch.compile`` / ``torch.export`` (a graph break otherwise) and check in eager mode. A
+    `DocumentMask` (from `build_document_mask`, already checked) is returned as it is once its shapes fit q and k.
 
     Args:
         op (str): the calling function, for error messages.
         q (torch.Tensor): ``(batch, seq_q, heads_q, head_dim)`` queries.
         k (torch.Tensor): ``(batch, seq_k, heads_kv, head_dim)`` keys.
-        document_ids (torch.Tensor | None): ``(batch, seq_k)`` ids of the keys.
+        document_ids (torch.Tensor | DocumentMask | None): ``(batch, seq_k)`` ids of the keys, or a built mask.
         query_document_ids (torch.Tensor | None): ``(batch, seq_q)`` ids of the queries; ``None``: key
             ``kv_offsets[b] + i``'s id for query ``i``.
         kv_offsets (torch.Tensor | int | None): ``(batch,)`` or one int: position of each row's first query among
@@ -134,17 +182,32 @@ def document_mask_inputs(
 
     Raises:
         ValueError: ids that are not integer, not shaped ``(batch, seq)`` like q/k, not non-decreasing in a row, or
-            offsets that put queries outside the keys when their ids are read from ``document_ids``.
+            offsets that put queries outside the keys when their ids are read from ``document_ids``; a
+            `DocumentMask` of other shapes, or with ``query_document_ids`` / ``kv_offsets`` beside it.
     """
+    if isinstance(document_ids, DocumentMask):
+        if query_document_ids is not None or kv_offsets is not None:
+            raise ValueError(
+                f"{op}: a DocumentMask holds the query ids and offsets; pass them to build_document_mask, not "
+                "beside the mask"
+            )
+        document_ids.check_fits(op, q, k)
+        return document_ids
+    return _mask_of_shape(
+        op, q.shape[0], q.shape[1], k.shape[1], q.device, document_ids, query_document_ids, kv_offsets, check_values
+    )
+
+
+def _mask_of_shape(op, batch, seq_q, seq_k, device, document_ids, query_document_ids, kv_offsets, check_values):
+    """`document_mask_inputs` for ``batch`` rows of ``seq_q`` queries over ``seq_k`` keys on ``device``."""
     if document_ids is None and query_document_ids is None and kv_offsets is None:
         return None
-    batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     if query_document_ids is not None and document_ids is None:
         raise ValueError(f"{op}: query_document_ids needs document_ids (the keys' ids) as well")
     if kv_offsets is None:
-        offsets = torch.full((batch,), seq_k - seq_q, dtype=torch.long, device=q.device)
+        offsets = torch.full((batch,), seq_k - seq_q, dtype=torch.long, device=device)
     elif isinstance(kv_offsets, int) and not isinstance(kv_offsets, bool):
-        offsets = torch.full((batch,), kv_offsets, dtype=torch.long, device=q.device)
+        offsets = torch.full((batch,), kv_offsets, dtype=torch.long, device=device)
     else:
         if not _is_integer_tensor(kv_offsets) or tuple(kv_offsets.shape) != (batch,):
             got = kv_offsets
@@ -153,13 +216,13 @@ def document_mask_inputs(
             raise ValueError(
                 f"{op}: kv_offsets must be an int or an integer tensor of shape (batch,) = ({batch},), got {got}"
             )
-        offsets = kv_offsets.to(device=q.device, dtype=torch.long).contiguous()
+        offsets = kv_offsets.to(device=device, dtype=torch.long).contiguous()
     if document_ids is None:
         return DocumentMask(None, None, offsets)
-    key_ids = check_document_ids(op, "document_ids", document_ids, (batch, seq_k), q.device, check_values=check_values)
+    key_ids = check_document_ids(op, "document_ids", document_ids, (batch, seq_k), device, check_values=check_values)
     if query_document_ids is not None:
         query_ids = check_document_ids(
-            op, "query_document_ids", query_document_ids, (batch, seq_q), q.device, check_values=check_values
+            op, "query_document_ids", query_document_ids, (batch, seq_q), device, check_values=check_values
         )
         return DocumentMask(query_ids, key_ids, offsets)
     if check_values and seq_q and bool(((offsets < 0) | (offsets + seq_q > seq_k)).any()):
@@ -168,8 +231,57 @@ def document_mask_inputs(
             f"sits at key kv_offsets[b] + i, which must be in [0, {seq_k})); fix the offsets, or pass "
             "query_document_ids"
         )
-    positions = offsets.unsqueeze(1) + torch.arange(seq_q, device=q.device)
+    positions = offsets.unsqueeze(1) + torch.arange(seq_q, device=device)
     return DocumentMask(key_ids.gather(1, positions).contiguous(), key_ids, offsets)
+
+
+def build_document_mask(
+    document_ids: torch.Tensor,
+    *,
+    seq_q: int | None = None,
+    query_document_ids: torch.Tensor | None = None,
+    kv_offsets: torch.Tensor | int | None = None,
+) -> DocumentMask:
+    """Validate a document mask once, for every attention call of a forward to share (see the module docstring).
+
+    Pass the result as ``document_ids`` to `colo.kernels.flash_attention` (or the block steps) in every layer:
+    the ids are not read again, and the Triton kernels' block ranges are computed once per
+    ``(causal, seq_q, seq_k, block_m, block_n)`` and cached on the mask. Under ``torch.compile`` the values are
+    not checked (reading them would break the graph).
+
+    Args:
+        document_ids (torch.Tensor): ``(batch, seq_k)`` integer document ids of the keys, non-decreasing per row.
+        seq_q (int | None): queries per row; ``None``: those of ``query_document_ids``, else ``seq_k`` (self
+            attention). Default: ``None``.
+        query_document_ids (torch.Tensor | None): ``(batch, seq_q)`` ids of the queries; ``None``: query ``i`` of
+            row ``b`` has the id of key ``kv_offsets[b] + i``. Default: ``None``.
+        kv_offsets (torch.Tensor | int | None): ``(batch,)`` or one int: query ``i`` of row ``b`` sits at key
+            ``kv_offsets[b] + i``; ``None``: ``seq_k - seq_q``. Default: ``None``.
+
+    Returns:
+        DocumentMask: the checked mask, found again by the attention operators from its tensors while it lives.
+
+    Raises:
+        ValueError: as `colo.kernels.flash_attention` does for bad ids or offsets.
+    """
+    op = "build_document_mask"
+    if not _is_integer_tensor(document_ids) or document_ids.dim() != 2:
+        got = f"{document_ids.dtype} {tuple(document_ids.shape)}" if isinstance(document_ids, torch.Tensor) else ""
+        raise ValueError(
+            f"{op}: document_ids must be a (batch, seq) integer tensor, got {got or type(document_ids).__name__}"
+        )
+    batch, seq_k = document_ids.shape
+    if seq_q is None:
+        seq_q = query_document_ids.shape[-1] if isinstance(query_document_ids, torch.Tensor) else seq_k
+    eager = not torch.compiler.is_compiling()
+    if eager and isinstance(kv_offsets, torch.Tensor):
+        kv_offsets = kv_offsets.clone()  # the cache goes on the mask's own offsets, not on the caller's tensor
+    mask = _mask_of_shape(
+        op, batch, seq_q, seq_k, document_ids.device, document_ids, query_document_ids, kv_offsets, eager
+    )
+    if eager:  # a traced mask's tensors are not the ones the operators will get
+        setattr(mask.kv_offsets, _SHARED_RANGES, (mask.query_ids, mask.key_ids, mask.block_ranges))
+    return mask
 
 
 def dense_mask(mask: DocumentMask, causal: bool, seq_q: int, seq_k: int) -> torch.Tensor:
@@ -189,8 +301,28 @@ def dense_mask(mask: DocumentMask, causal: bool, seq_q: int, seq_k: int) -> torc
 def query_block_ranges(mask: DocumentMask, causal: bool, seq_q: int, seq_k: int, block_m: int, block_n: int):
     """``(batch, blocks of queries, 2)`` int32 ``[begin, end)`` key positions each query block must visit.
 
-    ``begin`` is rounded down to a multiple of ``block_n``; ``end <= begin`` means nothing to visit.
+    ``begin`` is rounded down to a multiple of ``block_n``; ``end <= begin`` means nothing to visit. Computed once
+    per mask and arguments (cached in ``mask.block_ranges``).
     """
+    return _cached_ranges(_query_block_ranges, "query", mask, causal, seq_q, seq_k, block_m, block_n)
+
+
+def key_block_ranges(mask: DocumentMask, causal: bool, seq_q: int, seq_k: int, block_m: int, block_n: int):
+    """``(batch, blocks of keys, 2)`` int32 ``[begin, end)`` query positions each key block must visit (cached
+    like `query_block_ranges`)."""
+    return _cached_ranges(_key_block_ranges, "key", mask, causal, seq_q, seq_k, block_m, block_n)
+
+
+def _cached_ranges(compute, kind, mask, causal, seq_q, seq_k, block_m, block_n):
+    key = (kind, bool(causal), seq_q, seq_k, block_m, block_n)
+    ranges = mask.block_ranges.get(key)
+    if ranges is None:
+        ranges = mask.block_ranges[key] = compute(mask, causal, seq_q, seq_k, block_m, block_n)
+    return ranges
+
+
+def _query_block_ranges(mask, causal, seq_q, seq_k, block_m, block_n):
+    """`query_block_ranges`, computed."""
     batch, device = mask.kv_offsets.shape[0], mask.kv_offsets.device
     starts = torch.arange(0, seq_q, block_m, device=device)
     ends = torch.clamp(starts + block_m, max=seq_q)
@@ -205,8 +337,8 @@ def query_block_ranges(mask: DocumentMask, causal: bool, seq_q: int, seq_k: int,
     return torch.stack([begin, end.clamp(0, seq_k)], dim=-1).to(torch.int32).contiguous()
 
 
-def key_block_ranges(mask: DocumentMask, causal: bool, seq_q: int, seq_k: int, block_m: int, block_n: int):
-    """``(batch, blocks of keys, 2)`` int32 ``[begin, end)`` query positions each key block must visit."""
+def _key_block_ranges(mask, causal, seq_q, seq_k, block_m, block_n):
+    """`key_block_ranges`, computed."""
     batch, device = mask.kv_offsets.shape[0], mask.kv_offsets.device
     starts = torch.arange(0, seq_k, block_n, device=device)
     ends = torch.clamp(starts + block_n, max=seq_k)

@@ -50,6 +50,7 @@ from .document_mask import (
     key_block_ranges,
     query_block_ranges,
     record_blocks,
+    shared_document_mask,
 )
 from .tuning import tuned_config
 
@@ -141,7 +142,7 @@ def flash_attention_reference(
     *,
     causal: bool = False,
     scale: float | None = None,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | DocumentMask | None = None,
     query_document_ids: torch.Tensor | None = None,
     kv_offsets: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
@@ -153,7 +154,8 @@ def flash_attention_reference(
         v (torch.Tensor): values, shaped like ``k``.
         causal (bool): bottom-right aligned causal mask. Default: False.
         scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
-        document_ids, query_document_ids, kv_offsets: the document mask, as in `flash_attention`. Default: None.
+        document_ids, query_document_ids, kv_offsets: the document mask, as in `flash_attention` (a
+            `DocumentMask` too). Default: None.
 
     Returns:
         torch.Tensor: ``(batch, seq_q, heads_q, head_dim)``; rows that see no key are 0.
@@ -834,7 +836,13 @@ def _forward_torch(q, k, v, causal, scale, documents):
 
 
 def _op_documents(op, q, k, query_document_ids, document_ids, kv_offsets):
-    """The `DocumentMask` of an operator call (values checked by the public functions, in eager mode)."""
+    """The `DocumentMask` of an operator call: the caller's `build_document_mask` mask when these are its tensors
+    (its block ranges cached across layers), else one built here (values checked by the public functions, in eager
+    mode)."""
+    shared = shared_document_mask(query_document_ids, document_ids, kv_offsets)
+    if shared is not None:
+        shared.check_fits(op, q, k)
+        return shared
     return document_mask_inputs(
         op, q, k, document_ids=document_ids, query_document_ids=query_document_ids, kv_offsets=kv_offsets,
         check_values=False,
@@ -927,7 +935,7 @@ def flash_attention(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | DocumentMask | None = None,
     query_document_ids: torch.Tensor | None = None,
     kv_offsets: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
@@ -947,10 +955,12 @@ def flash_attention(
         scale (float | None): score scale; None means ``1 / sqrt(head_dim)``. Default: None.
         backend (str | None): ``"triton"``, ``"torch"`` or ``"auto"``; None follows `use_backend` and
             ``COLO_KERNELS``. Default: None.
-        document_ids (torch.Tensor | None): ``(batch, seq_k)`` integer document ids of the keys, non-decreasing
-            within each row: query and key attend only within one document (padding is an id of its own; see
-            `colo.kernels.document_mask`). With Triton, key blocks no query of a block can see are skipped.
-            Default: None (no document mask).
+        document_ids (torch.Tensor | DocumentMask | None): ``(batch, seq_k)`` integer document ids of the keys,
+            non-decreasing within each row: query and key attend only within one document (padding is an id of its
+            own; see `colo.kernels.document_mask`). With Triton, key blocks no query of a block can see are skipped.
+            Or a `DocumentMask` from `colo.kernels.document_mask.build_document_mask` (then without
+            ``query_document_ids`` and ``kv_offsets``): checked once, shared by every layer of a forward, its block
+            ranges cached. Default: None (no document mask).
         query_document_ids (torch.Tensor | None): ``(batch, seq_q)`` ids of the queries; None: query ``i`` of row
             ``b`` has the id of key ``kv_offsets[b] + i``. Default: None.
         kv_offsets (torch.Tensor | int | None): ``(batch,)`` (or one int): query ``i`` of row ``b`` sits at key
@@ -1030,7 +1040,7 @@ def attention_block_forward(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | DocumentMask | None = None,
     query_document_ids: torch.Tensor | None = None,
     kv_offsets: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1079,7 +1089,7 @@ def attention_block_backward(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | DocumentMask | None = None,
     query_document_ids: torch.Tensor | None = None,
     kv_offsets: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ class DDP(Plugin):
 
     Parameters and optimizer state stay fp32 and replicated; ``precision="bf16"``/``"fp16"`` runs the forward
     under `torch.autocast` (fp16 with `torch.amp.GradScaler`). Gradient accumulation uses DDP's ``no_sync`` for
-    all but the last microbatch.
+    all but the last microbatch. With one data-parallel rank there is nothing to average: the model is not wrapped
+    (DDP's hooks and bucket copies would cost every step for nothing), and the step is otherwise the same.
     """
 
     bucket_cap_mb: float = 25.0
@@ -46,13 +48,16 @@ class DDPEngine(Engine):
         self.named_params = dict(model.named_parameters())
         plan = find_plan(model)
         self.checkpoint_names = plan.checkpoint_names(model) if plan is not None else None
-        wrapped = DistributedDataParallel(
-            model,
-            device_ids=[device] if device.type == "cuda" else None,
-            process_group=mesh.group("dp").process_group,
-            bucket_cap_mb=plugin.bucket_cap_mb,
-            gradient_as_bucket_view=plugin.gradient_as_bucket_view,
-        )
+        group = mesh.group("dp")
+        wrapped = model
+        if group.size > 1:
+            wrapped = DistributedDataParallel(
+                model,
+                device_ids=[device] if device.type == "cuda" else None,
+                process_group=group.process_group,
+                bucket_cap_mb=plugin.bucket_cap_mb,
+                gradient_as_bucket_view=plugin.gradient_as_bucket_view,
+            )
         super().__init__(
             plugin, model=wrapped, optimizer=optimizer, mesh=mesh, criterion=criterion, sync_every_microbatch=False
         )
@@ -69,7 +74,9 @@ class DDPEngine(Engine):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def no_sync(self):
-        return self.model.no_sync()
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()  # one rank: gradients accumulate in place, nothing to hold back
 
     def step(self) -> tuple[float | None, bool]:
         if self.scaler is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colo.kernels import flash_attention, rms_norm, rotary, rotary_cos_sin, swiglu
+from colo.kernels import DocumentMask, flash_attention, rms_norm, rotary, rotary_cos_sin, swiglu
 
 from .config import LlamaConfig
 from .kv_cache import LayerKVCache
@@ -146,8 +146,8 @@ class AttentionCore(nn.Module):
 
     Parameter-free and called as ``core(q, k, v)`` with ``causal`` and ``scale`` attributes: the attention core a
     sequence-parallel plan wraps (Ulysses) or replaces (ring attention), leaving the projections around it alone.
-    With ``document_ids`` (``(batch, seq_k)``, see `colo.kernels.document_mask`) a token attends only within its
-    own document of a packed row.
+    With ``document_ids`` (``(batch, seq_k)``, or the `colo.kernels.DocumentMask` the model builds once per forward;
+    see `colo.kernels.document_mask`) a token attends only within its own document of a packed row.
 
     Args:
         causal (bool): bottom-right aligned causal mask. Default: ``True``.
@@ -159,10 +159,15 @@ class AttentionCore(nn.Module):
         self.causal, self.scale = causal, scale
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, document_ids: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | DocumentMask | None = None,
     ) -> torch.Tensor:
         """``q``: ``(batch, seq, heads, head_dim)``; ``k``, ``v``: ``(batch, seq, kv_heads, head_dim)``;
-        ``document_ids``: ``(batch, seq_k)`` or ``None``."""
+        ``document_ids``: ``(batch, seq_k)``, a `DocumentMask` or ``None``."""
         return flash_attention(q, k, v, causal=self.causal, scale=self.scale, document_ids=document_ids)
 
     def extra_repr(self) -> str:
@@ -201,7 +206,7 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         *,
         kv_cache: LayerKVCache | None = None,
-        document_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | DocumentMask | None = None,
     ) -> torch.Tensor:
         """``x``: ``(batch, seq, hidden)``; ``cos``, ``sin``: from `RotaryEmbedding`. Returns ``x``'s shape.
 
@@ -270,7 +275,7 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         *,
         kv_cache: LayerKVCache | None = None,
-        document_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | DocumentMask | None = None,
     ) -> torch.Tensor:
         """``x``: ``(batch, seq, hidden)``. Returns the layer's output, shaped like ``x``.
 

@@ -14,7 +14,9 @@ document, and the model derives document ids from them (a document starts wherev
 one, as transformers does) so that attention stays within each document: the row trains exactly as if each
 document were its own row. ``document_ids`` can also be given directly (padding an id of its own, see
 `colo.kernels.document_mask`); a sequence-parallel plan passes the whole sequence's ids, since each rank's
-positions are those of its shard (it sets ``document_ids_from_positions = False``).
+positions are those of its shard (it sets ``document_ids_from_positions = False``). Otherwise the model builds one
+`colo.kernels.DocumentMask` per forward and every layer attends with it: the ids are checked once (a host sync),
+not per layer, and the attention kernels' block ranges are computed once.
 
 **Initialization** is a pure function of ``(seed, module name)``: every weight is drawn from its own generator
 seeded from the model seed and the module's qualified name (normal with ``initializer_range``, norms at one, as
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from colo.kernels import document_ids_from_position_ids
+from colo.kernels import DocumentMask, build_document_mask, document_ids_from_position_ids
 
 from .config import LlamaConfig
 from .kv_cache import KVCache
@@ -101,6 +103,18 @@ def attention_document_ids(position_ids: torch.Tensor, batch_size: int) -> torch
     if not bool(ids[..., -1:].any()):
         return None
     return ids.expand(batch_size, -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
+
+
+def layers_document_mask(
+    document_ids: torch.Tensor | None, *, whole_sequence: bool, seq_q: int | None = None
+) -> torch.Tensor | DocumentMask | None:
+    """What the layers of one forward attend with: ``document_ids`` made one `DocumentMask` for all of them
+    (`colo.kernels.build_document_mask`, for ``seq_q`` queries per row, ``None``: one per id; checked once, block
+    ranges cached), or as given when they are the ``whole_sequence``'s ids for a sequence-parallel core, or under
+    ``torch.compile`` (the compiled graph reads nothing on the host either way)."""
+    if document_ids is None or whole_sequence or torch.compiler.is_compiling():
+        return document_ids
+    return build_document_mask(document_ids, seq_q=seq_q)
 
 
 class Llama(nn.Module):
@@ -203,6 +217,7 @@ class Llama(nn.Module):
             raise ValueError(f"Llama: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         if kv_cache is None:
             document_ids = self.attention_document_ids(input_ids, position_ids, document_ids)
+            document_ids = layers_document_mask(document_ids, whole_sequence=not self.document_ids_from_positions)
             cos, sin = self.rotary_emb(input_ids.shape[1], position_ids)
             h = self.embed_tokens(input_ids)
             for layer in self.layers.values():
@@ -211,6 +226,10 @@ class Llama(nn.Module):
         batch, seq = input_ids.shape
         kv_cache.check_input(batch, seq, num_layers=len(self.layers), device=input_ids.device)
         cos, sin = self.rotary_emb(seq, position_ids, offset=kv_cache.length)
+        # the new tokens' queries over every cached and new key (a paged cache's layers mask themselves)
+        document_ids = layers_document_mask(
+            document_ids, whole_sequence=not self.document_ids_from_positions, seq_q=seq
+        )
         h = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, kv_cache=kv_cache.layer(index), document_ids=document_ids)

@@ -22,7 +22,7 @@ from torch import nn
 
 from colo.pipeline import partition_by_parameters, partition_uniform
 
-from .model import Llama, attention_document_ids, init_llama_module
+from .model import Llama, attention_document_ids, init_llama_module, layers_document_mask
 
 
 class LlamaStage(nn.Module):
@@ -70,6 +70,7 @@ class LlamaStage(nn.Module):
             x = self.embed_tokens(x)
         if document_ids is None and position_ids is not None and self.document_ids_from_positions:
             document_ids = attention_document_ids(position_ids, x.shape[0])
+        document_ids = layers_document_mask(document_ids, whole_sequence=not self.document_ids_from_positions)
         # Megatron-SP stages get a sequence shard of the hidden states but attend over the whole sequence
         seq_len = x.shape[1] if position_ids is None else position_ids.shape[-1]
         cos, sin = self.rotary_emb(seq_len, position_ids)
