@@ -101,6 +101,18 @@ def test_every_field_is_documented():
         walk(defs[plugin], defs, plugin)
 
 
+def test_adamw_is_fused_on_cuda_unless_the_config_says():
+    """``optimizer.fused: null`` runs torch's fused AdamW when the run computes on CUDA (its default there, foreach,
+    took 37 ms of a 234 ms Llama-1b step on an H200), torch's default elsewhere; an explicit value wins."""
+    model = Llama(get_preset("tiny"))
+    settings = load_config(preset="tiny-llama").optimizer
+    assert build_optimizer(model, settings, num_layers=2, device="cuda").defaults["fused"] is True
+    assert not build_optimizer(model, settings, num_layers=2, device="cpu").defaults["fused"]
+    assert not build_optimizer(model, settings, num_layers=2).defaults["fused"]
+    explicit = settings.model_copy(update={"fused": False})
+    assert build_optimizer(model, explicit, num_layers=2, device="cuda").defaults["fused"] is False
+
+
 def test_param_groups_and_schedule():
     model = Llama(get_preset("tiny"))
     config = load_config(overrides=["optimizer.layerwise_lr_decay=0.5", "optimizer.lr=1.0"]).optimizer

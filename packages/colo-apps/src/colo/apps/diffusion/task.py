@@ -139,7 +139,9 @@ class DiffusionTask(TrainTask):
         from ..train.optim import build_optimizer
 
         depth = UNetDepth(model.unet)
-        return build_optimizer(model, self.config.optimizer, num_layers=depth.num_layers, depth=depth)
+        return build_optimizer(
+            model, self.config.optimizer, num_layers=depth.num_layers, depth=depth, device=ctx.device
+        )
 
     def example_batch(self, ctx: TaskContext) -> dict:
         """Step 0's rows of the first data rank: chunk-packing plugins (Zero, Gemini) pack in the order the UNet

@@ -224,7 +224,10 @@ class PPOTask(GRPOTask):
             critic_from_policy(model, self.reference, seed=config.seed + 2, device=device)
         lr = config.ppo.critic_lr or config.optimizer.lr
         optimizer = build_optimizer(
-            model, config.optimizer.model_copy(update={"lr": lr}), num_layers=model.config.num_hidden_layers
+            model,
+            config.optimizer.model_copy(update={"lr": lr}),
+            num_layers=model.config.num_hidden_layers,
+            device=trainer.device,
         )
         scheduler = build_scheduler(optimizer, config.schedule, peak_lr=lr)
         for multiplier in scheduler.lr_lambdas:  # the critic's updates: from the first PPO step on

@@ -134,7 +134,9 @@ class OptimizerSection(_Section):
         "convolution and time / text embeddings 0, then its down blocks, mid block and up blocks, the output last "
         "(colo.apps.diffusion.task.UNetDepth). 1.0: off.",
     )
-    fused: bool | None = Field(default=None, description="torch AdamW's fused kernel (None: torch's default).")
+    fused: bool | None = Field(
+        default=None, description="torch AdamW's fused kernel (None: fused on CUDA, torch's default elsewhere)."
+    )
 
     @field_validator("betas")
     @classmethod

@@ -71,18 +71,26 @@ def build_optimizer(
     *,
     num_layers: int,
     depth: Callable[[str], int] | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over ``model``'s parameters with `param_groups`.
+
+    ``settings.fused`` None means torch's fused kernel when the run computes on CUDA (one kernel per parameter
+    group; torch's default there, ``foreach``, runs several passes over the states: on one H200 it took 37 ms of a
+    234 ms ZeRO-2 Llama-1b step) and torch's default elsewhere.
 
     Args:
         model: the model, before boosting.
         settings: the ``optimizer`` section.
         num_layers: the model's layers (for layer-wise LR decay): a Llama's decoder layers.
         depth: a parameter name's depth for layer-wise LR decay (`param_groups`); ``None``: a Llama's (`layer_id`).
+        device: where the run computes (`TaskContext.device`); ``None``: unknown (torch's default kernel).
     """
     kwargs = {"betas": tuple(settings.betas), "eps": settings.eps}
     if settings.fused is not None:
         kwargs["fused"] = settings.fused
+    elif device is not None and torch.device(device).type == "cuda":
+        kwargs["fused"] = True
     groups = param_groups(model, settings, num_layers=num_layers, depth=depth)
     return torch.optim.AdamW(groups, lr=settings.lr, **kwargs)
 

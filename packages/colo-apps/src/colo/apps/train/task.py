@@ -257,7 +257,7 @@ class TrainTask:
         """The optimizer of the ``optimizer`` section (AdamW, decay / no-decay groups, layer-wise decay)."""
         from .optim import build_optimizer
 
-        return build_optimizer(model, self.config.optimizer, num_layers=self.num_layers(model))
+        return build_optimizer(model, self.config.optimizer, num_layers=self.num_layers(model), device=ctx.device)
 
     def num_layers(self, model: nn.Module) -> int:
         """The model's depth for layer-wise LR decay (``optimizer.layerwise_lr_decay``)."""
