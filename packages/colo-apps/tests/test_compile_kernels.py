@@ -130,7 +130,23 @@ def test_selective_checkpointing_keeps_attention_outputs_and_recomputes_the_elem
     assert _ops_in_backward("full") == collections.Counter(backward) + collections.Counter(recomputed)
 
 
-def test_booster_compiles_blocks_as_full_graphs_unless_the_plan_puts_collectives_in_them(monkeypatch):
+def test_compiled_blocks_share_one_graph_without_recompiles_and_train_bit_equal_to_eager():
+    # what compile_blocks does to the model, on one process: every block compiled whole (a graph break is an error);
+    # the blocks have one type, so dynamo compiles one frame for all of them, once (a recompile is an error too)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager = _train(_llama())
+    model, counter = _llama(), CompileCounterWithBackend("aot_eager")
+    for block in model.layers.values():
+        block.compile(backend=counter, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = _train(model)
+    assert counter.frame_count == 1
+    assert compiled == eager  # bit-equal: aot_eager runs the same kernels in the same order
+
+
+def test_booster_compiles_blocks_as_full_graphs_unless_they_exchange_point_to_point_or_hook_parameters(monkeypatch):
     from colo.apps import DDP
     from colo.apps.booster import Gemini, HybridParallel
 
@@ -138,8 +154,13 @@ def test_booster_compiles_blocks_as_full_graphs_unless_the_plan_puts_collectives
     monkeypatch.setattr(torch.nn.Module, "compile", lambda block, **options: calls.append(options))
     DDP(compile_blocks=True, compile_options={"backend": "aot_eager"}).maybe_compile(_llama())
     assert calls == [{"fullgraph": True, "backend": "aot_eager"}] * LAYERS
+    # the plans' collectives are functional collectives in compiled code: one graph per block
+    for settings in ({"tp": 2}, {"tp": 2, "sp_mode": "megatron"}, {"sp": 2, "sp_mode": "ulysses"}):
+        calls.clear()
+        HybridParallel(compile_blocks=True, **settings).maybe_compile(_llama())
+        assert calls == [{"fullgraph": True}] * LAYERS, settings
     calls.clear()
-    HybridParallel(tp=2, compile_blocks=True).maybe_compile(_llama())  # tp collectives inside: graph breaks allowed
+    HybridParallel(sp=2, sp_mode="ring", compile_blocks=True).maybe_compile(_llama())  # p2p exchanges: breaks
     assert calls == [{"fullgraph": False}] * LAYERS
     calls.clear()
     Gemini(compile_blocks=True).maybe_compile(_llama())  # its chunk hooks run eagerly, between graphs

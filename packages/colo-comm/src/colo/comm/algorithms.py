@@ -34,6 +34,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "all_reduce", "all_to_all", "p2p"),
     "all_gather": ("native", "all_reduce", "p2p"),
@@ -76,14 +78,21 @@ def load_algorithm_table(path: str | os.PathLike) -> None:
 
 
 def current_table() -> dict[str, dict[str, list[tuple[int, str]]]]:
-    """The table in force: the built-in one, overlaid by ``COLO_COMM_ALGORITHMS`` or `load_algorithm_table`."""
-    if not _table:
-        _table.update(_validate(BUILTIN_TABLE))
-        env_path = os.environ.get("COLO_COMM_ALGORITHMS")
-        if env_path:
-            for backend, ops in _validate(json.loads(Path(env_path).read_text()).get("table", {})).items():
-                _table.setdefault(backend, {}).update(ops)
-    return _table
+    """The table in force: the built-in one, overlaid by ``COLO_COMM_ALGORITHMS`` or `load_algorithm_table`.
+
+    Loaded on first use, outside compiled code: a collective traced by ``torch.compile`` inside an autograd function
+    may not change module state, so there the table is built without being kept (load it first, as
+    ``compile_blocks`` does, so that compiled code only reads it)."""
+    if _table:
+        return _table
+    table = _validate(BUILTIN_TABLE)
+    env_path = os.environ.get("COLO_COMM_ALGORITHMS")
+    if env_path:
+        for backend, ops in _validate(json.loads(Path(env_path).read_text()).get("table", {})).items():
+            table.setdefault(backend, {}).update(ops)
+    if not torch.compiler.is_compiling():
+        _table.update(table)
+    return table
 
 
 def choose_algorithm(op: str, backend: str, nbytes: int) -> str:

@@ -9,6 +9,10 @@ input as usual, then computes its result locally in `_on_one_rank` and runs no b
 With ``COLO_DEBUG_CHECKS=1`` (`colo.comm.debug`) every call first exchanges its op, shapes and dtype over the group
 and raises a `CommError` on every rank, naming the op, the group and each rank's arguments, when the ranks disagree
 (`_check_same_call`); a backend given mismatched sizes aborts the process (gloo) or hangs instead.
+
+In code ``torch.compile`` traces, every call except ``barrier`` validates its input as usual and then runs its form
+in `colo.comm.traced` (torch's functional collectives, which the graph holds) instead of the backend call, the
+`Handle`, the tracker record and the debug exchange, none of which a graph can hold.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import scratch
+from . import scratch, traced
 from .algorithms import choose_algorithm
 from .debug import debug_checks, disagreement, exchange
 from .errors import CommError
 from .group import Group, as_group
-from .handle import issue
+from .handle import Handle, issue
 from .tracker import record
 
 # torch 2.13 renamed the flat-buffer collectives; older torch (2.6-2.12) has only the old names.
@@ -114,8 +118,15 @@ def _on_one_rank(op: str, group: Group, dtype: object, result: Any, async_op: bo
     Returns:
         ``result``, or with ``async_op`` a `Handle` that is already complete and whose ``wait()`` returns it.
     """
+    if traced.compiling():
+        return _traced_result(op, group, result, async_op)
     record(op, group.name, 1, dtype, 0, 0, "local")
     return issue(op, group, list, lambda: result, async_op)
+
+
+def _traced_result(op: str, group: Group, result: Any, async_op: bool) -> Any:
+    """The result of a call in compiled code (`colo.comm.traced`), or a completed `Handle` holding it."""
+    return Handle.completed(op, group, result) if async_op else result
 
 
 def _local_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,7 +160,9 @@ def all_reduce(
     _check_reduce_op("all_reduce", op, tensor)
     if not tensor.is_contiguous():
         raise ValueError("all_reduce: tensor must be contiguous (it is reduced in place); pass tensor.contiguous()")
-    if debug_checks():
+    if traced.compiling() and group.size > 1:
+        return _traced_result("all_reduce", group, traced.all_reduce(tensor, op, group), async_op)
+    if not traced.compiling() and debug_checks():
         _check_same_call(
             "all_reduce",
             group,
@@ -191,7 +204,9 @@ def broadcast(
     _check_group_rank("broadcast", "src", src, group)
     if not tensor.is_contiguous():
         raise ValueError("broadcast: tensor must be contiguous (it is written in place); pass tensor.contiguous()")
-    if debug_checks():
+    if traced.compiling() and group.size > 1:
+        return _traced_result("broadcast", group, traced.broadcast(tensor, src, group), async_op)
+    if not traced.compiling() and debug_checks():
         _check_same_call(
             "broadcast",
             group,
@@ -255,7 +270,12 @@ def all_gather(
             )
         if len(set(sizes)) == 1:
             sizes = None
-    if debug_checks():
+    if traced.compiling() and n > 1:
+        piece = tensor if sizes is None else _padded(tensor, dim, max(sizes))
+        if out is not None:
+            _check_gather_out(out, piece, n, sizes, dim)
+        return _traced_result("all_gather", group, traced.all_gather(piece, dim, sizes, out, group), async_op)
+    if not traced.compiling() and debug_checks():
         shape = tuple(tensor.shape)
         _check_same_call(
             "all_gather",
@@ -271,8 +291,7 @@ def all_gather(
         volume = (n - 1) * extent * row_bytes
     else:
         extent = max(sizes)
-        pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, extent - tensor.shape[dim]]
-        piece = torch.nn.functional.pad(tensor, pad).contiguous()
+        piece = _padded(tensor, dim, extent)
         total = sum(sizes)
         volume = (total - sizes[me]) * row_bytes
 
@@ -353,6 +372,12 @@ def all_gather(
     return issue("all_gather", group, start, finish, async_op, detail, nbytes=_nbytes(tensor))
 
 
+def _padded(tensor: torch.Tensor, dim: int, extent: int) -> torch.Tensor:
+    """``tensor`` padded with zeros at the end of ``dim`` to ``extent`` (an uneven piece of an all-gather)."""
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, extent - tensor.shape[dim]]
+    return torch.nn.functional.pad(tensor, pad).contiguous()
+
+
 def _gather_one(piece: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The all-gather of one piece: a copy of it, into ``out`` when given (unless ``piece`` already is ``out``)."""
     if out is None:
@@ -427,7 +452,7 @@ def reduce_scatter(
         )
     if donate not in (False, True, "whole"):
         raise ValueError(f"reduce_scatter: donate={donate!r} must be False, True or 'whole'")
-    if debug_checks():
+    if not traced.compiling() and debug_checks():
         _check_same_call(
             "reduce_scatter",
             group,
@@ -443,6 +468,11 @@ def reduce_scatter(
     full = tensor.movedim(dim, 0).contiguous() if dim else tensor.contiguous()
     part = full.shape[0] // n
     algorithm = choose_algorithm("reduce_scatter", group.backend, _nbytes(full))
+    if traced.compiling():  # nothing donated: the functional collectives do not reduce in the caller's tensor
+        result = traced.reduce_scatter(full, op, algorithm, group)
+        if op == "avg":
+            result = result / n
+        return _traced_result("reduce_scatter", group, result.movedim(0, dim) if dim else result, async_op)
     reduced_in_place = bool(donate) and algorithm == "all_reduce" and full is tensor
     if donate == "whole":  # only the all-reduce form may use the tensor
         donate = reduced_in_place
@@ -583,7 +613,7 @@ def all_to_all(
                     f"output_split_sizes={output_splits} must equal input_split_sizes={input_splits}"
                 )
     even = input_split_sizes is None
-    if debug_checks():
+    if not traced.compiling() and debug_checks():
         _check_same_call(
             "all_to_all",
             group,
@@ -593,6 +623,9 @@ def all_to_all(
         )
     if n == 1:
         return _on_one_rank("all_to_all", group, tensor.dtype, _local_copy(tensor), async_op)
+    if traced.compiling():
+        splits = (None, None) if even else (input_splits, output_splits)
+        return _traced_result("all_to_all", group, traced.all_to_all(tensor, *splits, group), async_op)
     source = tensor.contiguous()
     row_bytes = tensor.element_size() * _inner_numel(tensor, 0)
     volume = (rows - input_splits[me]) * row_bytes
@@ -628,7 +661,7 @@ def _exchange_split_sizes(input_splits: list[int], group: Group) -> list[int]:
 def barrier(*, group: Group | dist.ProcessGroup | None = None) -> None:
     """Block until every rank of the group reaches the barrier."""
     group = _member_group(group, "barrier")
-    if debug_checks():
+    if not traced.compiling() and debug_checks():
         _check_same_call("barrier", group, (), "")
     if group.size == 1:
         _on_one_rank("barrier", group, "none", None)

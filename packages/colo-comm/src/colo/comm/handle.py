@@ -105,6 +105,14 @@ class Handle:
         """Whether the call reduced its (donated) input in place, all of it: every element holds the group's
         reduction (`reduce_scatter` with ``donate="whole"`` sets it; the input is then no longer the caller's)."""
 
+    @classmethod
+    def completed(cls, op: str, group: Group, result: Any) -> Handle:
+        """A handle whose operation has already finished: ``wait()`` returns ``result`` (a group of one rank, or a
+        call in compiled code, where the compiler places the wait)."""
+        handle = cls(op, group, [])
+        handle._result, handle._done = result, True
+        return handle
+
     def wait(self) -> Any:
         """Block until the operation completes; return its result (a tensor, a list, or ``None``)."""
         if not self._done:

@@ -161,7 +161,7 @@ class Mesh:
         """Size of one axis, or the product over several (the fused group's size); all axes when none given."""
         if not axes:
             return self.world_size
-        return math.prod(self.shape[a] for a in self._normalize(axes))
+        return math.prod([self.shape[a] for a in self._normalize(axes)])  # a list: dynamo traces it
 
     def rank(self, *axes: str) -> int:
         """This rank's index within its group along ``axes`` (row-major over them when several)."""

@@ -13,7 +13,6 @@ traces it (and guards on it), and pass ``"triton"`` or ``"torch"``; an operator 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator
 
@@ -41,14 +40,19 @@ def check_triton_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
             )
 
 
-@functools.cache
+try:  # once, at import (the kernel modules import triton at their top too)
+    import triton  # noqa: F401
+
+    _TRITON_IMPORTS = True
+except ImportError:
+    _TRITON_IMPORTS = False
+
+
 def triton_available() -> bool:
-    """Whether triton imports (it is a Linux-only dependency of colo-kernels)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether triton imports (it is a Linux-only dependency of colo-kernels). A module constant, not a
+    ``functools.cache``: compiled code calls this, and dynamo traces through a cache wrapper (re-running the import
+    check at every trace) and warns about it."""
+    return _TRITON_IMPORTS
 
 
 def interpreter_enabled() -> bool:

@@ -44,7 +44,7 @@ def _own_chunk(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 def _gather_chunks(x: torch.Tensor, dim: int, group: Group, sizes: list[int]) -> torch.Tensor:
-    inner = math.prod(extent for i, extent in enumerate(x.shape) if i != dim)
+    inner = math.prod(x.shape[:dim]) * math.prod(x.shape[dim + 1 :])  # no generator: dynamo traces this backward
     if sum(sizes) * inner == 0:  # nothing to exchange (every rank knows it): skip the collective
         return x.new_zeros(x.shape[:dim] + (sum(sizes),) + x.shape[dim + 1 :])
     return all_gather(x.contiguous(), group=group, dim=dim, sizes=sizes)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from colo.comm import Group, Mesh, all_reduce, init_distributed
+from colo.comm.algorithms import current_table
 from colo.tensor.checkpoint import save_checkpoint
 
 from ...checkpointing import MODES as CHECKPOINTING_MODES
@@ -60,12 +61,14 @@ class Plugin:
     max_grad_norm: float | None = None
     """Clip gradients to this global norm (``None``: no clipping; the norm is still reported)."""
     compile_blocks: bool = False
-    """`torch.compile` every block of the model (the children of its ``layers``), after parallelization. Blocks
-    without collectives inside (no tensor or sequence parallelism) compile with ``fullgraph=True``: colo.kernels'
-    ops are torch operators (``torch.ops.colo.*``), so such a block is one graph and a graph break is an error
-    rather than a silent slowdown. Blocks of a tp/sp plan call colo.comm collectives, and Gemini's chunk hooks
-    move parameters between tiers, which break the graph. ZeRO-3's per-block gathers cannot be traced: `Zero` and
-    `HybridParallel` refuse it with stage 3."""
+    """`torch.compile` every block of the model (the children of its ``layers``), after parallelization, with
+    ``fullgraph=True`` wherever a block is one graph, so that a graph break is an error rather than a silent
+    slowdown: colo.kernels' ops are torch operators (``torch.ops.colo.*``) and, in compiled code, colo.comm's
+    collectives are torch's functional collectives (`colo.comm.traced`), so a block with tensor parallelism (1D or
+    the 2D / 2.5D / 3D grids), Megatron sequence parallelism or Ulysses inside is one graph too. Two keep
+    ``fullgraph=False`` and run as graphs between eager steps: ring attention (its point-to-point exchanges, which
+    dynamo traces only behind an experimental switch) and Gemini (its chunk hooks move parameters between tiers).
+    ZeRO-3's per-block gathers cannot be traced: `Zero` and `HybridParallel` refuse it with stage 3."""
     compile_options: dict | None = None
     """Keyword arguments for `torch.compile` (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...);
     ``"fullgraph"`` given here overrides the choice above."""
@@ -118,10 +121,13 @@ class Plugin:
                 f"{type(self).__name__}.compile_blocks needs the model's blocks in a `layers` ModuleList or "
                 f"ModuleDict; {type(model).__name__} has none: compile the model yourself before boosting it"
             )
-        # a block is one graph unless the plan put collectives inside it (tensor / sequence parallelism) or the
-        # plugin's parameter hooks inside it must run eagerly (Gemini)
-        fullgraph = getattr(self, "tp", 1) == 1 and getattr(self, "sp", 1) == 1 and self.blocks_trace_whole
+        # a block is one graph, the plan's collectives inside it included, unless ring attention exchanges its
+        # key/value chunks point to point inside it (dynamo breaks the graph at each P2POp unless
+        # torch._dynamo.config.enable_p2p_compilation, experimental, is set) or the plugin's parameter hooks inside
+        # it must run eagerly (Gemini)
+        fullgraph = self.blocks_trace_whole and getattr(self, "sp_mode", None) != "ring"
         options = {"fullgraph": fullgraph, **(self.compile_options or {})}
+        current_table()  # the collectives' algorithm table, loaded now: compiled code only reads it
         for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
             block.compile(**options)
 
