@@ -9,32 +9,51 @@ config live in `colo.apps.train` (`RunConfig`, `load_config`, `Trainer`, and the
 the ``colo`` command in `colo.apps.cli`. The main names are re-exported here.
 """
 
-from .booster import DDP, Booster, Gemini, HybridParallel, Plugin, StepResult, Zero
-from .checkpointing import apply_activation_checkpointing
-from .mfu import PEAK_FLOPS, format_mfu, mfu, peak_flops
-from .models import (
-    Llama,
-    LlamaConfig,
-    LlamaOutput,
-    LlamaStage,
-    flops_per_token,
-    get_preset,
-    llama_pipeline_stages,
-    parallelize_llama,
-)
+import importlib
+
+from .mfu import PEAK_FLOPS, format_mfu, mfu, peak_flops  # torch-free; imported here: `mfu` is also a module name
 
 __version__ = "0.1.0"
 
-_FROM_TRAIN = ("RunConfig", "Trainer", "TrainResult", "load_config")
+_EXPORTS = {
+    **dict.fromkeys(("DDP", "Booster", "Gemini", "HybridParallel", "Plugin", "StepResult", "Zero"), "booster"),
+    "apply_activation_checkpointing": "checkpointing",
+    **dict.fromkeys(
+        (
+            "Llama",
+            "LlamaConfig",
+            "LlamaOutput",
+            "LlamaStage",
+            "flops_per_token",
+            "get_preset",
+            "llama_pipeline_stages",
+            "parallelize_llama",
+        ),
+        "models",
+    ),
+    **dict.fromkeys(("RunConfig", "Trainer", "TrainResult", "load_config"), "train"),
+}
+"""Where each re-exported name lives: imported on first use (PEP 562), so importing a torch-free part of colo.apps
+(``colo.apps.data``'s tokenizers and shard writers, which ``colo data prepare``'s worker processes import) does not
+import torch, the models and the booster (seconds per process)."""
 
 
 def __getattr__(name: str):
-    """The trainer's names, imported on first use (importing the run config loads every recipe's section)."""
-    if name in _FROM_TRAIN:
-        from . import train
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule read as an attribute (`colo.apps.train` after `import colo.apps`)
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module 'colo.apps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
-        return getattr(train, name)
-    raise AttributeError(f"module 'colo.apps' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 __all__: list[str] = [

@@ -7,7 +7,10 @@ a guessed peak would make a wrong number look authoritative.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used, so `import colo.apps` does not import it
+    import torch
 
 PEAK_FLOPS: dict[str, float] = {
     "H100 SXM": 989e12,
@@ -16,8 +19,6 @@ PEAK_FLOPS: dict[str, float] = {
     "A100": 312e12,
 }
 """Dense bf16 / fp16 tensor-core peak FLOP/s per GPU (NVIDIA datasheets; A100 SXM and PCIe alike)."""
-
-_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def device_family(device_name: str) -> str | None:
@@ -37,18 +38,21 @@ def device_family(device_name: str) -> str | None:
     return None
 
 
-def peak_flops(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> float | None:
+def peak_flops(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> float | None:
     """The peak FLOP/s of ``device`` for matmuls in ``dtype``, or ``None`` when unknown.
 
     Args:
         device (torch.device | str | None): a CUDA device; ``None``: the current CUDA device if there is one.
             Default: ``None``.
-        dtype (torch.dtype): the compute dtype; only bf16 and fp16 have a listed peak. Default: ``torch.bfloat16``.
+        dtype (torch.dtype | None): the compute dtype; only bf16 and fp16 have a listed peak. Default: ``None``
+            (``torch.bfloat16``).
 
     Returns:
         float | None: FLOP/s, or ``None`` on a CPU, an unlisted GPU or another dtype.
     """
-    if dtype not in _HALF_DTYPES:
+    import torch
+
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         return None
     if device is None:
         if not torch.cuda.is_available():

@@ -35,18 +35,63 @@ The pieces a training run chains together::
   position as the state: a run resumes at any data-parallel size).
 """
 
-from .blend import Blend, BlendPattern
-from .describe import describe_corpus
-from .global_sampler import GlobalPositionSampler
-from .order import KeyedPermutation
-from .packing import IGNORE_INDEX, PackedDataset, TokenBudgetDataset, pack_to_token_budget, tokenize_documents
-from .prepare import prepare_corpus
-from .prepared import PreparedDocuments, PreparedWindows, is_prepared_corpus
-from .sampler import ResumableDistributedSampler, batches, check_token_ids, collate
-from .sft import ChatTemplate, SFTDataset, conversation_of
-from .shards import CorpusError, TokenCorpus, tokenizer_identity
-from .sources import Document, default_corpus, read_documents, validate_messages
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+import importlib
+
+_EXPORTS = {
+    "Blend": "blend",
+    "BlendPattern": "blend",
+    "describe_corpus": "describe",
+    "GlobalPositionSampler": "global_sampler",
+    "KeyedPermutation": "order",
+    "IGNORE_INDEX": "packing",
+    "PackedDataset": "packing",
+    "TokenBudgetDataset": "packing",
+    "pack_to_token_budget": "packing",
+    "tokenize_documents": "packing",
+    "prepare_corpus": "prepare",
+    "PreparedDocuments": "prepared",
+    "PreparedWindows": "prepared",
+    "is_prepared_corpus": "prepared",
+    "ResumableDistributedSampler": "sampler",
+    "batches": "sampler",
+    "check_token_ids": "sampler",
+    "collate": "sampler",
+    "ChatTemplate": "sft",
+    "SFTDataset": "sft",
+    "conversation_of": "sft",
+    "CorpusError": "shards",
+    "TokenCorpus": "shards",
+    "tokenizer_identity": "shards",
+    "Document": "sources",
+    "default_corpus": "sources",
+    "read_documents": "sources",
+    "validate_messages": "sources",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+"""Where each name lives, imported on first use (PEP 562): the tokenizers, sources and shard writers are torch-free,
+so ``colo data prepare``'s worker processes import them without torch; the datasets and samplers import it."""
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule read as an attribute (`colo.apps.train` after `import colo.apps`)
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module 'colo.apps.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "IGNORE_INDEX",
