@@ -147,6 +147,24 @@ def test_all_rows_stopping_ends_the_loop_early():
     assert stopped.response_length == free.responses()[0].index(eos) + 1  # columns cut to the steps run
 
 
+def test_checking_for_finished_rows_every_few_steps_gives_the_same_rollout(monkeypatch):
+    """The decode loop reads `done` (a host-device sync) every FINISHED_CHECK_EVERY steps: the steps it decodes after
+    every row finished are dropped, so the rollout equals checking after every token."""
+    from colo.apps.generation import engine
+
+    model = _native()
+    free = generate(model, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0, pad_token_id=0)).responses()
+    eos = (free[0][2], free[1][4], free[2][1])  # every row finishes within 5 steps, at different steps
+    params = SamplingParams(max_new_tokens=12, temperature=0, pad_token_id=0, eos_token_id=eos)
+    rollouts = {}
+    for every in (1, 7):  # 7: past every row's finish, so steps after it are decoded and dropped
+        monkeypatch.setattr(engine, "FINISHED_CHECK_EVERY", every)
+        rollouts[every] = generate(model, PROMPTS, params)
+    assert rollouts[1].response_length < 12  # every row stopped early: the loop ended before max_new_tokens
+    for field in ("input_ids", "attention_mask", "response_mask", "logprobs"):
+        assert torch.equal(getattr(rollouts[1], field), getattr(rollouts[7], field)), field
+
+
 def test_n_samples_per_prompt_are_contiguous_and_seeded():
     model = _native()
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=3)

@@ -174,6 +174,10 @@ def _default_generator(params: SamplingParams, device: torch.device) -> torch.Ge
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+FINISHED_CHECK_EVERY = 8
+"""Decode steps between two checks whether every row has finished (each check is a host-device sync)."""
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -263,11 +267,15 @@ def generate(
             run = step + 1
             if eos.numel():
                 done |= live & torch.isin(tokens, eos)
-            if step + 1 == steps or bool(done.all()):
+            # reading `done` waits for the device: do it every few steps, not every token (a GPU keeps queueing)
+            if step + 1 == steps or ((step + 1) % FINISHED_CHECK_EVERY == 0 and bool(done.all())):
                 break
             column = prompt_length + step
             logits = decoder(responses[:, step : step + 1], positions[:, column : column + 1], keys[:, : column + 1])
 
+    # steps decoded after every row had finished (between two checks) hold no live row: drop them. Live rows only
+    # ever finish, so the steps with one are a prefix
+    run = int(response_mask[:, :run].any(dim=0).sum())
     responses, logprobs, response_mask = responses[:, :run], logprobs[:, :run], response_mask[:, :run]
     prompt_mask = (padded_document_ids(padding, prompt_length) + 1).long()
     return Rollout(
