@@ -11,7 +11,10 @@ online softmax and saves the output and the row logsumexp (LSE). The backward re
 LSE: a small kernel computes ``delta = rowsum(dout * out)``, one kernel accumulates dk/dv per key block (looping
 over the query heads that share the kv head, so grouped-query sums need no atomics), another accumulates dq per
 query block. Tiles are loaded in the input dtype and computed in fp32; on a GPU, 16-bit inputs feed ``tl.dot`` in
-their own dtype with fp32 accumulation, as FlashAttention does.
+their own dtype with fp32 accumulation, as FlashAttention does. Each kernel visits first the interior blocks (every
+query of the block sees every key: no mask is built or applied) and then the edge blocks (the causal diagonal, the
+end of the sequence, documents), masked. Block sizes, warps and pipeline stages are chosen per kernel
+(`_launch_config`), from `colo.kernels.tuning`'s measured table on GPUs that have entries.
 
 Document masking (`colo.kernels.document_mask`): every op takes ``document_ids`` (non-decreasing per row, padding an
 id of its own), optional ``query_document_ids`` and per-row ``kv_offsets``; a query attends only to keys of its own
