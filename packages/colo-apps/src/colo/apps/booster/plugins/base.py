@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from colo.comm import Group, Mesh, all_reduce, init_distributed
+from colo.comm import traced as traced_collectives
 from colo.comm.algorithms import current_table
 from colo.tensor.checkpoint import save_checkpoint
 
@@ -126,6 +127,8 @@ class Plugin:
         # torch._dynamo.config.enable_p2p_compilation, experimental, is set) or the plugin's parameter hooks inside
         # it must run eagerly (Gemini)
         fullgraph = self.blocks_trace_whole and getattr(self, "sp_mode", None) != "ring"
+        if not traced_collectives.TRACEABLE:  # older torch: the plan's collectives break the graph (eager)
+            fullgraph = fullgraph and getattr(self, "tp", 1) == 1 and getattr(self, "sp", 1) == 1
         options = {"fullgraph": fullgraph, **(self.compile_options or {})}
         current_table()  # the collectives' algorithm table, loaded now: compiled code only reads it
         for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
