@@ -323,3 +323,74 @@ def test_bad_settings_name_the_field():
     scheduler.set_timesteps(4)
     with pytest.raises(ValueError, match="set_timesteps was called on it"):
         flow_matching_inputs(objective, scheduler, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1))
+
+
+def test_the_config_refuses_settings_of_the_other_objective():
+    from pydantic import ValidationError
+
+    from colo.apps.diffusion.config import DiffusionSection
+    from colo.apps.diffusion.flow_matching import FlowMatchingObjective
+
+    section = DiffusionSection(objective="flow_matching", loss_weighting="cosmap", flow_shift=1.0)
+    objective = section.training_objective()
+    assert isinstance(objective, FlowMatchingObjective)
+    assert (objective.loss_weighting, objective.shift, objective.timestep_sampling) == ("cosmap", 1.0, "logit_normal")
+    with pytest.raises(ValidationError, match=r"diffusion.snr_gamma=5.0 does not apply to diffusion.objective="):
+        DiffusionSection(objective="flow_matching", snr_gamma=5.0)
+    with pytest.raises(ValidationError, match=r"diffusion.loss_weighting='cosmap' does not apply to .*'ddpm'"):
+        DiffusionSection(loss_weighting="cosmap")
+
+
+def test_flow_sample_images_are_seeded_images_of_the_run_size(models):
+    from colo.apps.diffusion.flow_matching import FlowMatchingObjective
+    from colo.apps.diffusion.sampling import sample_flow_images
+
+    tokenizer, text_encoder, vae, unet = models
+    settings = dict(
+        unet=unet.eval(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        objective=FlowMatchingObjective(),
+        steps=2,
+        guidance_scale=3.0,
+        size=16,
+    )
+    images = sample_flow_images(prompts=["a red circle on white", "a blue square on black"], seeds=[0, 1], **settings)
+    assert images.shape == (4, 3, 16, 16) and 0 <= images.min() and images.max() <= 1
+    again = sample_flow_images(prompts=["a blue square on black"], seeds=[1], **settings)
+    torch.testing.assert_close(again[0], images[3])  # image (prompt, seed) does not depend on the others
+    assert not torch.allclose(images[0], images[1])
+
+
+def _train_flow_matching(output_dir):
+    from colo.apps.diffusion.flow_matching import FlowMatchingBatchBuilder
+    from colo.apps.diffusion.testing import tiny_run_config
+    from colo.apps.train import Trainer
+
+    config = tiny_run_config(output_dir, objective="flow_matching", prediction_type="epsilon", loss_weighting="cosmap")
+    trainer = Trainer(config)
+    result = trainer.fit()
+    grid = trainer.task.sample_grid(trainer.ctx, 3)
+    losses = [result.losses[step] for step in sorted(result.losses)]
+    return losses, isinstance(trainer.task.builder, FlowMatchingBatchBuilder), grid, trainer.task.describe(trainer.ctx)
+
+
+def test_the_trainer_runs_the_flow_matching_objective(tmp_path):
+    """``diffusion.objective: flow_matching`` through the one training loop, 2 processes, ZeRO-2: the flow-matching
+    batches train 3 steps, the sample grid is drawn with Euler steps, and the diffusers export refuses the run."""
+    import math
+    import os
+
+    from colo.apps.diffusion.export import export_diffusers
+    from colo.comm.testing import run_distributed
+
+    results = run_distributed(_train_flow_matching, str(tmp_path / "run"), world_size=2, timeout=240)
+    losses, uses_flow_matching, grid, described = results[0]
+    assert uses_flow_matching and len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses
+    assert results[1][0] == losses  # every rank logs the same (averaged) loss
+    assert os.path.exists(grid) and results[1][2] is None
+    assert "objective: flow matching (logit_normal timesteps, cosmap weighting, shift 3)" in described[1]
+    checkpoint = os.path.join(tmp_path, "run", "checkpoints", "step-00000003")
+    with pytest.raises(ValueError, match="objective='flow_matching' cannot be sampled by StableDiffusionPipeline"):
+        export_diffusers(checkpoint, str(tmp_path / "export"))

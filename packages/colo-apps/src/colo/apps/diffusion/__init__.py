@@ -4,7 +4,7 @@ Only the denoiser (a diffusers ``UNet2DConditionModel`` inside `DenoiserLoss`) i
 encoder and ``AutoencoderKL`` run beside it on every rank (`DiffusionBatchBuilder`), or the VAE encodes the images
 once into a `LatentCache`; `add_unet_lora` trains peft LoRA adapters on the UNet's attention instead of the UNet.
 `FlowMatchingObjective` / `FlowMatchingBatchBuilder` / `euler_flow_sample` are SD3's flow-matching objective and
-Euler sampler (not yet a ``diffusion:`` config choice).
+Euler sampler (``diffusion.objective: flow_matching``).
 ``data.task: diffusion`` runs on the one training loop (`colo.apps.train.Trainer`) as
 `colo.apps.diffusion.task.DiffusionTask` (imported when a run builds it). diffusers is imported lazily:
 ``import colo.apps.diffusion`` works without it, building a model needs it.
