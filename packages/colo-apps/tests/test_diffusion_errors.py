@@ -104,9 +104,10 @@ def test_a_pretrained_text_encoder_takes_its_tokenizer_and_must_fit_the_unet(tmp
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_every_trainable_objective_is_one_the_exported_pipeline_samples(prediction_type):
-    """The export refuses objectives its pipeline cannot sample (export.SAMPLEABLE); today every objective the run
-    config accepts is one of them, so nothing is refused: this pins that (a new objective must be added to both or
-    be refused) and samples each through the pipeline the export writes."""
+    """The export refuses objectives its pipeline cannot sample (export.SAMPLEABLE); every DDPM prediction type the
+    run config accepts is one of them: this pins that (a new one must be added to both or be refused) and samples each
+    through the pipeline the export writes. ``diffusion.objective: flow_matching`` is refused as a whole
+    (test_diffusion_flow_matching.py)."""
     import typing
 
     from colo.apps.diffusion import DiffusionObjective

@@ -6,6 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+DDPM_FIELDS = ("prediction_type", "snr_gamma", "noise_offset")
+"""Fields of the ``diffusion`` section that only ``objective: ddpm`` reads."""
+FLOW_MATCHING_FIELDS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "loss_weighting", "flow_shift")
+"""Fields of the ``diffusion`` section that only ``objective: flow_matching`` reads."""
+
 
 class DiffusionSection(BaseModel):
     """Text-to-image denoiser training (colo.apps.diffusion): the UNet / CLIP / VAE sizes, the objective, the EMA,
@@ -59,9 +64,27 @@ class DiffusionSection(BaseModel):
         description="Recompute the UNet's blocks in backward instead of keeping their activations (diffusers' "
         "enable_gradient_checkpointing): less memory, ~1 more forward per step; the same losses.",
     )
-    prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The objective.")
-    snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off).")
-    noise_offset: float = Field(default=0.0, ge=0, description="Noise offset (0: off).")
+    objective: Literal["ddpm", "flow_matching"] = Field(
+        default="ddpm",
+        description="ddpm: DDPMScheduler noising with prediction_type / snr_gamma / noise_offset "
+        "(train_text_to_image.py); flow_matching: SD3's rectified flow (train_dreambooth_sd3.py) with "
+        "timestep_sampling / loss_weighting / flow_shift, sampled with Euler steps (no diffusers export yet).",
+    )
+    prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The DDPM target.")
+    snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off; DDPM).")
+    noise_offset: float = Field(default=0.0, ge=0, description="Noise offset (0: off; DDPM).")
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+        default="logit_normal", description="Flow matching: compute_density_for_timestep_sampling's scheme."
+    )
+    logit_mean: float = Field(default=0.0, description="Flow matching: mean of the logit-normal density.")
+    logit_std: float = Field(default=1.0, gt=0, description="Flow matching: std of the logit-normal density.")
+    mode_scale: float = Field(default=1.29, description="Flow matching: scale of the mode density.")
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
+        default="none", description="Flow matching: compute_loss_weighting_for_sd3's scheme."
+    )
+    flow_shift: float = Field(
+        default=3.0, gt=0, description="Flow matching: FlowMatchEulerDiscreteScheduler's shift (SD3's 3.0; 1: none)."
+    )
     condition_dropout: float = Field(default=0.1, ge=0, lt=1, description="Empty-caption probability (CFG).")
     ema_decay: float | None = Field(default=0.999, gt=0, le=1, description="EMA decay of the denoiser (None: no EMA).")
     ema_warmup: bool = Field(default=True, description="EMAModel's use_ema_warmup (power ema_power, inv_gamma 1).")
@@ -90,6 +113,14 @@ class DiffusionSection(BaseModel):
         if self.image_size % 8:
             raise ValueError(f"diffusion.image_size={self.image_size} must be a multiple of 8 (diffusers' pipelines)")
         del DiffusionModelConfig
+        foreign = DDPM_FIELDS if self.objective == "flow_matching" else FLOW_MATCHING_FIELDS
+        for name in foreign:  # a value other than the default would be silently ignored
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if value != default:
+                raise ValueError(
+                    f"diffusion.{name}={value!r} does not apply to diffusion.objective={self.objective!r}; set it to "
+                    f"{default!r} or choose the other objective"
+                )
         return self
 
     def model_config_object(self):
@@ -109,7 +140,20 @@ class DiffusionSection(BaseModel):
             unet_extra=dict(self.unet_config),
         )
 
-    def objective(self):
+    def training_objective(self):
+        """The `DiffusionObjective` or, with ``objective: flow_matching``, the `FlowMatchingObjective` of the run."""
+        if self.objective == "flow_matching":
+            from .flow_matching import FlowMatchingObjective
+
+            return FlowMatchingObjective(
+                timestep_sampling=self.timestep_sampling,
+                logit_mean=self.logit_mean,
+                logit_std=self.logit_std,
+                mode_scale=self.mode_scale,
+                loss_weighting=self.loss_weighting,
+                shift=self.flow_shift,
+                condition_dropout=self.condition_dropout,
+            )
         from .objective import DiffusionObjective
 
         return DiffusionObjective(

@@ -40,6 +40,11 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     run = diffusion_run(checkpoint)
     config = RunConfig.model_validate(run["config"])
     section = config.diffusion
+    if section.objective == "flow_matching":
+        raise ValueError(
+            "diffusion.objective='flow_matching' cannot be sampled by StableDiffusionPipeline (its schedulers are "
+            "DDPM ones); export the UNet weights with --to hf instead"
+        )
     if section.prediction_type not in SAMPLEABLE:  # room for objectives (flow matching) the pipeline cannot run
         raise ValueError(
             f"diffusion.prediction_type={section.prediction_type!r} cannot be sampled by StableDiffusionPipeline "
@@ -84,7 +89,7 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
         state = {name.replace(".base_layer.", "."): value for name, value in state.items() if ".lora_" not in name}
     unet.load_state_dict(state)
     pipeline = build_pipeline(
-        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, objective=section.objective()
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, objective=section.training_objective()
     )
     pipeline.save_pretrained(out)
     if adapters is None:

@@ -1,5 +1,6 @@
-"""Sampling: a diffusers ``StableDiffusionPipeline`` around the run's models (a few-step DPM-Solver++), sample
-grids as PNG, and the pipeline directory `colo convert --to diffusers` writes."""
+"""Sampling: a diffusers ``StableDiffusionPipeline`` around the run's models (a few-step DPM-Solver++), Euler
+flow sampling of a flow-matching UNet, sample grids as PNG, and the pipeline directory `colo convert --to diffusers`
+writes."""
 
 from __future__ import annotations
 
@@ -44,6 +45,51 @@ def sample_images(
             output_type="pt",
         )
         images.append(out.images.float().cpu())
+    return torch.cat(images)
+
+
+@torch.no_grad()
+def sample_flow_images(
+    *,
+    unet,
+    vae,
+    text_encoder,
+    tokenizer,
+    objective,
+    prompts: list[str],
+    seeds: list[int],
+    steps: int,
+    guidance_scale: float,
+    size: int,
+) -> torch.Tensor:
+    """`sample_images` for a flow-matching denoiser: `euler_flow_sample` through ``unet`` (guided against the empty
+    caption), decoded by ``vae``. Each image's noise is drawn from ``Generator().manual_seed(seed)``, as the
+    pipeline's per-image generators draw it. Returns ``(len(prompts) * len(seeds), 3, size, size)`` in [0, 1]."""
+    from .flow_matching import euler_flow_sample
+    from .models import tokenize_captions
+
+    device = next(unet.parameters()).device
+    side = size // 2 ** (len(vae.config.block_out_channels) - 1)
+    shape = (1, unet.config.in_channels, side, side)
+    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+
+    def encode(captions: list[str]) -> torch.Tensor:
+        return text_encoder(tokenize_captions(tokenizer, captions).to(device), return_dict=False)[0].float()
+
+    shift_factor = getattr(vae.config, "shift_factor", None) or 0.0
+    images = []
+    for prompt in prompts:
+        latents = euler_flow_sample(
+            lambda x, t, c: unet(x, t, c, return_dict=False)[0],
+            noise.to(device),
+            objective=objective,
+            num_steps=steps,
+            condition=encode([prompt] * len(seeds)),
+            uncondition=encode([""] * len(seeds)),
+            guidance_scale=guidance_scale,
+        )
+        decoded = vae.decode(latents / vae.config.scaling_factor + shift_factor, return_dict=False)[0]
+        images.append((decoded.float() / 2 + 0.5).clamp(0, 1).cpu())
     return torch.cat(images)
 
 

@@ -23,6 +23,7 @@ from ..train.task import TaskContext, TrainTask
 from .components import build_dataset, check_cross_attention, frozen_components, initial_unet, load_vae
 from .data import collate
 from .ema import EMA_DIR, ShardedEMA, ema_checkpoint
+from .flow_matching import FlowMatchingBatchBuilder
 from .latent_cache import CACHE_DIR, build_latent_cache
 from .lora import add_unet_lora, lora_settings
 from .objective import DenoiserLoss, DiffusionBatchBuilder
@@ -69,7 +70,7 @@ class DiffusionTask(TrainTask):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.section = config.diffusion
-        self.objective = self.section.objective()
+        self.objective = self.section.training_objective()
         self.dataset = build_dataset(self.section)
         self.tokenizer = self.text_encoder = self.vae = self.latents = self.builder = None
         self.ema: ShardedEMA | None = None
@@ -121,7 +122,8 @@ class DiffusionTask(TrainTask):
             self.latents = build_latent_cache(root, self.dataset, vae, rank=ctx.rank, world_size=ctx.world_size)
             vae = None
         self.vae = vae
-        self.builder = DiffusionBatchBuilder(
+        builder_class = FlowMatchingBatchBuilder if self.section.objective == "flow_matching" else DiffusionBatchBuilder
+        self.builder = builder_class(
             self.objective,
             tokenizer=self.tokenizer,
             text_encoder=self.text_encoder,
@@ -166,11 +168,17 @@ class DiffusionTask(TrainTask):
         cached = ", latents cached" if self.latents is not None else ""
         snr = f", Min-SNR {section.snr_gamma:g}" if section.snr_gamma else ""
         ema = f"EMA decay {section.ema_decay:g}" if section.ema_decay is not None else "no EMA"
+        objective = section.prediction_type
+        if section.objective == "flow_matching":
+            objective = (
+                f"flow matching ({section.timestep_sampling} timesteps, {section.loss_weighting} weighting, "
+                f"shift {section.flow_shift:g})"
+            )
         return [
             f"model: UNet ({unet}), {self._num_parameters / 1e6:.3f}M parameters ({self._num_trainable / 1e6:.3f}M "
             f"trainable{lora}) | data: {len(self.dataset)} images of {section.image_size} px, "
             f"{config.data.global_batch_size} per step{cached}",
-            f"objective: {section.prediction_type}{snr} | {ema}",
+            f"objective: {objective}{snr} | {ema}",
         ]
 
     # --- the step -------------------------------------------------------------------------------------------------
@@ -242,7 +250,7 @@ class DiffusionTask(TrainTask):
         """Every rank gathers the EMA (or, without one, the weights; a collective); rank 0 samples the fixed prompts
         and seeds and writes ``output_dir/samples/step-N.png`` (and the grid to TensorBoard). Returns its path on rank
         0, ``None`` elsewhere."""
-        from .sampling import build_pipeline, grid_tensor, sample_images, save_grid
+        from .sampling import build_pipeline, sample_flow_images, sample_images
 
         if self.ema is not None:
             averaged = self.ema.full(to_rank=0)
@@ -259,6 +267,21 @@ class DiffusionTask(TrainTask):
         if missing:
             raise KeyError(f"the averaged weights name parameters the UNet does not have: {sorted(missing)[:3]}")
         unet.load_state_dict(state, strict=not config.lora.enabled)
+        seeds = list(range(section.samples_per_prompt))
+        if section.objective == "flow_matching":
+            images = sample_flow_images(
+                unet=unet.eval().to(ctx.device),
+                vae=self.vae if self.vae is not None else load_vae(config).to(ctx.device),
+                text_encoder=self.text_encoder,
+                tokenizer=self.tokenizer,
+                objective=self.objective,
+                prompts=section.sample_prompts,
+                seeds=seeds,
+                steps=section.sample_steps,
+                guidance_scale=section.guidance_scale,
+                size=section.image_size,
+            )
+            return self._save_grid(ctx, step, images, columns=len(seeds))
         pipeline = build_pipeline(
             unet=unet.eval().to(ctx.device),
             vae=self.vae if self.vae is not None else load_vae(config).to(ctx.device),  # cached latents: loaded
@@ -267,7 +290,6 @@ class DiffusionTask(TrainTask):
             objective=self.objective,
         )
         pipeline.set_progress_bar_config(disable=True)
-        seeds = list(range(section.samples_per_prompt))
         images = sample_images(
             pipeline,
             section.sample_prompts,
@@ -276,9 +298,17 @@ class DiffusionTask(TrainTask):
             guidance_scale=section.guidance_scale,
             size=section.image_size,
         )
-        path = save_grid(images, os.path.join(config.output_dir, "samples", f"step-{step:08d}.png"), columns=len(seeds))
+        return self._save_grid(ctx, step, images, columns=len(seeds))
+
+    def _save_grid(self, ctx: TaskContext, step: int, images: torch.Tensor, *, columns: int) -> str:
+        """Rank 0: ``output_dir/samples/step-N.png`` of ``images`` (and the grid to TensorBoard); its path."""
+        from .sampling import grid_tensor, save_grid
+
+        path = save_grid(
+            images, os.path.join(self.config.output_dir, "samples", f"step-{step:08d}.png"), columns=columns
+        )
         if ctx.log.writer is not None:
-            ctx.log.writer.add_image("samples", grid_tensor(images, columns=len(seeds)), step)
+            ctx.log.writer.add_image("samples", grid_tensor(images, columns=columns), step)
         return path
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
