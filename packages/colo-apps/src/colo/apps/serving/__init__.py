@@ -15,7 +15,7 @@ FastAPI and uvicorn are the ``serve`` extra (``pip install 'colo-apps[serve]'``)
 """
 
 from .app import ServeSettings, ServingState, create_app
-from .engine import RequestOutput, RequestParams, ServingEngine
+from .engine import RequestOutput, RequestParams, ServingEngine, TokenLogprob
 from .engine_loop import EngineLoop
 from .model import EngineOptions, load_for_serving, load_rank
 from .server import serve_app
@@ -30,6 +30,7 @@ __all__ = [
     "ServingEngine",
     "ServingState",
     "TextStream",
+    "TokenLogprob",
     "create_app",
     "load_for_serving",
     "load_rank",
