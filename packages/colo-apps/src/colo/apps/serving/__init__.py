@@ -1,8 +1,9 @@
 """colo.apps.serving: `colo serve`, an OpenAI-compatible HTTP server over the continuous-batching `ServingEngine`.
 
 - `ServingEngine(model, ...)` (`engine.py`): continuous batching over a paged KV cache
-  (`colo.apps.generation.PagedKVCache`) with per-request `RequestParams` (temperature / top-p / top-k, max tokens,
-  stop strings and ids, seed), reporting a `RequestOutput` per request and step.
+  (`colo.apps.generation.PagedKVCache`, with automatic prefix caching) and optional chunked prefill, with
+  per-request `RequestParams` (temperature / top-p / top-k, max tokens, stop strings and ids, seed, log-probs),
+  reporting a `RequestOutput` per request and step.
 - `create_app(engine, tokenizer, settings=ServeSettings(...), chat_template=...)`: the FastAPI app with
   ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming), ``/v1/models`` and ``/health``; limits on prompt
   length and concurrent requests; graceful draining (`ServingState.drain`).
