@@ -223,6 +223,8 @@ def test_completion_usage_echo_and_models(served):
         extra_body={"return_token_ids": True},
     )  # fmt: skip
     assert by_ids.choices[0].token_ids == expected
+    block_size = 16  # colo serve's default: the prompt's full blocks but the one of its last token were cached
+    assert by_ids.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // block_size * block_size
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{servers['tp1'].url}/health").json() == {"status": "ok"}
 
@@ -304,7 +306,7 @@ def test_bad_requests_get_4xx_and_leave_others_undisturbed(served):
             ({**good, "max_tokens": 0}, 400, "max_tokens"),
             ({**good, "bogus": 1}, 400, "bogus"),
             ({**good, "n": 2}, 400, "n=2"),
-            ({**good, "logprobs": 3}, 400, "logprobs"),
+            ({**good, "logprobs": 3, "echo": True}, 400, "logprobs with echo"),
             ({**good, "prompt": ["a", "b"]}, 400, "one prompt per request"),
             ({**good, "prompt": [5, 999]}, 400, "999 outside the vocabulary"),
             ({**good, "model": "gpt-4"}, 404, "'gpt-4' does not exist"),

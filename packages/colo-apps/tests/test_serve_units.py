@@ -197,3 +197,24 @@ def test_an_engine_failure_answers_500_then_health_500_and_new_requests_503():
     assert streamed.status_code == 503 and "the engine failed" in streamed.json()["error"]["message"]
     assert health.status_code == 500 and health.json()["error"]["code"] == 500
     assert engine.shut_down
+
+
+def test_incremental_text_decodes_a_window_per_token_and_equals_the_whole_decode():
+    from colo.apps.serving.text import IncrementalText
+
+    text = "héllo wörld ✓ " * 40  # 1- to 3-byte characters, 720 byte tokens
+    ids = TOKENIZER.encode(text)
+    windows: list[int] = []
+
+    def decode(window: list[int]) -> str:
+        windows.append(len(window))
+        return TOKENIZER.decode(window)
+
+    incremental = IncrementalText(decode)
+    deltas = [incremental.add([token]) for token in ids]
+    assert "".join(deltas) == incremental.text == text
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert max(windows) <= 4  # the settled token before a 3-byte character and its 3 bytes, never the whole text
+    stream = TextStream(TOKENIZER, stop=("✓ h",))
+    streamed = "".join(_stream_all(ids, stream, "✓ h"))
+    assert streamed == text[: text.find("✓ h")]

@@ -53,6 +53,21 @@ def serve(
         float | None,
         typer.Option("--kv-cache-mb", help="KV-cache budget per rank in MiB (default: max-batch-size full requests)."),
     ] = None,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching",
+            help="Reuse the KV blocks of prompts' shared leading blocks (a system prompt) instead of recomputing them.",
+        ),
+    ] = True,
+    max_tokens_per_step: Annotated[
+        int | None,
+        typer.Option(
+            "--max-tokens-per-step",
+            help="Tokens fed per engine step (>= --max-batch-size): long prompts are prefilled in chunks while the "
+            "others decode (default: no bound).",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level.")] = "warning",
 ) -> None:
     """Serve a checkpoint behind OpenAI's API: /v1/completions, /v1/chat/completions (the run's chat template),
@@ -116,6 +131,8 @@ def serve(
             "max_batch_size": max_batch_size,
             "max_model_len": max_model_len,
             "kv_cache_bytes": None if kv_cache_mb is None else int(kv_cache_mb * 2**20),
+            "enable_prefix_caching": prefix_caching,
+            "max_tokens_per_step": max_tokens_per_step,
         },
     }
     followers = []

@@ -7,6 +7,16 @@ the ids of the blocks holding its tokens in order, so token ``p`` lives in slot
 ``table[p // block_size] * block_size + p % block_size``. Blocks come from a free list and go back to it when the
 sequence finishes or is preempted; nothing is ever copied between blocks.
 
+Automatic prefix caching (vLLM's, Kwon et al.; on unless ``enable_prefix_caching=False``): a *full* block is named by
+a hash of its parent block's hash and its own token ids (SHA-256, so the name covers the whole prefix before it and a
+collision would need a SHA-256 one), and a hash -> block table finds it again. `match_prefix` returns the blocks
+already holding a new sequence's leading full blocks, `allocate` with ``prefix=`` shares them (a reference count per
+block), and `cache_full_blocks` names a sequence's full blocks once their keys and values are (being) written. A
+freed block whose reference count drops to zero stays cached: it is reused by a later `match_prefix`, and it is only
+evicted, least recently freed first (a sequence's tail blocks before its head), when an allocation finds no block
+that holds nothing. A block is only ever written while it is its sequence's partial last block, never once full, so
+sharing full blocks is read-only.
+
 A forward over several sequences (each continuing its own cached tokens with its own number of new ones) goes
 through a `PagedBatch`: it is what `colo.apps.models.llama.Llama.hidden_states` takes as ``kv_cache``, with per-row
 ``position_ids``. Each layer's attention (`PagedLayer.attend`) writes the new keys (after RoPE) and values into
@@ -19,7 +29,10 @@ fallback on CUDA); a fused paged-attention kernel reading the pools in place is 
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -52,11 +65,16 @@ class PagedKVCache:
         head_dim (int): size of one head.
         dtype (torch.dtype): dtype of the pools (the model's). Default: ``torch.float32``.
         device (torch.device | str | None): where the pools live. Default: ``None`` (the current default device).
+        enable_prefix_caching (bool): keep full blocks named by their tokens for later sequences with the same
+            prefix (see the module docstring). Default: ``True``.
 
     Attributes:
         keys (list[torch.Tensor]): per layer, ``(num_blocks * block_size, num_kv_heads, head_dim)`` key slots.
         values (list[torch.Tensor]): per layer, the value slots, shaped like ``keys``.
         block_tables (dict[str, list[int]]): each sequence's blocks, in token order.
+        num_prefix_hit_blocks (int): blocks handed to sequences by `allocate` with ``prefix=`` (reused, not
+            recomputed) so far.
+        num_evicted_blocks (int): cached blocks evicted so far to make room.
     """
 
     def __init__(
@@ -69,6 +87,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        enable_prefix_caching: bool = True,
     ):
         check_positive_ints(
             "PagedKVCache",
@@ -82,11 +101,21 @@ class PagedKVCache:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self._free = list(range(num_blocks - 1, -1, -1))  # unreferenced blocks holding nothing; pop() = lowest id
         self.block_tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self._block_hash: dict[int, bytes] = {}  # cached block -> its hash
+        self._cached: dict[bytes, int] = {}  # hash -> cached block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
+        self._seq_hashes: dict[str, list[bytes]] = {}  # each sequence's full-block hashes, in order
+        self.num_prefix_hit_blocks = 0
+        self.num_evicted_blocks = 0
 
     @classmethod
-    def for_model(cls, model: nn.Module, *, num_blocks: int, block_size: int) -> PagedKVCache:
+    def for_model(
+        cls, model: nn.Module, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> PagedKVCache:
         """A cache shaped for a native `Llama` (its layers, this rank's kv heads, its dtype and device)."""
         num_layers, num_kv_heads, head_dim, dtype, device = _cache_shape(model)
         return cls(
@@ -97,6 +126,7 @@ class PagedKVCache:
             head_dim=head_dim,
             dtype=dtype,
             device=device,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     @staticmethod
@@ -116,7 +146,17 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no sequence holds: empty ones and cached ones that can be evicted."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Full blocks named by their prefix (held by a sequence or evictable)."""
+        return len(self._cached)
+
+    def ref_count(self, block: int) -> int:
+        """Sequences holding ``block``."""
+        return self._refs[block]
 
     def nbytes(self) -> int:
         """Bytes of the key and value pools."""
@@ -126,23 +166,107 @@ class PagedKVCache:
         """Blocks that hold ``num_tokens`` tokens."""
         return math.ceil(num_tokens / self.block_size)
 
-    def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        """Grow ``seq_id``'s block table to hold ``num_tokens`` tokens; ``False`` (and nothing taken) when the free
-        list is too short."""
-        table = self.block_tables.setdefault(seq_id, [])
-        missing = self.blocks_for(num_tokens) - len(table)
-        if missing > len(self._free):
-            if not table:
-                del self.block_tables[seq_id]
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks holding ``token_ids``' leading full blocks, longest match first to last (``[]`` with
+        prefix caching off). The block holding the last token is never matched, so a sequence always computes at
+        least its last token (its logits) and never writes into a shared block. Nothing is taken: pass the result
+        to `allocate` as ``prefix``."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks, parent = [], b""
+        for index in range((len(token_ids) - 1) // self.block_size):
+            digest = self._hash(parent, token_ids, index)
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = digest
+        return blocks
+
+    def allocate(self, seq_id: str, num_tokens: int, *, prefix: Sequence[int] = ()) -> bool:
+        """Grow ``seq_id``'s block table to hold ``num_tokens`` tokens; ``False`` (and nothing taken) when too few
+        blocks are free.
+
+        Args:
+            seq_id (str): the sequence.
+            num_tokens (int): tokens its table must cover.
+            prefix (Sequence[int]): for a sequence without blocks, `match_prefix`'s cached blocks to start its table
+                with (shared, their tokens already computed); the rest are fresh blocks, evicting cached ones no
+                sequence holds, least recently freed first, once no empty block is left. Default: ``()``.
+        """
+        table = self.block_tables.get(seq_id, [])
+        if prefix and table:
+            raise ValueError(f"PagedKVCache.allocate: {seq_id!r} already holds blocks; a prefix starts a new table")
+        reclaimed = sum(self._refs[block] == 0 for block in prefix)  # evictable blocks the prefix takes back
+        missing = max(self.blocks_for(num_tokens) - len(table) - len(prefix), 0)
+        if missing > self.num_free_blocks - reclaimed:
             return False
-        for _ in range(max(missing, 0)):
-            table.append(self._free.pop())
+        for block in prefix:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            table.append(block)
+        if prefix:
+            self._seq_hashes[seq_id] = [self._block_hash[block] for block in prefix]
+            self.num_prefix_hit_blocks += len(prefix)
+        for _ in range(missing):
+            block = self._take_block()
+            self._refs[block] = 1
+            table.append(block)
+        self.block_tables[seq_id] = table
         return True
 
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Name ``seq_id``'s full blocks among its first ``num_tokens`` tokens (``token_ids`` holds at least those)
+        so later sequences can share them; call it once their keys and values are written, or in the forward that
+        writes them before any row that reads them (a layer writes every row's keys before it reads any). A block
+        whose hash already names another block stays private."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq_id, [])
+        table = self.block_tables[seq_id]
+        for index in range(len(hashes), num_tokens // self.block_size):
+            digest = self._hash(hashes[-1] if hashes else b"", token_ids, index)
+            hashes.append(digest)
+            block = table[index]
+            if digest not in self._cached and block not in self._block_hash:
+                self._cached[digest] = block
+                self._block_hash[block] = digest
+
     def free(self, seq_id: str) -> None:
-        """Give ``seq_id``'s blocks back to the free list (nothing if it holds none)."""
+        """Release ``seq_id``'s blocks (nothing if it holds none): a block no other sequence holds goes back to the
+        free list, or, when cached, to the evictable ones (its tail blocks first, so they are evicted first)."""
+        self._seq_hashes.pop(seq_id, None)
         for block in reversed(self.block_tables.pop(seq_id, [])):
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._block_hash:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after the model's weights change, the cached keys and values are stale);
+        blocks sequences hold stay theirs, unnamed."""
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_hash.clear()
+        self._seq_hashes.clear()
+
+    def _take_block(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._block_hash.pop(block)]
+        self.num_evicted_blocks += 1
+        return block
+
+    def _hash(self, parent: bytes, token_ids: Sequence[int], index: int) -> bytes:
+        """The hash of full block ``index`` of ``token_ids`` after the block hashed ``parent``."""
+        size = self.block_size
+        tokens = array("q", token_ids[index * size : (index + 1) * size])
+        return hashlib.sha256(parent + tokens.tobytes()).digest()
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """The slots of ``seq_id``'s tokens ``start .. end - 1`` (its table must already cover them)."""
@@ -157,7 +281,8 @@ class PagedKVCache:
         k = self.keys[0]
         return (
             f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"num_kv_heads={k.shape[1]}, head_dim={k.shape[2]}, dtype={k.dtype}, free={self.num_free_blocks})"
+            f"num_kv_heads={k.shape[1]}, head_dim={k.shape[2]}, dtype={k.dtype}, free={self.num_free_blocks}, "
+            f"cached={self.num_cached_blocks})"
         )
 
 

@@ -1,8 +1,9 @@
 """colo.apps.serving: `colo serve`, an OpenAI-compatible HTTP server over the continuous-batching `ServingEngine`.
 
 - `ServingEngine(model, ...)` (`engine.py`): continuous batching over a paged KV cache
-  (`colo.apps.generation.PagedKVCache`) with per-request `RequestParams` (temperature / top-p / top-k, max tokens,
-  stop strings and ids, seed), reporting a `RequestOutput` per request and step.
+  (`colo.apps.generation.PagedKVCache`, with automatic prefix caching) and optional chunked prefill, with
+  per-request `RequestParams` (temperature / top-p / top-k, max tokens, stop strings and ids, seed, log-probs),
+  reporting a `RequestOutput` per request and step.
 - `create_app(engine, tokenizer, settings=ServeSettings(...), chat_template=...)`: the FastAPI app with
   ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming), ``/v1/models`` and ``/health``; limits on prompt
   length and concurrent requests; graceful draining (`ServingState.drain`).
@@ -15,7 +16,7 @@ FastAPI and uvicorn are the ``serve`` extra (``pip install 'colo-apps[serve]'``)
 """
 
 from .app import ServeSettings, ServingState, create_app
-from .engine import RequestOutput, RequestParams, ServingEngine
+from .engine import RequestOutput, RequestParams, ServingEngine, TokenLogprob
 from .engine_loop import EngineLoop
 from .model import EngineOptions, load_for_serving, load_rank
 from .server import serve_app
@@ -30,6 +31,7 @@ __all__ = [
     "ServingEngine",
     "ServingState",
     "TextStream",
+    "TokenLogprob",
     "create_app",
     "load_for_serving",
     "load_rank",

@@ -30,8 +30,10 @@ from .protocol import (
     ERROR_TYPES,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_logprobs,
     chunk_body,
     completion_body,
+    completion_logprobs,
     error_body,
     usage,
 )
@@ -174,9 +176,26 @@ def _params(state: ServingState, request, prompt_len: int):
             stop=tuple(request.stop),
             seed=request.seed,
             ignore_eos=request.ignore_eos,
+            logprobs=_num_logprobs(request),
         )
     except ValueError as error:
         raise APIError(400, str(error)) from None
+
+
+def _num_logprobs(request) -> int | None:
+    """`RequestParams.logprobs` of a request: chat's ``logprobs`` + ``top_logprobs``, completions' ``logprobs``."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
+def _logprobs_body(entries, tokenizer, *, chat: bool, text_offset: int = 0) -> dict:
+    """The choice's ``logprobs`` for `TokenLogprob` entries in the endpoint's shape."""
+
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode, text_offset)
 
 
 def _sse(body: dict) -> str:
@@ -304,19 +323,21 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return StreamingResponse(
                 _events(state, request_id, queue, text, chat=chat, model=request.model, echo=echo,
-                        include_usage=include_usage, extra_ids=extra_ids),
+                        include_usage=include_usage, extra_ids=extra_ids, logprobs=params.logprobs is not None),
                 media_type="text/event-stream",
             )  # fmt: skip
+        entries = []
         try:
-            final = await _collect(state, request_id, queue, text)
+            final = await _collect(state, request_id, queue, text, entries)
         finally:
             state.in_flight.discard(request_id)
         extra = {**extra_ids, "token_ids": text.token_ids} if request.return_token_ids else {}
+        logprobs = _logprobs_body(entries, tokenizer, chat=chat) if params.logprobs is not None else None
         body = completion_body(
             request_id, request.model, text=echo + text.text(final.stop_string), finish_reason=final.finish_reason,
-            extra=extra, chat=chat,
+            extra=extra, chat=chat, logprobs=logprobs,
         )  # fmt: skip
-        body["usage"] = usage(final.prompt_tokens, final.completion_tokens)
+        body["usage"] = usage(final.prompt_tokens, final.completion_tokens, final.cached_prompt_tokens)
         return body
 
     @app.post("/v1/completions")
@@ -330,8 +351,9 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
     return app
 
 
-async def _collect(state: ServingState, request_id: str, queue: asyncio.Queue, text: TextStream):
-    """Wait for a whole request; its last `RequestOutput` (the tokens are in ``text``)."""
+async def _collect(state: ServingState, request_id: str, queue: asyncio.Queue, text: TextStream, logprobs: list):
+    """Wait for a whole request; its last `RequestOutput` (the tokens are in ``text``, their `TokenLogprob` entries,
+    if asked for, in ``logprobs``)."""
     finished = False
     try:
         while True:
@@ -339,6 +361,7 @@ async def _collect(state: ServingState, request_id: str, queue: asyncio.Queue, t
             if isinstance(item, EngineFailure):
                 raise APIError(500, item.message)
             text.token_ids.extend(item.new_token_ids)
+            logprobs.extend(item.logprobs or ())
             if item.finished:
                 finished = True
                 if item.finish_reason == "abort":
@@ -369,16 +392,26 @@ async def _events(
     echo: str,
     include_usage: bool,
     extra_ids: dict,
+    logprobs: bool = False,
 ):
-    """The server-sent events of one streamed request: a chunk per step with new text, the last with the finish
-    reason, the usage chunk if asked, ``[DONE]``; an aborted or failed request ends with an error event instead."""
+    """The server-sent events of one streamed request: a chunk per step with new text (or new tokens, with
+    ``logprobs``: each chunk carries its tokens' log-probs), the last with the finish reason, the usage chunk if
+    asked, ``[DONE]``; an aborted or failed request ends with an error event instead."""
     created = int(time.time())
     finished = False
+    text_offset = len(echo)
 
-    def chunk(delta: str | None, reason: str | None = None, *, first: bool = False, ids: list[int] | None = None):
+    def chunk(delta: str | None, reason: str | None = None, *, first: bool = False, ids: list[int] | None = None,
+              entries=None):  # fmt: skip
+        nonlocal text_offset
         extra = {**extra_ids, "token_ids": ids} if extra_ids else None
+        body_logprobs = None
+        if logprobs and entries is not None:
+            body_logprobs = _logprobs_body(entries, state.tokenizer, chat=chat, text_offset=text_offset)
+            if not chat:
+                text_offset += sum(len(token) for token in body_logprobs["tokens"])
         body = chunk_body(request_id, model, created, text=delta, finish_reason=reason, chat=chat, first=first,
-                          extra=extra)  # fmt: skip
+                          extra=extra, logprobs=body_logprobs)  # fmt: skip
         if include_usage:
             body["usage"] = None
         return _sse(body)
@@ -400,14 +433,14 @@ async def _events(
             if item.finished:
                 finished = True
                 delta += text.finish(item.stop_string)
-                yield chunk(delta, item.finish_reason, ids=list(item.new_token_ids))
+                yield chunk(delta, item.finish_reason, ids=list(item.new_token_ids), entries=item.logprobs or [])
                 break
-            if delta or extra_ids:
-                yield chunk(delta, ids=list(item.new_token_ids))
+            if delta or extra_ids or (logprobs and item.new_token_ids):
+                yield chunk(delta, ids=list(item.new_token_ids), entries=item.logprobs or [])
         if include_usage:
             body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created, "model": model, "choices": [],
-                    "usage": usage(item.prompt_tokens, item.completion_tokens)}  # fmt: skip
+                    "usage": usage(item.prompt_tokens, item.completion_tokens, item.cached_prompt_tokens)}  # fmt: skip
             yield _sse(body)
         yield "data: [DONE]\n\n"
     finally:

@@ -13,13 +13,28 @@ live in a `PagedKVCache` of fixed-size blocks under a fixed budget (Kwon et al.,
    front of the queue, to be recomputed from its prompt and the tokens it already has), as vLLM's recompute
    preemption does; it may be the request itself.
 
+Prefix caching (``enable_prefix_caching``, on by default): an admitted request shares the cache's blocks that already
+hold its leading full blocks of tokens (`PagedKVCache.match_prefix`: a system prompt, a GRPO group's prompt, the
+turns before a chat's last one, a preempted request's own tokens) and prefills only the rest, at least its last
+token. Its full blocks are named in the forward that writes them, so a request admitted in the same step with the
+same prefix shares them too (each layer writes every row's keys before any row reads).
+
+Chunked prefill (``max_tokens_per_step``): the tokens the forwards of one step feed are bounded. The requests
+decoding at the start of the step take one token each; what is left goes to prefills, first those cut short in
+earlier steps, then newly admitted ones, each fed as many of its prompt tokens as the rest of the budget allows
+(it samples its first token once the whole prompt is in the cache, and decodes from the next step on). A long
+prompt is thus prefilled over several steps while the running requests keep decoding at every one. Without a
+budget a prompt is prefilled in one step and its request decodes in that step too.
+
 Sampling is per request (`RequestParams`): temperature (0 is greedy), top-k then top-p, each request with its own
 ``torch.Generator`` when it has a seed, so a seeded request draws the same tokens whatever else is in the batch
 (and across a preemption: the recompute continues the same generator). A request finishes with ``"stop"`` at an
-eos (unless ``ignore_eos``), a ``stop_token_ids`` token or a stop string (the generated tokens are decoded with the
-tokenizer after every token and searched from where the last search could not yet match), with ``"length"`` after
+eos (unless ``ignore_eos``), a ``stop_token_ids`` token or a stop string (the generated tokens are decoded
+incrementally, `serving.text.IncrementalText`: each token decodes a window of a few tokens, not the whole output,
+and the new text is searched from where the last search could not yet match), with ``"length"`` after
 ``max_tokens`` tokens, or with ``"abort"``. The tokens that ended a request stay in its output (the stop string is
-reported so the server cuts the text before it).
+reported so the server cuts the text before it). With ``RequestParams.logprobs`` each output carries its tokens'
+log-probabilities under the model (the log-softmax of the step's logits) and the step's most likely alternatives.
 
 The model is a native `colo.apps.models.llama.Llama` (weight-only quantized ones included); a Hugging Face
 ``LlamaForCausalLM`` is converted to a native Llama at construction (its weights copied once). Under tensor
@@ -43,6 +58,7 @@ import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -53,8 +69,11 @@ from ..generation.params import SamplingParams
 from ..generation.rollout import is_hf_model
 from ..generation.sampling import next_tokens
 from ..models.llama import Llama, llama_config_from_hf, llama_state_dict_from_hf
+from .text import IncrementalText, find_stop
 
 FINISH_REASONS = ("stop", "length", "abort")
+MAX_LOGPROBS = 20
+"""The most alternatives `RequestParams.logprobs` may ask for (OpenAI's ``top_logprobs`` limit)."""
 
 
 def _is_int(value: object) -> bool:
@@ -90,6 +109,10 @@ class RequestParams:
     """Seed of the request's own sampling generator; ``None``: torch's global generator."""
     ignore_eos: bool = False
     """Keep generating past the eos token (benchmarks)."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and those of the ``logprobs`` most likely tokens at its step
+    (0: the generated token's alone), from the model's distribution (the log-softmax of its logits, before
+    temperature, top-k and top-p); ``None``: none."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -111,6 +134,8 @@ class RequestParams:
             raise ValueError(f"RequestParams: seed={self.seed!r} must be an int or None")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"RequestParams: ignore_eos={self.ignore_eos!r} must be a bool")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"RequestParams: logprobs={self.logprobs!r} must be an int in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +148,21 @@ class RequestParams:
             max_new_tokens=self.max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
             top_k=self.top_k, vocab_limit=vocab_limit,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its step (`RequestParams.logprobs`).
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its log-probability under the model (the log-softmax of the step's logits).
+        top: ``(token_id, logprob)`` of the step's most likely tokens, most likely first (``logprobs`` of them).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -139,6 +179,9 @@ class RequestOutput:
         stop_string: the stop string matched, when one finished the request (the server cuts the text before it).
         prompt_tokens: tokens of the prompt.
         completion_tokens: tokens generated so far, this step's included.
+        cached_prompt_tokens: prompt tokens whose keys and values came from the prefix cache (not computed) at
+            the request's first admission.
+        logprobs: with `RequestParams.logprobs`, one `TokenLogprob` per token of ``new_token_ids``; else ``None``.
     """
 
     request_id: str
@@ -148,9 +191,11 @@ class RequestOutput:
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request_id: str
     prompt: list[int]
@@ -158,10 +203,13 @@ class _Request:
     arrival: int
     output: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys and values are in the cache
+    prefill_end: int = 0  # tokens to prefill since the last admission: prefilling while num_cached < prefill_end
+    cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache held at the first admission
     generator: torch.Generator | None = None
     sampling: SamplingParams | None = None
     finish_reason: str | None = None
     stop_string: str | None = None
+    text: IncrementalText | None = None  # the decoded output, with stop strings
     text_checked: int = 0  # characters of the decoded output already searched for stop strings
 
     @property
@@ -216,6 +264,11 @@ class ServingEngine:
             padded past it, as ``SamplingParams.vocab_limit``); ``None``: every row of the output layer. Default:
             ``None``.
         group: the tensor-parallel process group the model is sharded over (``None``: one process).
+        enable_prefix_caching (bool): share cached blocks of a prompt's leading full blocks and skip their prefill
+            (see the module docstring). Default: ``True``.
+        max_tokens_per_step (int | None): the most tokens one step feeds (decode tokens plus prefill chunks); a
+            longer prompt is prefilled over several steps. At least ``max_batch_size``; ``None``: no bound (every
+            admitted prompt is prefilled whole). Default: ``None``.
 
     Attributes:
         cache (PagedKVCache): the paged KV cache.
@@ -235,6 +288,8 @@ class ServingEngine:
         max_model_len: int | None = None,
         vocab_limit: int | None = None,
         group=None,
+        enable_prefix_caching: bool = True,
+        max_tokens_per_step: int | None = None,
     ):
         self.model = _native_model(model)
         self.tokenizer = tokenizer
@@ -258,6 +313,14 @@ class ServingEngine:
                 f"{window}]"
             )
         self.max_batch_size, self.block_size, self.max_model_len = max_batch_size, block_size, max_model_len
+        if max_tokens_per_step is not None and (
+            not _is_int(max_tokens_per_step) or max_tokens_per_step < max_batch_size
+        ):
+            raise ValueError(
+                f"ServingEngine: max_tokens_per_step={max_tokens_per_step!r} must be an int >= max_batch_size="
+                f"{max_batch_size} (every running request decodes one token per step) or None"
+            )
+        self.max_tokens_per_step = max_tokens_per_step
         self.eos_ids = self._eos_ids(eos_token_id, tokenizer)
         if kv_cache_bytes is not None and num_blocks is not None:
             raise ValueError("ServingEngine: give kv_cache_bytes or num_blocks, not both")
@@ -275,13 +338,21 @@ class ServingEngine:
             num_blocks = max_batch_size * -(-max_model_len // block_size)
         elif not _is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"ServingEngine: num_blocks={num_blocks!r} must be an int >= 1")
-        self.cache = PagedKVCache.for_model(self.model, num_blocks=num_blocks, block_size=block_size)
+        self.cache = PagedKVCache.for_model(
+            self.model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
+        )
         self.device = model_device(self.model)
         self.group = group if group is not None and _group_size(group) > 1 else None
         self.rank = _group_rank(group) if self.group is not None else 0
         self.is_shut_down = False
         self.num_preemptions = 0
         """Requests preempted (freed and requeued for recompute) so far."""
+        self.num_prefill_tokens = 0
+        """Tokens fed by prefill forwards so far (prefix-cached tokens are not fed)."""
+        self.num_decode_tokens = 0
+        """Tokens fed by decode forwards so far (one per running request per step)."""
+        self.num_prefix_cached_tokens = 0
+        """Tokens admitted requests took from the prefix cache instead of prefilling them, so far."""
         self._lock = threading.Lock()
         self._ops: list[tuple] = []
         self._active: set[str] = set()  # ids added and not yet reported finished (rank 0)
@@ -414,12 +485,17 @@ class ServingEngine:
             return self._report(outputs)
         mode = eval_mode(self.model) if self.model.training else contextlib.nullcontext()  # walks every module
         with torch.no_grad(), mode:
-            admitted = self._admit()
-            if admitted:
-                self._forward(admitted, prefill=True, outputs=outputs)
-            decoding = self._reserve_decode_slots()
+            ready = None  # with a budget, only the requests decoding at the start of the step decode in it
+            if self.max_tokens_per_step is not None:
+                ready = [r for r in self._running if r.num_cached >= r.prefill_end]
+            prefills = self._schedule_prefills(len(ready) if ready is not None else 0)
+            if prefills:
+                self._forward(prefills, outputs=outputs)
+            if ready is None:
+                ready = [r for r in self._running if r.num_cached >= r.prefill_end]
+            decoding = self._reserve_decode_slots(ready)
             if decoding:
-                self._forward(decoding, prefill=False, outputs=outputs)
+                self._forward([(request, 1) for request in decoding], outputs=outputs)
         return self._report(outputs)
 
     def _apply(self, op: tuple, outputs: dict[str, RequestOutput]) -> None:
@@ -444,76 +520,121 @@ class ServingEngine:
             self._waiting.clear()
             self.is_shut_down = True
 
-    def _admit(self) -> list[_Request]:
-        admitted = []
-        while self._waiting and len(self._running) < self.max_batch_size:
+    def _schedule_prefills(self, num_decoding: int) -> list[tuple[_Request, int]]:
+        """This step's prefill rows ``(request, tokens to feed)``: prefills cut short by the budget first, then
+        waiting requests admitted oldest first while the batch has room and the cache has blocks for the whole
+        prompt (sharing its cached prefix blocks)."""
+        budget = float("inf") if self.max_tokens_per_step is None else self.max_tokens_per_step - num_decoding
+        rows = []
+
+        def feed(request: _Request) -> None:
+            nonlocal budget
+            chunk = min(request.prefill_end - request.num_cached, budget)
+            rows.append((request, chunk))
+            budget -= chunk
+            # named now: a request admitted after it in this step shares the blocks this forward writes
+            self.cache.cache_full_blocks(request.request_id, request.tokens, request.num_cached + chunk)
+
+        for request in self._running:
+            if request.num_cached < request.prefill_end and budget > 0:
+                feed(request)
+        while self._waiting and len(self._running) < self.max_batch_size and budget > 0:
             request = self._waiting[0]
-            if not self.cache.allocate(request.request_id, len(request.tokens)):
+            tokens = request.tokens
+            prefix = self.cache.match_prefix(tokens)
+            if not self.cache.allocate(request.request_id, len(tokens), prefix=prefix):
                 break
             self._waiting.popleft()
-            request.num_cached = 0
+            request.num_cached = len(prefix) * self.block_size
+            request.prefill_end = len(tokens)
+            if request.cached_prompt_tokens is None:
+                request.cached_prompt_tokens = min(request.num_cached, len(request.prompt))
+            self.num_prefix_cached_tokens += request.num_cached
             self._running.append(request)
-            admitted.append(request)
-        return admitted
+            feed(request)
+        return rows
 
-    def _reserve_decode_slots(self) -> list[_Request]:
-        """Blocks for every running request's next token, preempting the newest while the free list is empty."""
+    def _reserve_decode_slots(self, ready: list[_Request]) -> list[_Request]:
+        """Blocks for the next token of every request in ``ready`` still running, preempting the newest running
+        request while none is free."""
+        decoding = [request for request in ready if request in self._running]
         index = 0
-        while index < len(self._running):
-            request = self._running[index]
+        while index < len(decoding):
+            request = decoding[index]
             if self.cache.allocate(request.request_id, request.num_cached + 1):
                 index += 1
                 continue
-            victim = self._running.pop()  # the newest running request
+            victim = self._running.pop()  # the newest running request (maybe mid-prefill, maybe this one)
             self.cache.free(victim.request_id)
-            victim.num_cached = 0
+            victim.num_cached = victim.prefill_end = 0
             self._waiting.appendleft(victim)
             self.num_preemptions += 1
-        return list(self._running)
+            if victim in decoding:
+                decoding.remove(victim)
+        return decoding
 
-    def _forward(self, requests: list[_Request], *, prefill: bool, outputs: dict[str, RequestOutput]) -> None:
-        """One forward over ``requests`` (prefill: their whole sequence; decode: their last token), then each gets
-        one new token."""
-        if prefill:
-            feeds = [request.tokens for request in requests]
-        else:
-            feeds = [[request.output[-1]] for request in requests]
+    def _forward(self, rows: list[tuple[_Request, int]], *, outputs: dict[str, RequestOutput]) -> None:
+        """One forward feeding each request its next ``n`` uncached tokens (a prefill chunk, or its last token to
+        decode); every request whose tokens are then all in the cache gets one new token."""
+        requests = [request for request, _ in rows]
         starts = [request.num_cached for request in requests]
-        num_new = [len(feed) for feed in feeds]
+        num_new = [n for _, n in rows]
         width = max(num_new)
-        ids = torch.zeros(len(requests), width, dtype=torch.long)
-        for row, feed in enumerate(feeds):
-            ids[row, : len(feed)] = torch.tensor(feed, dtype=torch.long)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for row, (request, start, new) in enumerate(zip(requests, starts, num_new, strict=True)):
+            tokens = request.tokens
+            ids[row, :new] = torch.tensor(tokens[start : start + new], dtype=torch.long)
+            self.cache.cache_full_blocks(request.request_id, tokens, start + new)  # decode: the blocks it fills
+            if request.num_cached < request.prefill_end:
+                self.num_prefill_tokens += new
+            else:
+                self.num_decode_tokens += new
         batch = self.cache.batch([r.request_id for r in requests], starts, num_new)
         hidden = self.model.hidden_states(ids.to(self.device), batch.position_ids, kv_cache=batch)
-        rows = torch.arange(len(requests), device=hidden.device)
-        last = hidden[rows, torch.tensor(num_new, device=hidden.device) - 1]  # each row's last fed token
-        _, logits = self.model.objective(last[:, None], self.model.lm_head)
-        logits = logits[:, -1]
         for request, start, new in zip(requests, starts, num_new, strict=True):
             request.num_cached = start + new
+        sampled = [row for row, request in enumerate(requests) if request.num_cached >= request.prefill_end]
+        if not sampled:
+            return
+        rows_t = torch.tensor(sampled, device=hidden.device)
+        last = hidden[rows_t, torch.tensor([num_new[row] for row in sampled], device=hidden.device) - 1]
+        _, logits = self.model.objective(last[:, None], self.model.lm_head)
+        logits = logits[:, -1]
+        requests = [requests[row] for row in sampled]
         decisions = self._decide(requests, logits) if self.rank == 0 else None
         if self.group is not None:
             from colo.comm import broadcast_object
 
             decisions = broadcast_object(decisions, src=0, group=self.group)
-        for request, (token, reason, stop_string) in zip(requests, decisions, strict=True):
+        for request, (token, reason, stop_string, logprob) in zip(requests, decisions, strict=True):
             request.output.append(token)
             out = self._output(request, outputs)
             out.new_token_ids.append(token)
+            if logprob is not None:
+                out.logprobs = [*(out.logprobs or []), logprob]
             if reason is not None:
                 request.stop_string = stop_string
                 self._running.remove(request)
                 self._finish(request, reason, outputs)
 
-    def _decide(self, requests: list[_Request], logits: torch.Tensor) -> list[tuple[int, str | None, str | None]]:
-        """Rank 0: each request's next token and whether it finishes (reason, stop string)."""
+    def _decide(self, requests: list[_Request], logits: torch.Tensor) -> list[tuple]:
+        """Rank 0: each request's next token, whether it finishes (reason, stop string), its `TokenLogprob`."""
         decisions = []
         for row, request in enumerate(requests):
             token, _ = next_tokens(logits[row : row + 1], request.sampling, request.generator)
             token = int(token[0])
-            decisions.append((token, *self._finish_reason(request, token)))
+            logprob = None
+            if request.params.logprobs is not None:
+                logprob = self._logprob(logits[row], token, request.params.logprobs)
+            decisions.append((token, *self._finish_reason(request, token), logprob))
         return decisions
+
+    def _logprob(self, logits: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+        """``token``'s log-probability at a step and the ``num_top`` most likely tokens' (below ``vocab_limit``)."""
+        logprobs = torch.log_softmax(logits[: self.vocab_limit].float(), dim=-1)
+        values, ids = logprobs.topk(num_top) if num_top else (logprobs[:0], logprobs[:0].long())
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token, float(logprobs[token]), top)
 
     def _finish_reason(self, request: _Request, token: int) -> tuple[str | None, str | None]:
         params = request.params
@@ -522,14 +643,14 @@ class ServingEngine:
         if token in params.stop_token_ids:
             return "stop", None
         if params.stop:
-            text = self.tokenizer.decode([*request.output, token], skip_special_tokens=True)
+            if request.text is None:
+                request.text = IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=True))
+            request.text.add([token])
             longest = max(len(s) for s in params.stop)
-            start = max(0, request.text_checked - longest + 1)
-            found = [(text.find(s, start), s) for s in params.stop]
-            found = [(at, s) for at, s in found if at >= 0]
-            request.text_checked = len(text)
-            if found:
-                return "stop", min(found)[1]
+            found = find_stop(request.text.text, params.stop, max(0, request.text_checked - longest + 1))
+            request.text_checked = len(request.text.text)
+            if found is not None:
+                return "stop", found[1]
         if len(request.output) + 1 >= params.max_tokens:
             return "length", None
         return None, None
@@ -547,6 +668,7 @@ class ServingEngine:
                 request.request_id, [], False, None, None, len(request.prompt), 0
             )
         out.completion_tokens = len(request.output)
+        out.cached_prompt_tokens = request.cached_prompt_tokens or 0
         return out
 
     def _report(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:

@@ -36,6 +36,10 @@ class EngineOptions:
     """The KV-cache budget per rank; ``None``: room for ``max_batch_size`` requests of ``max_model_len`` tokens."""
     max_model_len: int | None = None
     """Prompt plus generated tokens per request; ``None``: the model's ``max_position_embeddings``."""
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of prompts' common leading full blocks and skip their prefill."""
+    max_tokens_per_step: int | None = None
+    """Tokens one engine step feeds (chunked prefill); ``None``: prompts are prefilled whole."""
 
 
 def load_for_serving(
@@ -113,6 +117,8 @@ def build_engine(model, tokenizer, options: EngineOptions, *, group=None):
         block_size=options.block_size,
         kv_cache_bytes=options.kv_cache_bytes,
         max_model_len=options.max_model_len,
+        enable_prefix_caching=options.enable_prefix_caching,
+        max_tokens_per_step=options.max_tokens_per_step,
         vocab_limit=min(int(tokenizer.vocab_size), int(model.config.vocab_size)),  # a padded embedding's extra rows
         group=group,
     )

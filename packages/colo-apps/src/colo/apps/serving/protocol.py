@@ -1,10 +1,11 @@
 """The OpenAI wire format `colo serve` speaks: request models (validated by pydantic, unknown fields refused), the
 response and stream-chunk bodies, and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Only what the engine implements is accepted: one prompt and one choice per request (``n=1``), no log-probs, no
-penalties, no ``logit_bias``. Those fields are named in the models so that a client sending them gets a 400 that says
-what is unsupported, instead of a silently different result. Two extensions follow vLLM's names: ``top_k`` and
-``ignore_eos``, and ``return_token_ids`` adds ``prompt_token_ids`` / ``token_ids`` to the choices.
+Only what the engine implements is accepted: one prompt and one choice per request (``n=1``), log-probs of the
+generated tokens (not of an echoed prompt), no penalties, no ``logit_bias``. Those fields are named in the models so
+that a client sending them gets a 400 that says what is unsupported, instead of a silently different result. Two
+extensions follow vLLM's names: ``top_k`` and ``ignore_eos``, and ``return_token_ids`` adds ``prompt_token_ids`` /
+``token_ids`` to the choices.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class CompletionRequest(SamplingFields):
     """One prompt: text, or token ids (a list of one text or one id list is accepted too)."""
     echo: bool = False
     """Return the prompt text before the completion."""
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Each generated token's log-probability and the ``logprobs`` most likely tokens' at its step."""
     best_of: int | None = None
     suffix: str | None = None
 
@@ -107,8 +109,8 @@ class CompletionRequest(SamplingFields):
             self.prompt = prompt[0]
         if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
             raise ValueError("prompt is empty; give at least one character or token id")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported by colo serve; leave it out")
+        if self.logprobs is not None and self.echo:
+            raise ValueError("logprobs with echo (the prompt's log-probs) is not supported by colo serve; drop one")
         if self.best_of not in (None, 1):
             raise ValueError("best_of is not supported by colo serve; leave it out or set it to 1")
         if self.suffix:
@@ -143,12 +145,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """OpenAI's newer name for ``max_tokens``."""
     logprobs: bool = False
-    top_logprobs: int | None = None
+    """Return each generated token's log-probability."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """With ``logprobs``: the most likely tokens at each step and their log-probabilities, this many."""
 
     @model_validator(mode="after")
     def _chat_supported(self):
-        if self.logprobs or self.top_logprobs is not None:
-            raise ValueError("logprobs / top_logprobs are not supported by colo serve; leave them out")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         return self
@@ -168,24 +172,63 @@ ERROR_TYPES = {
 }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage`` object (``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(entries, decode, text_offset: int = 0) -> dict:
+    """A completion choice's ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token text -> log-prob)
+    and ``text_offset``, from `colo.apps.serving.TokenLogprob` entries; ``decode(id)`` is one token's text."""
+    tokens = [decode(entry.token_id) for entry in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{decode(token_id): logprob for token_id, logprob in entry.top} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries, decode) -> dict:
+    """A chat choice's ``logprobs``: ``content``, one ``{token, logprob, bytes, top_logprobs}`` per token."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        token = decode(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in entry.top]}
+            for entry in entries
+        ]
     }
 
 
 def completion_body(
-    request_id: str, model: str, *, text: str, finish_reason: str | None, extra: dict[str, Any], chat: bool
+    request_id: str,
+    model: str,
+    *,
+    text: str,
+    finish_reason: str | None,
+    extra: dict[str, Any],
+    chat: bool,
+    logprobs: dict | None = None,
 ) -> dict:
     """A whole (non-streamed) response: ``text_completion`` or ``chat.completion``. ``extra``: more fields of the
-    choice (token ids)."""
+    choice (token ids); ``logprobs``: the choice's (`completion_logprobs` / `chat_logprobs`)."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
     choice.update(finish_reason=finish_reason, **extra)
     return {
         "id": request_id,
@@ -206,16 +249,17 @@ def chunk_body(
     chat: bool,
     first: bool = False,
     extra: dict[str, Any] | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """One streamed chunk. Chat chunks carry a ``delta`` (the first one the assistant's role); completion chunks
-    the new text."""
+    the new text. ``logprobs``: those of the chunk's tokens."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs}
     choice["finish_reason"] = finish_reason
     choice.update(extra or {})
     return {
