@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Serving throughput and latency: colo's `ServingEngine` (continuous batching, paged KV cache) against
-transformers ``generate`` serving one request at a time, in fp32, int8 and int4 (colo.apps.quant), on CPU.
+transformers ``generate`` on static batches of the same requests (the fair peer on one machine) and one request at a
+time, in fp32, int8 and int4 (colo.apps.quant), on CPU.
 
 Workload: ``C`` concurrent clients (``--concurrency``, default 1, 4 and 16) each send one request at time 0: a
-random ``--prompt-len`` (32) token prompt, ``--new-tokens`` (32) greedy tokens with the eos ignored, so every row
-generates the same number of tokens. Model: the ``tiny-llama`` preset (vocab 4096, hidden 256, 4 layers) with
-``intermediate_size=768`` so every int4 group size divides the MLP width (``--model`` for another preset), weights
-from ``init_weights(seed)``; the Hugging Face ``LlamaForCausalLM`` gets the same weights
+random prompt of ``--prompt-len`` (32) tokens, or of a length drawn uniformly from ``--prompt-len`` to
+``--prompt-len-max`` when that is given (mixed lengths), and ``--new-tokens`` (32) greedy tokens with the eos
+ignored, so every row generates the same number of tokens. Model: the ``tiny-llama`` preset (vocab 4096, hidden
+256, 4 layers) with ``intermediate_size=768`` so every int4 group size divides the MLP width (``--model`` for another
+preset), weights from ``init_weights(seed)``; the Hugging Face ``LlamaForCausalLM`` gets the same weights
 (`colo.apps.models.llama.hf.llama_state_dict_to_hf`), and the quantized rows quantize both the same way
 (`quantize_model`, the ``reference`` backend, ``lm_head`` in float).
 
@@ -14,21 +16,25 @@ Rows (``--engines`` x ``--formats``):
 
 - ``colo``: every request added to one `ServingEngine` (``max_batch_size`` 16, a KV budget for 16 requests), then
   ``step()`` until all finish; a request's latency is the time from the start to the step that finished it.
-- ``hf-sequential``: transformers ``generate`` (its dynamic cache) on one request after another, as a server
-  without batching would; a request's latency includes its wait behind the ones before it.
+- ``hf-static``: transformers ``generate`` (its dynamic cache, SDPA) on all ``C`` requests as one batch, prompts
+  left-padded with an attention mask (static batching: padding, no continuous batching); every request finishes
+  with the batch.
+- ``hf-sequential``: transformers ``generate`` on one request after another, as a server without batching would;
+  a request's latency includes its wait behind the ones before it.
 
 Reported per row and concurrency: generated tokens/s over the whole batch of requests, p50 and p99 request latency
-(medians over ``--repeats`` repeats, rows interleaved with the order rotated per repeat, one untimed warm-up per
-row), the throughput ratio to ``hf-sequential`` in the same format (median over repeats of the ratio within one
-repeat: the figure to trust on a shared machine), and the fraction of tokens equal to the ``colo`` fp32 row's. One
-thread (``torch.set_num_threads(1)``).
+and time to first token (a transformers streamer's clock for the ``hf`` rows; the step that produced a request's
+first token for colo), medians over ``--repeats`` repeats (rows interleaved, the order rotated per repeat, one
+untimed warm-up per row); the throughput ratios to ``hf-static`` and ``hf-sequential`` in the same format (median
+over repeats of the ratio within one repeat: the figure to trust on a shared machine); and the fraction of tokens
+equal to the ``colo`` fp32 row's. One thread (``torch.set_num_threads(1)``).
 
 Another mode (an HTTP client against ``colo serve``) can be added as a new entry of `ENGINES`: a function
-``(models, prompts, new_tokens) -> (seconds, latencies, tokens)``.
+``(models, prompts, new_tokens) -> (seconds, latencies, first_token_latencies, tokens)``.
 
 Run::
 
-    OMP_NUM_THREADS=1 python benchmarks/serving.py [--concurrency 1 4 16] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/serving.py [--concurrency 1 4 16] [--repeats 3] [--prompt-len-max 128]
 
 Writes ``benchmarks/results/serving_cpu.json`` (``--out``).
 """
@@ -81,43 +87,93 @@ def build_models(preset: str, fmt: str, seed: int) -> dict[str, torch.nn.Module]
     return {"native": native, "hf": hf}
 
 
-def run_colo(models, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
-    """All requests in flight at once through one `ServingEngine`."""
-    engine = ServingEngine(models["native"], max_batch_size=16, block_size=16, num_blocks=16 * 8)
+Run = tuple[float, list[float], list[float], list[list[int]]]
+"""``(seconds, latencies, first_token_latencies, tokens)`` of one engine over one batch of requests."""
+
+
+def run_colo(models, prompts: list[list[int]], new_tokens: int) -> Run:
+    """All requests in flight at once through one `ServingEngine` (a KV budget for 16 of the longest request)."""
+    blocks_per_request = -(-(max(len(p) for p in prompts) + new_tokens) // 16)
+    engine = ServingEngine(models["native"], max_batch_size=16, block_size=16, num_blocks=16 * blocks_per_request)
     params = RequestParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, params)
     latencies: dict[str, float] = {}
+    first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for out in engine.step():
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - start
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 latencies[out.request_id] = time.perf_counter() - start
     seconds = time.perf_counter() - start
     order = [str(i) for i in range(len(prompts))]
-    return seconds, [latencies[i] for i in order], [tokens[i] for i in order]
+    return seconds, [latencies[i] for i in order], [first[i] for i in order], [tokens[i] for i in order]
 
 
-def run_hf_sequential(models, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
+def _first_token_clock(start: float):
+    """A transformers streamer that notes when ``generate`` emits its first new tokens (its first ``put`` is the
+    prompt)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstTokenClock(BaseStreamer):
+        def __init__(self) -> None:
+            self.puts, self.first = 0, None
+
+        def put(self, value) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                self.first = time.perf_counter() - start
+
+        def end(self) -> None:
+            pass
+
+    return FirstTokenClock()
+
+
+def run_hf_static(models, prompts: list[list[int]], new_tokens: int) -> Run:
+    """transformers ``generate`` on every request as one left-padded batch (static batching)."""
+    model = models["hf"]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    start = time.perf_counter()
+    clock = _first_token_clock(start)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            pad_token_id=0, streamer=clock,
+        )  # fmt: skip
+    seconds = time.perf_counter() - start
+    return seconds, [seconds] * len(prompts), [clock.first] * len(prompts), out[:, width:].tolist()
+
+
+def run_hf_sequential(models, prompts: list[list[int]], new_tokens: int) -> Run:
     """transformers ``generate``, one request after another (no batching)."""
     model = models["hf"]
-    latencies, tokens = [], []
+    latencies, first, tokens = [], [], []
     start = time.perf_counter()
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
+            clock = _first_token_clock(start)
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0,
+                do_sample=False, pad_token_id=0, streamer=clock,
             )  # fmt: skip
             latencies.append(time.perf_counter() - start)
+            first.append(clock.first)
             tokens.append(out[0, len(prompt) :].tolist())
-    return time.perf_counter() - start, latencies, tokens
+    return time.perf_counter() - start, latencies, first, tokens
 
 
-ENGINES: dict[str, Callable] = {"colo": run_colo, "hf-sequential": run_hf_sequential}
+ENGINES: dict[str, Callable] = {"colo": run_colo, "hf-static": run_hf_static, "hf-sequential": run_hf_sequential}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -136,6 +192,7 @@ def main() -> int:
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len-max", type=int, default=None, help="mixed lengths: uniform in [len, max]")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -145,18 +202,22 @@ def main() -> int:
     models = {fmt: build_models(args.model, fmt, args.seed) for fmt in args.formats}
     vocab = models[args.formats[0]]["native"].config.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, vocab, (max(args.concurrency), args.prompt_len), generator=generator).tolist()
+    longest = args.prompt_len_max or args.prompt_len
+    lengths = torch.randint(args.prompt_len, longest + 1, (max(args.concurrency),), generator=generator).tolist()
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     rows = [(engine, fmt) for fmt in args.formats for engine in args.engines]
     for engine, fmt in rows:  # warm-up
         ENGINES[engine](models[fmt], prompts[:2], 4)
-    runs: dict[tuple, list[tuple[float, list[float]]]] = {}
+    runs: dict[tuple, list[tuple[float, list[float], list[float]]]] = {}
     tokens: dict[tuple, list[list[int]]] = {}
     for repeat in range(args.repeats):
         order = rows[repeat % len(rows) :] + rows[: repeat % len(rows)]
         for concurrency in args.concurrency:
             for engine, fmt in order:
-                seconds, latencies, generated = ENGINES[engine](models[fmt], prompts[:concurrency], args.new_tokens)
-                runs.setdefault((engine, fmt, concurrency), []).append((seconds, latencies))
+                seconds, latencies, first, generated = ENGINES[engine](
+                    models[fmt], prompts[:concurrency], args.new_tokens
+                )
+                runs.setdefault((engine, fmt, concurrency), []).append((seconds, latencies, first))
                 tokens[(engine, fmt, concurrency)] = generated
                 print(
                     f"[repeat {repeat}] {engine:>14} {fmt:>8} c={concurrency:<3} "
@@ -176,36 +237,42 @@ def main() -> int:
                 "engine": engine,
                 "format": fmt,
                 "concurrency": concurrency,
-                "tokens_per_s": statistics.median(concurrency * args.new_tokens / s for s, _ in measured),
-                "p50_latency_s": statistics.median(percentile(lat, 50) for _, lat in measured),
-                "p99_latency_s": statistics.median(percentile(lat, 99) for _, lat in measured),
-                "seconds_all": [s for s, _ in measured],
+                "tokens_per_s": statistics.median(concurrency * args.new_tokens / s for s, _, _ in measured),
+                "p50_latency_s": statistics.median(percentile(lat, 50) for _, lat, _ in measured),
+                "p99_latency_s": statistics.median(percentile(lat, 99) for _, lat, _ in measured),
+                "p50_first_token_s": statistics.median(percentile(first, 50) for _, _, first in measured),
+                "p99_first_token_s": statistics.median(percentile(first, 99) for _, _, first in measured),
+                "seconds_all": [s for s, _, _ in measured],
                 "tokens_equal_to_colo_fp32": equal,
             }
         )
-    for r in results:  # the same repeat's runs side by side: the figure that survives a noisy machine
-        base = runs.get(("hf-sequential", r["format"], r["concurrency"]))
-        r["throughput_vs_hf_sequential"] = (
-            statistics.median(b / s for (s, _), (b, _) in zip(runs[(r["engine"], r["format"], r["concurrency"])], base))
-            if base is not None
-            else None
-        )
+    for r in results:  # the same repeat's runs side by side: the figures that survive a noisy machine
+        own = runs[(r["engine"], r["format"], r["concurrency"])]
+        for peer in ("hf-static", "hf-sequential"):
+            base = runs.get((peer, r["format"], r["concurrency"]))
+            r[f"throughput_vs_{peer.replace('-', '_')}"] = (
+                statistics.median(b[0] / s[0] for s, b in zip(own, base)) if base is not None else None
+            )
     print(
-        f"\n{'engine':>14} {'format':>8} {'conc':>5} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} {'x hf-seq':>9} "
-        f"{'=colo fp32':>10}"
+        f"\n{'engine':>14} {'format':>8} {'conc':>5} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} {'ttft p50':>9} "
+        f"{'x static':>9} {'x hf-seq':>9} {'=colo fp32':>10}"
     )
     for r in results:
         equal = "-" if r["tokens_equal_to_colo_fp32"] is None else f"{r['tokens_equal_to_colo_fp32']:.3f}"
-        ratio = "-" if r["throughput_vs_hf_sequential"] is None else f"{r['throughput_vs_hf_sequential']:.2f}"
+        ratios = [
+            "-" if r[key] is None else f"{r[key]:.2f}"
+            for key in ("throughput_vs_hf_static", "throughput_vs_hf_sequential")
+        ]
         print(
             f"{r['engine']:>14} {r['format']:>8} {r['concurrency']:>5} {r['tokens_per_s']:9.1f} "
-            f"{r['p50_latency_s']:8.3f} {r['p99_latency_s']:8.3f} {ratio:>9} {equal:>10}"
+            f"{r['p50_latency_s']:8.3f} {r['p99_latency_s']:8.3f} {r['p50_first_token_s']:9.3f} {ratios[0]:>9} "
+            f"{ratios[1]:>9} {equal:>10}"
         )
     import transformers
 
     payload = {
-        "benchmark": "serving: colo ServingEngine (continuous batching, paged KV) vs transformers generate one "
-        "request at a time",
+        "benchmark": "serving: colo ServingEngine (continuous batching, paged KV, prefix caching) vs transformers "
+        "generate on static batches of the same requests and one request at a time",
         "device": "cpu",
         "environment": {
             "python": platform.python_version(),
@@ -219,6 +286,7 @@ def main() -> int:
             "model": args.model,
             "model_overrides": MODELS.get(args.model, {}),
             "prompt_len": args.prompt_len,
+            "prompt_len_max": args.prompt_len_max,
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
             "seed": args.seed,
