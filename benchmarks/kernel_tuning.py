@@ -28,7 +28,6 @@ import functools
 import importlib
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -38,6 +37,7 @@ fa = importlib.import_module("colo.kernels.flash_attention")
 rows_module = importlib.import_module("colo.kernels._rows")
 rms_module = importlib.import_module("colo.kernels.rms_norm")
 adamw_module = importlib.import_module("colo.kernels.adamw")
+from colo.kernels.bench import _median_ms  # noqa: E402 (the same timer as the kernel bench)
 
 ATTENTION_CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the kernel's default is tried first
     "forward": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
@@ -50,26 +50,6 @@ RMS_CANDIDATES = {  # (ROWS, num_warps) per BLOCK_N
 }
 ADAMW_CANDIDATES = [(block, warps, aligned) for aligned in (True, False) for block in (1024, 2048, 4096, 8192)
                     for warps in (4, 8)]  # fmt: skip
-
-
-def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, wall time on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,7 +77,7 @@ class Tuner:
         }
 
     def time(self, fn: Callable[[], object]) -> float:
-        return median_ms(fn, self.device, self.args.warmup, self.args.repeats)
+        return _median_ms(fn, self.device, self.args.warmup, self.args.repeats)
 
     def save(self) -> None:
         tuning = {

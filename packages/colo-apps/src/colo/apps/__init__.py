@@ -9,8 +9,7 @@ config live in `colo.apps.train` (`RunConfig`, `load_config`, `Trainer`, and the
 the ``colo`` command in `colo.apps.cli`. The main names are re-exported here.
 """
 
-import importlib
-
+from ._lazy import lazy_exports
 from .mfu import PEAK_FLOPS, format_mfu, mfu, peak_flops  # torch-free; imported here: `mfu` is also a module name
 
 __version__ = "0.1.0"
@@ -38,22 +37,7 @@ _EXPORTS = {
 import torch, the models and the booster (seconds per process)."""
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule read as an attribute (`colo.apps.train` after `import colo.apps`)
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module 'colo.apps' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__: list[str] = [

@@ -35,7 +35,7 @@ The pieces a training run chains together::
   position as the state: a run resumes at any data-parallel size).
 """
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "Blend": "blend",
@@ -75,22 +75,7 @@ _EXPORTS = {
 so ``colo data prepare``'s worker processes import them without torch; the datasets and samplers import it."""
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule read as an attribute (`colo.apps.train` after `import colo.apps`)
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module 'colo.apps.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .models import require_diffusers
-from .objective import DiffusionBatchBuilder, step_generator
+from .objective import DiffusionBatchBuilder
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "mode")
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
@@ -204,19 +204,12 @@ class FlowMatchingBatchBuilder(DiffusionBatchBuilder):
         latent_std: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The denoiser batch of this rank's ``rows`` of the step (``captions`` and images are those rows only)."""
-        if latent_mean is None:
-            latent_mean, latent_std = self.posterior(pixel_values)
-        objective, local = self.objective, latent_mean.shape[0]
-        if local != rows.stop - rows.start or len(captions) != local:
-            raise ValueError(f"{local} images and {len(captions)} captions for rows {rows}")
-        shape = (global_rows, *latent_mean.shape[1:])
-        generator = step_generator(self.seed, step)
-        sample = torch.randn(shape, generator=generator)[rows]
-        noise = torch.randn(shape, generator=generator)[rows]
+        latent_mean, latent_std, generator, sample, noise = self._step_draws(
+            step, captions, rows, global_rows, pixel_values, latent_mean, latent_std
+        )
+        objective = self.objective
         u = objective.timestep_density(global_rows, generator=generator)[rows]
-        if objective.condition_dropout > 0:
-            dropped = (torch.rand(global_rows, generator=generator) < objective.condition_dropout)[rows]
-            captions = ["" if drop else caption for caption, drop in zip(captions, dropped.tolist())]
+        captions = self._drop_captions(captions, generator, rows, global_rows)
         device = latent_mean.device
         latents = (latent_mean + latent_std * sample.to(device) - self.shift_factor) * self.scaling_factor
         batch = flow_matching_inputs(objective, self.scheduler, latents, noise.to(device), u)

@@ -143,6 +143,28 @@ class DiffusionBatchBuilder:
         dist = self.vae.encode(pixel_values.to(self.vae.dtype)).latent_dist
         return dist.mean.float(), dist.std.float()
 
+    def _step_draws(self, step, captions, rows, global_rows, pixel_values, latent_mean, latent_std) -> tuple:
+        """``(latent_mean, latent_std, generator, sample, noise)`` of this rank's ``rows``: the latent statistics
+        (from the images when not cached), the step's generator and its first two draws over the whole step's batch
+        (the latent sample and the noise), so any split of the rows over ranks draws what one process draws."""
+        if latent_mean is None:
+            latent_mean, latent_std = self.posterior(pixel_values)
+        local = latent_mean.shape[0]
+        if local != rows.stop - rows.start or len(captions) != local:
+            raise ValueError(f"{local} images and {len(captions)} captions for rows {rows}")
+        shape = (global_rows, *latent_mean.shape[1:])
+        generator = step_generator(self.seed, step)
+        sample = torch.randn(shape, generator=generator)[rows]
+        noise = torch.randn(shape, generator=generator)[rows]
+        return latent_mean, latent_std, generator, sample, noise
+
+    def _drop_captions(self, captions: list[str], generator, rows: slice, global_rows: int) -> list[str]:
+        """Condition dropout for classifier-free guidance: each caption emptied with ``condition_dropout``."""
+        if self.objective.condition_dropout <= 0:
+            return captions
+        dropped = (torch.rand(global_rows, generator=generator) < self.objective.condition_dropout)[rows]
+        return ["" if drop else caption for caption, drop in zip(captions, dropped.tolist())]
+
     @torch.no_grad()
     def encode_text(self, captions: list[str]) -> torch.Tensor:
         ids = tokenize_captions(self.tokenizer, captions).to(self.text_encoder.device)
@@ -163,22 +185,15 @@ class DiffusionBatchBuilder:
         """The denoiser batch of this rank's ``rows`` of the step (``captions`` and images are those rows only)."""
         from diffusers.training_utils import compute_snr
 
-        if latent_mean is None:
-            latent_mean, latent_std = self.posterior(pixel_values)
-        objective, local = self.objective, latent_mean.shape[0]
-        if local != rows.stop - rows.start or len(captions) != local:
-            raise ValueError(f"{local} images and {len(captions)} captions for rows {rows}")
-        shape = (global_rows, *latent_mean.shape[1:])
-        generator = step_generator(self.seed, step)
-        sample = torch.randn(shape, generator=generator)[rows]
-        noise = torch.randn(shape, generator=generator)[rows]
+        latent_mean, latent_std, generator, sample, noise = self._step_draws(
+            step, captions, rows, global_rows, pixel_values, latent_mean, latent_std
+        )
+        objective, local, shape = self.objective, latent_mean.shape[0], (global_rows, *latent_mean.shape[1:])
         if objective.noise_offset > 0:
             offset = torch.randn((global_rows, shape[1], 1, 1), generator=generator)[rows]
             noise = noise + objective.noise_offset * offset
         timesteps = torch.randint(0, objective.num_train_timesteps, (global_rows,), generator=generator)[rows]
-        if objective.condition_dropout > 0:
-            dropped = (torch.rand(global_rows, generator=generator) < objective.condition_dropout)[rows]
-            captions = ["" if drop else caption for caption, drop in zip(captions, dropped.tolist())]
+        captions = self._drop_captions(captions, generator, rows, global_rows)
         device = latent_mean.device
         latents = (latent_mean + latent_std * sample.to(device)) * self.scaling_factor
         noise, timesteps = noise.to(device), timesteps.to(device)
