@@ -305,7 +305,7 @@ def test_bad_requests_get_4xx_and_leave_others_undisturbed(served):
             ({**good, "temperature": -1}, 400, "temperature"),
             ({**good, "max_tokens": 0}, 400, "max_tokens"),
             ({**good, "bogus": 1}, 400, "bogus"),
-            ({**good, "n": 2}, 400, "n=2"),
+            ({**good, "n": 17}, 400, "n: Input should be less than or equal to 16"),
             ({**good, "logprobs": 3, "echo": True}, 400, "logprobs with echo"),
             ({**good, "prompt": ["a", "b"]}, 400, "one prompt per request"),
             ({**good, "prompt": [5, 999]}, 400, "999 outside the vocabulary"),

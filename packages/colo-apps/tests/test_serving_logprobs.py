@@ -83,14 +83,17 @@ def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-def _serve(model, requests: list[tuple[str, dict]]):
-    """POST each ``(path, body)`` to an in-process app over ``model``; the responses."""
+def _serve(model, requests: list[tuple[str, dict]], *, engine_out: list | None = None):
+    """POST each ``(path, body)`` to an in-process app over ``model``; the responses (the engine appended to
+    ``engine_out`` when given)."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from colo.apps.serving import ServeSettings, create_app
 
     engine = ServingEngine(model, tokenizer=TOKENIZER, eos_token_id=TOKENIZER.eos_id, max_batch_size=4, block_size=4)
     app = create_app(engine, TOKENIZER, settings=ServeSettings(model_name="tiny"), chat_template=ChatTemplate())
+    if engine_out is not None:
+        engine_out.append(engine)
 
     async def scenario():
         async with app.router.lifespan_context(app):
@@ -158,3 +161,46 @@ def test_openai_logprobs_shapes_over_http():
     assert echoed.status_code == 400 and "echo" in echoed.json()["error"]["message"]
     assert unpaired.status_code == 400 and "top_logprobs needs logprobs=true" in unpaired.json()["error"]["message"]
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+
+
+def test_n_choices_share_the_prompts_blocks_and_each_equals_its_own_seeded_request():
+    model = _model()
+    prompt = "Hello, world! " * 3  # 42 byte tokens: 10 full blocks of 4 and 2 tokens
+    prompt_ids = TOKENIZER.encode(prompt)
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    engines = []
+    many, streamed, *singles, too_many = _serve(
+        model,
+        [
+            ("/v1/completions", {**base, "n": 3, "seed": 7, "logprobs": 1}),
+            ("/v1/completions", {**base, "n": 3, "seed": 7, "stream": True, "stream_options": {"include_usage": True}}),
+            *[("/v1/completions", {**base, "seed": 7 + index}) for index in range(3)],
+            ("/v1/completions", {**base, "n": 17}),
+        ],
+        engine_out=engines,
+    )
+    choices = many.json()["choices"]
+    assert [choice["index"] for choice in choices] == [0, 1, 2]
+    tokens = [choice["token_ids"] for choice in choices]
+    assert tokens == [single.json()["choices"][0]["token_ids"] for single in singles]  # choice i: seed 7 + i
+    assert len({tuple(t) for t in tokens}) == 3  # sampled at temperature 1: the choices differ
+    for choice in choices:  # each choice's log-probs are its own tokens'
+        reference = _reference(model, prompt_ids, choice["token_ids"])
+        expected = reference[range(6), choice["token_ids"]].tolist()
+        torch.testing.assert_close(choice["logprobs"]["token_logprobs"], expected, **TOLERANCE)
+    assert many.json()["usage"]["prompt_tokens"] == len(prompt_ids) == 42
+    assert many.json()["usage"]["completion_tokens"] == 18
+    # the first request's choices 1 and 2 took the 10 full blocks choice 0 computed; the later requests took them
+    # from the cache too: 5 x 3 + 2 requests, 40 tokens each
+    assert engines[0].num_prefix_cached_tokens == 40 * (2 + 3 + 3)
+    assert engines[0].num_prefill_tokens == 42 + 2 * 8  # choice 0 whole, the 8 later ones their last 2 tokens
+
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    streamed_ids: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        streamed_ids[choice["index"]].extend(choice["token_ids"])
+    assert [streamed_ids[index] for index in range(3)] == tokens
+    assert events[-1]["usage"]["completion_tokens"] == 18 and events[-1]["usage"]["prompt_tokens"] == 42
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -33,6 +34,7 @@ from .protocol import (
     chat_logprobs,
     chunk_body,
     completion_body,
+    completion_choice,
     completion_logprobs,
     error_body,
     usage,
@@ -303,18 +305,16 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
                 param="messages" if chat else "prompt",
             )
         params = _params(state, request, len(prompt_ids))
-        if len(state.in_flight) >= settings.max_concurrent:
-            raise APIError(429, f"{settings.max_concurrent} requests are in flight (--max-concurrent); retry later")
+        if len(state.in_flight) + request.n > settings.max_concurrent:
+            asked = f"; this one asks for {request.n} choices" if request.n > 1 else ""
+            raise APIError(
+                429,
+                f"{len(state.in_flight)} of {settings.max_concurrent} sequences are in flight (--max-concurrent)"
+                f"{asked}; retry later",
+            )
         request_id = state.new_id("chatcmpl" if chat else "cmpl")
-        try:
-            queue = state.loop.submit(request_id, prompt_ids, params)
-        except ValueError as error:
-            raise APIError(400, str(error)) from None
-        except RuntimeError as error:
-            raise APIError(503, str(error)) from None
-        state.in_flight.add(request_id)
         hidden = {*engine.eos_ids} if not params.ignore_eos else set()
-        text = TextStream(tokenizer, stop=params.stop, hidden_ids=hidden)
+        queue, choices = _submit_choices(state, request_id, prompt_ids, params, request.n, hidden)
         echo = ""
         if not chat and request.echo:
             echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt_ids)
@@ -322,22 +322,25 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return StreamingResponse(
-                _events(state, request_id, queue, text, chat=chat, model=request.model, echo=echo,
+                _events(state, request_id, queue, choices, chat=chat, model=request.model, echo=echo,
                         include_usage=include_usage, extra_ids=extra_ids, logprobs=params.logprobs is not None),
                 media_type="text/event-stream",
             )  # fmt: skip
-        entries = []
         try:
-            final = await _collect(state, request_id, queue, text, entries)
+            await _collect(state, queue, choices)
         finally:
-            state.in_flight.discard(request_id)
-        extra = {**extra_ids, "token_ids": text.token_ids} if request.return_token_ids else {}
-        logprobs = _logprobs_body(entries, tokenizer, chat=chat) if params.logprobs is not None else None
-        body = completion_body(
-            request_id, request.model, text=echo + text.text(final.stop_string), finish_reason=final.finish_reason,
-            extra=extra, chat=chat, logprobs=logprobs,
-        )  # fmt: skip
-        body["usage"] = usage(final.prompt_tokens, final.completion_tokens, final.cached_prompt_tokens)
+            state.in_flight.difference_update(choices)
+        bodies = []
+        for choice in choices.values():
+            final = choice.final
+            extra = {**extra_ids, "token_ids": choice.text.token_ids} if request.return_token_ids else {}
+            logprobs = _logprobs_body(choice.logprobs, tokenizer, chat=chat) if params.logprobs is not None else None
+            bodies.append(completion_choice(
+                choice.index, text=echo + choice.text.text(final.stop_string), finish_reason=final.finish_reason,
+                extra=extra, chat=chat, logprobs=logprobs,
+            ))  # fmt: skip
+        body = completion_body(request_id, request.model, choices=bodies, chat=chat)
+        body["usage"] = _usage(choices)
         return body
 
     @app.post("/v1/completions")
@@ -351,25 +354,84 @@ def create_app(engine, tokenizer, *, settings: ServeSettings, chat_template=None
     return app
 
 
-async def _collect(state: ServingState, request_id: str, queue: asyncio.Queue, text: TextStream, logprobs: list):
-    """Wait for a whole request; its last `RequestOutput` (the tokens are in ``text``, their `TokenLogprob` entries,
-    if asked for, in ``logprobs``)."""
-    finished = False
+@dataclass(eq=False)
+class _Choice:
+    """One of a request's ``n`` choices: its engine request, its text and log-prob entries, its last output."""
+
+    index: int
+    engine_id: str
+    text: TextStream
+    logprobs: list = field(default_factory=list)
+    final: object | None = None  # its last `RequestOutput`, once finished
+    text_offset: int = 0  # a streamed completion: characters sent before its next chunk's tokens
+
+
+def _submit_choices(state: ServingState, request_id: str, prompt_ids: list[int], params, n: int, hidden: set[int]):
+    """Queue the ``n`` engine requests of a request, delivering into one queue; that queue and
+    ``{engine id: _Choice}``.
+
+    The choices are separate engine requests with the same prompt: the prefix cache shares the prompt's full blocks
+    among them (computed by the first forward that writes them), so the prompt is prefilled once, less the
+    partial last block each choice feeds itself (vLLM's V1 engine fans ``n`` out the same way). With a seed,
+    choice ``i`` samples with ``seed + i``."""
+    queue: asyncio.Queue = asyncio.Queue()
+    choices: dict[str, _Choice] = {}
+    for index in range(n):
+        engine_id = request_id if n == 1 else f"{request_id}-{index}"
+        choice_params = params
+        if params.seed is not None and index:
+            choice_params = dataclasses.replace(params, seed=params.seed + index)
+        try:
+            state.loop.submit(engine_id, prompt_ids, choice_params, queue=queue)
+        except (ValueError, RuntimeError) as error:
+            for submitted in choices:
+                state.loop.abort(submitted)
+            raise APIError(400 if isinstance(error, ValueError) else 503, str(error)) from None
+        state.in_flight.add(engine_id)
+        choices[engine_id] = _Choice(index, engine_id, TextStream(state.tokenizer, stop=params.stop, hidden_ids=hidden))
+    return queue, choices
+
+
+def _usage(choices: dict[str, _Choice]) -> dict:
+    """The request's ``usage``: the prompt once, the completion tokens of every choice, the prompt tokens cached
+    for the choice that had the fewest (the prompt as the request first found it)."""
+    finals = [choice.final for choice in choices.values()]
+    return usage(
+        finals[0].prompt_tokens,
+        sum(final.completion_tokens for final in finals),
+        min(final.cached_prompt_tokens for final in finals),
+    )
+
+
+async def _outputs(state: ServingState, queue: asyncio.Queue, choices: dict[str, _Choice]):
+    """The engine outputs of a request's choices as they arrive, ``(choice, output)``, until every choice has
+    finished; an `APIError` for an engine failure. A choice that has not finished when this ends early (a client
+    gone, another choice failed) is aborted."""
+    pending = set(choices)
     try:
-        while True:
+        while pending:
             item = await queue.get()
             if isinstance(item, EngineFailure):
                 raise APIError(500, item.message)
-            text.token_ids.extend(item.new_token_ids)
-            logprobs.extend(item.logprobs or ())
+            choice = choices[item.request_id]
             if item.finished:
-                finished = True
-                if item.finish_reason == "abort":
-                    raise APIError(503, _cancelled_message(state, request_id))
-                return item
+                pending.discard(item.request_id)
+                choice.final = item
+            yield choice, item
     finally:
-        if not finished:  # the handler was cancelled (client gone): free the engine's row
-            state.loop.abort(request_id)
+        for engine_id in pending:  # the handler was cancelled (client gone) or failed: free the engine's rows
+            state.loop.abort(engine_id)
+
+
+async def _collect(state: ServingState, queue: asyncio.Queue, choices: dict[str, _Choice]) -> None:
+    """Wait for a whole request: each choice's tokens go to its ``text``, its `TokenLogprob` entries to its
+    ``logprobs``, its last `RequestOutput` to its ``final``."""
+    async with contextlib.aclosing(_outputs(state, queue, choices)) as outputs:
+        async for choice, item in outputs:
+            choice.text.token_ids.extend(item.new_token_ids)
+            choice.logprobs.extend(item.logprobs or ())
+            if item.finished and item.finish_reason == "abort":
+                raise APIError(503, _cancelled_message(state, item.request_id))
 
 
 def _cancelled_message(state: ServingState, request_id: str) -> str:
@@ -385,7 +447,7 @@ async def _events(
     state: ServingState,
     request_id: str,
     queue: asyncio.Queue,
-    text: TextStream,
+    choices: dict[str, _Choice],
     *,
     chat: bool,
     model: str,
@@ -394,56 +456,52 @@ async def _events(
     extra_ids: dict,
     logprobs: bool = False,
 ):
-    """The server-sent events of one streamed request: a chunk per step with new text (or new tokens, with
-    ``logprobs``: each chunk carries its tokens' log-probs), the last with the finish reason, the usage chunk if
-    asked, ``[DONE]``; an aborted or failed request ends with an error event instead."""
+    """The server-sent events of one streamed request: a chunk per step and choice with new text (or new tokens,
+    with ``logprobs``: each chunk carries its tokens' log-probs), each choice's last with its finish reason, the
+    usage chunk if asked, ``[DONE]``; an aborted or failed request ends with an error event instead."""
     created = int(time.time())
-    finished = False
-    text_offset = len(echo)
+    for choice in choices.values():
+        choice.text_offset = len(echo)
 
-    def chunk(delta: str | None, reason: str | None = None, *, first: bool = False, ids: list[int] | None = None,
-              entries=None):  # fmt: skip
-        nonlocal text_offset
+    def chunk(choice: _Choice, delta: str | None, reason: str | None = None, *, first: bool = False,
+              ids: list[int] | None = None, entries=None):  # fmt: skip
         extra = {**extra_ids, "token_ids": ids} if extra_ids else None
         body_logprobs = None
         if logprobs and entries is not None:
-            body_logprobs = _logprobs_body(entries, state.tokenizer, chat=chat, text_offset=text_offset)
+            body_logprobs = _logprobs_body(entries, state.tokenizer, chat=chat, text_offset=choice.text_offset)
             if not chat:
-                text_offset += sum(len(token) for token in body_logprobs["tokens"])
+                choice.text_offset += sum(len(token) for token in body_logprobs["tokens"])
         body = chunk_body(request_id, model, created, text=delta, finish_reason=reason, chat=chat, first=first,
-                          extra=extra, logprobs=body_logprobs)  # fmt: skip
+                          extra=extra, logprobs=body_logprobs, index=choice.index)  # fmt: skip
         if include_usage:
             body["usage"] = None
         return _sse(body)
 
     try:
         if chat or echo:
-            yield chunk(echo or None, first=True, ids=[])
-        while True:
-            item = await queue.get()
-            if isinstance(item, EngineFailure):
-                finished = True
-                yield _sse(error_body(item.message, kind=ERROR_TYPES[500], code=500))
-                return
-            if item.finished and item.finish_reason == "abort":
-                finished = True
-                yield _sse(error_body(_cancelled_message(state, request_id), kind=ERROR_TYPES[503], code=503))
-                return
-            delta = text.add(item.new_token_ids)
-            if item.finished:
-                finished = True
-                delta += text.finish(item.stop_string)
-                yield chunk(delta, item.finish_reason, ids=list(item.new_token_ids), entries=item.logprobs or [])
-                break
-            if delta or extra_ids or (logprobs and item.new_token_ids):
-                yield chunk(delta, ids=list(item.new_token_ids), entries=item.logprobs or [])
+            for choice in choices.values():
+                yield chunk(choice, echo or None, first=True, ids=[])
+        try:
+            async with contextlib.aclosing(_outputs(state, queue, choices)) as outputs:
+                async for choice, item in outputs:
+                    if item.finished and item.finish_reason == "abort":
+                        message = _cancelled_message(state, item.request_id)
+                        yield _sse(error_body(message, kind=ERROR_TYPES[503], code=503))
+                        return
+                    delta = choice.text.add(item.new_token_ids)
+                    if item.finished:
+                        delta += choice.text.finish(item.stop_string)
+                        yield chunk(choice, delta, item.finish_reason, ids=list(item.new_token_ids),
+                                    entries=item.logprobs or [])  # fmt: skip
+                    elif delta or extra_ids or (logprobs and item.new_token_ids):
+                        yield chunk(choice, delta, ids=list(item.new_token_ids), entries=item.logprobs or [])
+        except APIError as error:  # the engine failed
+            yield _sse(error_body(error.message, kind=ERROR_TYPES[error.status], code=error.status))
+            return
         if include_usage:
             body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": model, "choices": [],
-                    "usage": usage(item.prompt_tokens, item.completion_tokens, item.cached_prompt_tokens)}  # fmt: skip
+                    "created": created, "model": model, "choices": [], "usage": _usage(choices)}  # fmt: skip
             yield _sse(body)
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:  # the client went away mid-stream: free the engine's row
-            state.loop.abort(request_id)
-        state.in_flight.discard(request_id)
+        state.in_flight.difference_update(choices)

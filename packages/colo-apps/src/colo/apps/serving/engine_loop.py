@@ -58,8 +58,9 @@ class EngineLoop:
         """Start the thread."""
         self._thread.start()
 
-    def submit(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
-        """Queue a request; return the queue its outputs arrive in (call from the event loop).
+    def submit(self, request_id: str, prompt_ids: list[int], params, *, queue: asyncio.Queue | None = None):
+        """Queue a request; return the queue its outputs arrive in (call from the event loop). ``queue``: deliver
+        into this one (several requests may share a queue: each output names its request); ``None``: a new one.
 
         Raises:
             ValueError: the engine refused the request (its message says why); nothing was queued.
@@ -67,7 +68,7 @@ class EngineLoop:
         """
         if self.failure is not None or self._stopping:
             raise RuntimeError(self.failure or "the engine is shutting down")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
         with self._lock:
             self._queues[request_id] = queue
         try:

@@ -1,7 +1,7 @@
 """The OpenAI wire format `colo serve` speaks: request models (validated by pydantic, unknown fields refused), the
 response and stream-chunk bodies, and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Only what the engine implements is accepted: one prompt and one choice per request (``n=1``), log-probs of the
+Only what the engine implements is accepted: one prompt per request (``n`` choices of it), log-probs of the
 generated tokens (not of an echoed prompt), no penalties, no ``logit_bias``. Those fields are named in the models so
 that a client sending them gets a 400 that says what is unsupported, instead of a silently different result. Two
 extensions follow vLLM's names: ``top_k`` and ``ignore_eos``, and ``return_token_ids`` adds ``prompt_token_ids`` /
@@ -14,6 +14,9 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_CHOICES = 16
+"""The most choices (``n``) one request may ask for."""
 
 
 class _Strict(BaseModel):
@@ -41,8 +44,9 @@ class SamplingFields(_Strict):
     """Nucleus sampling mass."""
     top_k: int = Field(default=0, ge=0)
     """Sample from the K most likely tokens (0: all). Not in OpenAI's API; vLLM's extension."""
-    n: int = 1
-    """Choices per request; only 1."""
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices per request: ``n`` completions of the prompt, which is computed once (the choices share its cached
+    blocks). With a ``seed``, choice ``i`` samples with ``seed + i``."""
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     """Up to 4 strings that end the completion; the returned text stops before the first one."""
     seed: int | None = None
@@ -73,8 +77,6 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: this server returns one choice per request; send n=1 (or several requests)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise ValueError(f"{name} is not supported by colo serve; leave it at 0")
@@ -213,9 +215,8 @@ def chat_logprobs(entries, decode) -> dict:
     }
 
 
-def completion_body(
-    request_id: str,
-    model: str,
+def completion_choice(
+    index: int,
     *,
     text: str,
     finish_reason: str | None,
@@ -223,19 +224,24 @@ def completion_body(
     chat: bool,
     logprobs: dict | None = None,
 ) -> dict:
-    """A whole (non-streamed) response: ``text_completion`` or ``chat.completion``. ``extra``: more fields of the
-    choice (token ids); ``logprobs``: the choice's (`completion_logprobs` / `chat_logprobs`)."""
+    """One choice of a whole (non-streamed) response. ``extra``: more fields of the choice (token ids);
+    ``logprobs``: the choice's (`completion_logprobs` / `chat_logprobs`)."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs}
+        choice = {"index": index, "text": text, "logprobs": logprobs}
     choice.update(finish_reason=finish_reason, **extra)
+    return choice
+
+
+def completion_body(request_id: str, model: str, *, choices: list[dict], chat: bool) -> dict:
+    """A whole (non-streamed) response, ``text_completion`` or ``chat.completion``, of `completion_choice` items."""
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
     }
 
 
@@ -250,16 +256,17 @@ def chunk_body(
     first: bool = False,
     extra: dict[str, Any] | None = None,
     logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
-    """One streamed chunk. Chat chunks carry a ``delta`` (the first one the assistant's role); completion chunks
-    the new text. ``logprobs``: those of the chunk's tokens."""
+    """One streamed chunk of choice ``index``. Chat chunks carry a ``delta`` (the first one the assistant's role);
+    completion chunks the new text. ``logprobs``: those of the chunk's tokens."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs}
     choice["finish_reason"] = finish_reason
     choice.update(extra or {})
     return {
