@@ -82,3 +82,14 @@ def test_plain_attention_choice_is_validated_and_cpu_keeps_colos_kernel(monkeypa
     monkeypatch.setenv(fa.PLAIN_ATTENTION_ENV, "sdpa")
     q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     assert not fa._plain_attention_runs_sdpa(q, q, True)  # CPU tensors: the choice applies to CUDA only
+
+
+def test_the_plain_attention_choice_is_marked_constant_as_torch_compiler_marks_it():
+    """`flash_attention` marks its tuned choice constant for ``torch.compile`` without importing ``torch._dynamo``;
+    the mark must be exactly what ``torch.compiler.assume_constant_result`` sets."""
+    flash_attention = importlib.import_module("colo.kernels.flash_attention")  # the package exports the function
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    marks = dict(vars(marked))
+    assert marks, "torch.compiler.assume_constant_result no longer marks the function; colo's mark is stale"
+    chosen = flash_attention._plain_attention_implementation
+    assert {name: getattr(chosen, name, None) for name in marks} == marks

@@ -999,7 +999,15 @@ PLAIN_ATTENTION_ENV = "COLO_PLAIN_ATTENTION"
 mask, else ``triton``). Masks with documents or offsets always run colo's kernel."""
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """`torch.compiler.assume_constant_result` without importing ``torch._dynamo`` (about 1.5 s of every process that
+    imports colo.kernels, compiling or not): that decorator only marks the function with the attribute Dynamo reads
+    when it traces a call (torch 2.11 to 2.13); ``test_flash_attention_dispatch`` checks the two mark alike."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _plain_attention_implementation(device_index: int, dtype: str, head_dim: int, causal: bool) -> str:
     """``"sdpa"`` or ``"triton"`` for plain attention with these properties (constant under ``torch.compile``)."""
     choice = os.environ.get(PLAIN_ATTENTION_ENV, "auto")
