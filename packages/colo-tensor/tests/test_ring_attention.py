@@ -12,8 +12,12 @@ ring attention takes one per block and merges them with the log-sum-exp (exp(lse
 dq and dK/dV over blocks, so the same sums are rounded in another order (measured: at most 1e-6 absolute, on
 values of order 1).
 
-Communication is asserted against the formula of `colo.tensor.ring_attention`: forward ``n - 1`` sends (and
-receives) of this rank's k and v, backward ``n - 1`` of them again plus ``n`` of the fp32 dK/dV accumulators.
+Communication is asserted against the formula of `colo.tensor.ring_attention`, with each block's travel taken from
+the full attention mask (`expected_ring_volume`, independent of the plan ring attention makes): a block goes as far
+around the ring as the farthest rank whose queries see one of its keys (causal contiguous: the last rank's block
+stays home; chunks of padding only: nowhere); its dK/dV accumulator follows it and comes back from its last holder.
+Unmasked, that is ``n - 1`` sends of this rank's k and v forward, ``n - 1`` again plus ``n`` fp32 accumulators
+backward.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ import torch
 from colo.comm import CommTracker, Mesh
 from colo.comm.testing import run_distributed
 from colo.kernels import flash_attention_reference
-from colo.tensor import gather_sequence, padded_seq_len, ring_attention, ring_attention_calls, shard_sequence
+from colo.tensor import (
+    gather_sequence,
+    padded_seq_len,
+    ring_attention,
+    ring_attention_calls,
+    shard_positions,
+    shard_sequence,
+)
 
 ring_module = importlib.import_module("colo.tensor.ring_attention")  # the package's `ring_attention` is the function
 TOLERANCE = {"rtol": 1e-5, "atol": 2e-6}
@@ -48,12 +59,26 @@ CASES = {
         (False, 4, 4, 19, "zigzag"),  # padded to 24
         (True, 2, 2, 5, "zigzag"),  # padded to 8: chunks 5, 6, 7 are all padding
         (False, 4, 1, 8, "contiguous"),
+        (True, 4, 2, 30, "zigzag", "short"),  # packed documents of 1-6 tokens
+        (True, 2, 2, 32, "contiguous", "short"),  # a block goes only where its documents reach
     ],
 }
 
 
+def _documents(case):
+    """Document ids of the whole sequence for a case that packs documents (``None``: one per row): row 0 packs
+    documents of 1-6 tokens, row 1 of 2-5 (each row's documents differ, so a block step runs where either meets)."""
+    if len(case) < 6:
+        return None
+    seq_len = case[3]
+    rows = []
+    for lengths in ((3, 6, 1, 4, 2, 5), (2, 5, 3, 4)):
+        rows.append(torch.cat([torch.full((length,), index) for index, length in enumerate(lengths * 8)])[:seq_len])
+    return torch.stack(rows)
+
+
 def _inputs(case, seed):
-    causal, num_heads, num_kv_heads, seq_len, layout = case
+    causal, num_heads, num_kv_heads, seq_len, layout = case[:5]
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, seq_len, num_heads, HEAD_DIM, generator=generator)
     k, v = (torch.randn(BATCH, seq_len, num_kv_heads, HEAD_DIM, generator=generator) for _ in range(2))
@@ -61,11 +86,56 @@ def _inputs(case, seed):
     return q, k, v, dout
 
 
-def _reference(q, k, v, dout, causal):
+def _reference(q, k, v, dout, causal, document_ids=None):
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = flash_attention_reference(q, k, v, causal=causal)
+    out = flash_attention_reference(q, k, v, causal=causal, document_ids=document_ids)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def expected_ring_volume(n, rank, layout, seq_len, causal, document_ids=None) -> dict[str, tuple[int, int]]:
+    """``{"forward": (sends, receives), "kv": ..., "dkv": ...}`` of ``rank``'s blocks (counts), from the full mask:
+    block ``s`` travels ``d(s)`` hops, the ring distance to the farthest rank with a query that sees one of its
+    keys; rank ``r`` passes on the block it holds at step ``t`` while ``t < d(r - t)``; backward, each holder sends
+    the block's accumulator on, the last one (``d > 0``) home."""
+    padded = padded_seq_len(seq_len, n, layout)
+    i = torch.arange(padded)
+    mask = (i[:, None] < seq_len) & (i[None, :] < seq_len)
+    if causal:
+        mask = mask & (i[None, :] <= i[:, None])
+    if document_ids is None:
+        masks = mask[None]
+    else:
+        ids = torch.nn.functional.pad(document_ids, (0, padded - document_ids.shape[1]), mode="replicate")
+        masks = mask & (ids[:, :, None] == ids[:, None, :])
+    held = [shard_positions(seq_len, n, r, layout) for r in range(n)]
+    travel = [
+        max(((r - s) % n for r in range(n) if masks[:, held[r]][:, :, held[s]].any()), default=0) for s in range(n)
+    ]
+    kv = (
+        sum(t < travel[(rank - t) % n] for t in range(n)),
+        sum(t < travel[(rank - 1 - t) % n] for t in range(n)),
+    )
+    dkv = (
+        sum(t <= travel[(rank - t) % n] and travel[(rank - t) % n] > 0 for t in range(n)),
+        sum(t < travel[(rank - 1 - t) % n] for t in range(n)) + (travel[rank] > 0),
+    )
+    return {"forward": kv, "kv": kv, "dkv": dkv}
+
+
+def _check_volumes(forward, backward, kv_bytes, expected, name, mismatches):
+    """Compare the trackers' p2p counts and bytes with `expected_ring_volume` (fp32: an accumulator is kv_bytes)."""
+    wanted = {
+        "forward": [expected["forward"][0], expected["forward"][1]],
+        "backward": [expected["kv"][0] + expected["dkv"][0], expected["kv"][1] + expected["dkv"][1]],
+    }
+    for what, tracker in (("forward", forward), ("backward", backward)):
+        for op, count in zip(("send", "recv"), wanted[what], strict=True):
+            measured = (tracker.calls(op, axis="sp"), tracker.bytes(op, axis="sp"))
+            if measured != (count, count * kv_bytes):
+                mismatches.append(f"{name} {what} {op}: measured {measured}, expected {(count, count * kv_bytes)}")
+        if tracker.calls() != sum(wanted[what]):
+            mismatches.append(f"{name} {what}: {tracker.calls()} calls in all, expected {sum(wanted[what])}")
 
 
 def _check_against_full_attention(cases):
@@ -73,16 +143,17 @@ def _check_against_full_attention(cases):
     group, n, rank = mesh.group("sp"), mesh.size("sp"), mesh.rank("sp")
     mismatches = []
     for index, case in enumerate(cases):
-        causal, _, _, seq_len, layout = case
+        causal, _, _, seq_len, layout = case[:5]
+        ids = _documents(case)
         q, k, v, dout = _inputs(case, seed=index)
-        expected = _reference(q, k, v, dout, causal)
+        expected = _reference(q, k, v, dout, causal, ids)
 
         def piece(t, layout=layout):
             return shard_sequence(t, num_shards=n, rank=rank, layout=layout)
 
         local = [piece(t).requires_grad_(True) for t in (q, k, v)]
         with CommTracker() as forward:
-            out = ring_attention(*local, group=group, causal=causal, layout=layout, seq_len=seq_len)
+            out = ring_attention(*local, group=group, causal=causal, layout=layout, seq_len=seq_len, document_ids=ids)
         with CommTracker() as backward:
             out.backward(piece(dout))
         got = (out.detach(), *(t.grad for t in local))
@@ -92,16 +163,16 @@ def _check_against_full_attention(cases):
             except AssertionError as error:
                 mismatches.append(f"case {case} {name}: {error}")
 
-        kv_bytes = 2 * local[1].numel() * 4  # k and v, fp32
-        volumes = {
-            "forward": (forward, n - 1, (n - 1) * kv_bytes),
-            "backward": (backward, 2 * n - 1, (n - 1) * kv_bytes + n * kv_bytes),  # dK/dV accumulators are fp32
-        }
-        for what, (tracker, calls, volume) in volumes.items():
-            for op in ("send", "recv"):
-                measured = (tracker.calls(op, axis="sp"), tracker.bytes(op, axis="sp"))
-                if measured != (calls, volume) or tracker.calls() != 2 * calls:
-                    mismatches.append(f"case {case} {what} {op}: measured {measured}, formula {(calls, volume)}")
+        kv_bytes = 2 * local[1].numel() * 4  # k and v, fp32; the dK/dV accumulators are fp32 too
+        expected_volume = expected_ring_volume(n, rank, layout, seq_len, causal, ids)
+        if ids is not None:  # short documents: fewer sends around the ring than unmasked (n - 1 per rank forward)
+            sends = sum(expected_ring_volume(n, r, layout, seq_len, causal, ids)["forward"][0] for r in range(n))
+            # contiguous: rank 0's block alone travels (one hop): in both rows a document crosses position 8, while
+            # 16 and 24 start documents. zigzag: 9 of 12 (rank r's chunk 2n-1-r meets 2n-2-r, held n-1 hops on)
+            assert sends == (1 if layout == "contiguous" else 9), sends
+        elif seq_len == padded_seq_len(seq_len, n, layout) and not (causal and layout == "contiguous"):
+            assert expected_volume == {"forward": (n - 1, n - 1), "kv": (n - 1, n - 1), "dkv": (n, n)}  # unmasked
+        _check_volumes(forward, backward, kv_bytes, expected_volume, f"case {case}", mismatches)
         gathered = gather_sequence(out.detach(), group=group, layout=layout, seq_len=seq_len)
         if not torch.equal(piece(gathered), out.detach()):
             mismatches.append(f"case {case}: gather_sequence does not invert shard_sequence")

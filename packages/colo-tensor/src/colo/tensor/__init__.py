@@ -57,7 +57,7 @@ from .qkv import QKVParallelLinear, valid_tp_sizes
 from .random import MODEL_PARALLEL_STREAM, RNGTracker, model_parallel_seed, seed_tensor_parallel
 from .redistribute import gather, plan_redistribute, redistribute
 from .redistribute_plan import RedistributePlan, RedistributeStep
-from .ring_attention import RingAttentionCore, ring_attention, ring_attention_calls
+from .ring_attention import RingAttentionCore, RingPlan, ring_attention, ring_attention_calls, ring_plan
 from .sequence_parallel import (
     SequenceParallelColumnLinear,
     SequenceParallelQKVLinear,
@@ -185,6 +185,8 @@ __all__ = [
     "reduce_scatter_all_gather",
     "ring_attention",
     "ring_attention_calls",
+    "ring_plan",
+    "RingPlan",
     "seed_tensor_parallel",
     "set_layout",
     "shard_positions",
