@@ -79,18 +79,30 @@ def _staggered(prompts, params=GREEDY) -> dict[int, list]:
     return schedule
 
 
-def test_paged_attention_logits_equal_each_row_alone():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_paged_attention_logits_equal_each_row_alone(packed):
+    """Rows of different lengths prefilled together, right-padded or packed into one row of real tokens (the
+    projections see no padding), then decoded together: every row's hidden states and logits equal the row alone."""
     model = _native()
     cache = PagedKVCache.for_model(model, num_blocks=12, block_size=4)
     rows = {"a": [5, 17, 99, 3, 42, 8, 61], "b": [77, 12], "c": [30, 31, 32, 33, 34]}
     with torch.no_grad():
         for seq_id, tokens in rows.items():  # prefill all but the last token, each row its own length
             assert cache.allocate(seq_id, len(tokens) - 1)
-        ids = torch.zeros(3, 6, dtype=torch.long)
+        if packed:
+            ids = torch.tensor([sum((tokens[:-1] for tokens in rows.values()), [])])
+        else:
+            ids = torch.zeros(3, 6, dtype=torch.long)
+            for row, tokens in enumerate(rows.values()):
+                ids[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
+        batch = cache.batch(list(rows), [0, 0, 0], [len(t) - 1 for t in rows.values()], packed=packed)
+        prefill = model.hidden_states(ids, batch.position_ids, kv_cache=batch)
+        offset = 0
         for row, tokens in enumerate(rows.values()):
-            ids[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-        batch = cache.batch(list(rows), [0, 0, 0], [len(t) - 1 for t in rows.values()])
-        model.hidden_states(ids, batch.position_ids, kv_cache=batch)
+            alone = model.hidden_states(torch.tensor([tokens[:-1]]))[0]
+            got = prefill[0, offset : offset + len(alone)] if packed else prefill[row, : len(alone)]
+            torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+            offset += len(alone)
         for seq_id, tokens in rows.items():  # then one decode step for every row together
             assert cache.allocate(seq_id, len(tokens))
         batch = cache.batch(list(rows), [len(t) - 1 for t in rows.values()], [1, 1, 1])

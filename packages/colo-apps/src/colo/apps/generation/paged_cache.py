@@ -273,9 +273,11 @@ class PagedKVCache:
         table, size = self.block_tables[seq_id], self.block_size
         return [table[p // size] * size + p % size for p in range(start, end)]
 
-    def batch(self, seq_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int]) -> PagedBatch:
+    def batch(
+        self, seq_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int], *, packed: bool = False
+    ) -> PagedBatch:
         """The view of one forward: row ``i`` feeds ``num_new[i]`` tokens after ``starts[i]`` cached ones."""
-        return PagedBatch(self, seq_ids, starts, num_new)
+        return PagedBatch(self, seq_ids, starts, num_new, packed=packed)
 
     def __repr__(self) -> str:
         k = self.keys[0]
@@ -292,16 +294,29 @@ class PagedBatch:
     Row ``i`` holds ``starts[i]`` cached tokens and feeds ``num_new[i]`` new ones at positions
     ``starts[i] .. starts[i] + num_new[i] - 1``; the input is right-padded to the longest ``num_new``
     (`position_ids` gives the positions, 0 on padding; the padded queries' outputs are garbage to be dropped).
-    The rows' block tables must already cover their new tokens (`PagedKVCache.allocate`).
+    With ``packed=True`` the input is instead one row of every row's new tokens back to back, ``(1, sum(num_new))``,
+    as vLLM flattens a batch: the projections and the MLP run on real tokens only (with prompts of mixed lengths
+    the padding is most of a prefill), and each layer's `PagedLayer.attend` scatters the queries into the padded
+    rows for attention and gathers the outputs back. The rows' block tables must already cover their new tokens
+    (`PagedKVCache.allocate`).
 
     Attributes:
-        position_ids (torch.Tensor): ``(rows, max(num_new))`` RoPE positions of the input.
+        position_ids (torch.Tensor): ``(rows, max(num_new))`` (packed: ``(1, sum(num_new))``) RoPE positions of the
+            input.
         length (int): ``0``: `Llama.hidden_states` offsets positions by it only when none are given.
     """
 
     paged = True
 
-    def __init__(self, cache: PagedKVCache, seq_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int]):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        seq_ids: Sequence[str],
+        starts: Sequence[int],
+        num_new: Sequence[int],
+        *,
+        packed: bool = False,
+    ):
         if not (len(seq_ids) == len(starts) == len(num_new)) or not seq_ids:
             raise ValueError("PagedBatch: seq_ids, starts and num_new must be non-empty and of one length")
         if min(num_new) < 1 or min(starts) < 0:
@@ -319,6 +334,7 @@ class PagedBatch:
         self.write_slots = torch.tensor(write_slots, dtype=torch.long, device=device)
         self.write_index = torch.tensor(write_index, dtype=torch.long, device=device)
         self.read_slots = torch.tensor(read_slots, dtype=torch.long, device=device)
+        self.flat_read_slots = self.read_slots.view(-1)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
         new_t = torch.tensor(num_new, dtype=torch.long, device=device)[:, None]
         query = torch.arange(width, device=device)[None, :]
@@ -330,12 +346,19 @@ class PagedBatch:
         self.mask = (keys <= last[:, :, None])[:, None]  # (rows, 1, width, longest)
         self.num_new = list(num_new)
         self.length = 0
+        self.rows, self.width = len(num_new), width
+        self.packed = packed
+        if packed:  # the packed input's token j is the padded layout's token write_index[j]
+            self.position_ids = self.position_ids.reshape(-1).index_select(0, self.write_index)[None]
 
     def check_input(self, batch: int, seq: int, *, num_layers: int, device: torch.device) -> None:
         """Raise a `ValueError` when the input is not this batch's ``(rows, max(num_new))`` on the cache's device."""
         rows, width = self.position_ids.shape
         if (batch, seq) != (rows, width):
-            raise ValueError(f"PagedBatch: the input is {(batch, seq)} but the batch was built for {(rows, width)}")
+            layout = "packed " if self.packed else ""
+            raise ValueError(
+                f"PagedBatch: the input is {(batch, seq)} but the {layout}batch was built for {(rows, width)}"
+            )
         if num_layers != self.cache.num_layers:
             raise ValueError(
                 f"PagedKVCache: built for {self.cache.num_layers} layers but the model has {num_layers}; build it "
@@ -364,13 +387,15 @@ class PagedLayer:
         """Write the new ``k``, ``v`` into their slots and attend ``q`` over each row's own cached and new keys.
 
         Args:
-            q (torch.Tensor): ``(rows, width, heads, head_dim)`` queries after RoPE.
-            k (torch.Tensor): ``(rows, width, kv_heads, head_dim)`` new keys after RoPE (padding rows ignored).
+            q (torch.Tensor): ``(rows, width, heads, head_dim)`` queries after RoPE (packed: ``(1, tokens, heads,
+                head_dim)``).
+            k (torch.Tensor): ``(rows, width, kv_heads, head_dim)`` new keys after RoPE (padding rows ignored;
+                packed: ``(1, tokens, kv_heads, head_dim)``).
             v (torch.Tensor): the new values, shaped like ``k``.
             scale (float | None): score scale; ``None``: ``1 / sqrt(head_dim)``.
 
         Returns:
-            torch.Tensor: ``(rows, width, heads, head_dim)``; the padded queries' rows are not meaningful.
+            torch.Tensor: shaped like ``q``; the padded queries' rows are not meaningful.
         """
         batch, cache = self.batch, self.batch.cache
         pool_k, pool_v = cache.keys[self.index], cache.values[self.index]
@@ -380,18 +405,40 @@ class PagedLayer:
                 f"PagedKVCache: layer {self.index} caches (kv_heads, head_dim)={tuple(pool_k.shape[1:])} but got keys "
                 f"{tuple(k.shape)}; build the cache with PagedKVCache.for_model(model, ...) after any parallelize_llama"
             )
+        if batch.packed:
+            return self._attend_packed(q, k, v, scale)
         flat_k = k.reshape(rows * width, kv_heads, head_dim).index_select(0, batch.write_index)
         flat_v = v.reshape(rows * width, kv_heads, head_dim).index_select(0, batch.write_index)
         pool_k.index_copy_(0, batch.write_slots, flat_k.to(pool_k.dtype))
         pool_v.index_copy_(0, batch.write_slots, flat_v.to(pool_v.dtype))
-        keys = pool_k[batch.read_slots].to(q.dtype)  # (rows, longest, kv_heads, head_dim): the gather
-        values = pool_v[batch.read_slots].to(q.dtype)
+        return self._attention(q, pool_k, pool_v, scale)
+
+    def _attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale) -> torch.Tensor:
+        """Padded ``(rows, width, heads, head_dim)`` queries over each row's keys and values gathered from the pool."""
+        batch = self.batch
+        # the gather, (rows, longest, kv_heads, head_dim); index_select on the flat slots is several times faster on
+        # the CPU than advanced indexing with the (rows, longest) table
+        shape = (*batch.read_slots.shape, *pool_k.shape[1:])
+        keys = pool_k.index_select(0, batch.flat_read_slots).view(shape).to(q.dtype)
+        values = pool_v.index_select(0, batch.flat_read_slots).view(shape).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=batch.mask,
             scale=scale,
-            enable_gqa=q.shape[2] != kv_heads,
+            enable_gqa=q.shape[2] != keys.shape[2],
         )
         return out.transpose(1, 2)
+
+    def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> torch.Tensor:
+        """`attend` on the packed layout: every token of ``k`` / ``v`` is real; the queries go to the padded rows
+        for attention and their outputs come back."""
+        batch, cache = self.batch, self.batch.cache
+        pool_k, pool_v = cache.keys[self.index], cache.values[self.index]
+        heads, head_dim = q.shape[2:]
+        pool_k.index_copy_(0, batch.write_slots, k[0].to(pool_k.dtype))
+        pool_v.index_copy_(0, batch.write_slots, v[0].to(pool_v.dtype))
+        padded = q.new_zeros(batch.rows * batch.width, heads, head_dim).index_copy_(0, batch.write_index, q[0])
+        out = self._attention(padded.view(batch.rows, batch.width, heads, head_dim), pool_k, pool_v, scale)
+        return out.reshape(batch.rows * batch.width, heads, head_dim).index_select(0, batch.write_index)[None]

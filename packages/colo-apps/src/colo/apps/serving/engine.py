@@ -579,25 +579,32 @@ class ServingEngine:
         requests = [request for request, _ in rows]
         starts = [request.num_cached for request in requests]
         num_new = [n for _, n in rows]
-        width = max(num_new)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for row, (request, start, new) in enumerate(zip(requests, starts, num_new, strict=True)):
+        fed: list[int] = []  # the tokens fed, row after row
+        for request, start, new in zip(requests, starts, num_new, strict=True):
             tokens = request.tokens
-            ids[row, :new] = torch.tensor(tokens[start : start + new], dtype=torch.long)
+            fed += tokens[start : start + new]
             self.cache.cache_full_blocks(request.request_id, tokens, start + new)  # decode: the blocks it fills
             if request.num_cached < request.prefill_end:
                 self.num_prefill_tokens += new
             else:
                 self.num_decode_tokens += new
-        batch = self.cache.batch([r.request_id for r in requests], starts, num_new)
+        # rows of different lengths go in packed (one row of real tokens, no padding through the projections and
+        # the MLP); rows of one length (decode steps) as they are
+        packed = min(num_new) != max(num_new)
+        batch = self.cache.batch([r.request_id for r in requests], starts, num_new, packed=packed)
+        ids = torch.tensor(fed, dtype=torch.long).view(1 if packed else len(rows), -1)
         hidden = self.model.hidden_states(ids.to(self.device), batch.position_ids, kv_cache=batch)
         for request, start, new in zip(requests, starts, num_new, strict=True):
             request.num_cached = start + new
         sampled = [row for row, request in enumerate(requests) if request.num_cached >= request.prefill_end]
         if not sampled:
             return
-        rows_t = torch.tensor(sampled, device=hidden.device)
-        last = hidden[rows_t, torch.tensor([num_new[row] for row in sampled], device=hidden.device) - 1]
+        ends = list(itertools.accumulate(num_new))  # packed: row i's last token is at ends[i] - 1
+        if packed:
+            last = hidden[0, torch.tensor([ends[row] - 1 for row in sampled], device=hidden.device)]
+        else:
+            rows_t = torch.tensor(sampled, device=hidden.device)
+            last = hidden[rows_t, torch.tensor([num_new[row] for row in sampled], device=hidden.device) - 1]
         _, logits = self.model.objective(last[:, None], self.model.lm_head)
         logits = logits[:, -1]
         requests = [requests[row] for row in sampled]
