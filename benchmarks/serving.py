@@ -32,9 +32,15 @@ equal to the ``colo`` fp32 row's. One thread (``torch.set_num_threads(1)``).
 Another mode (an HTTP client against ``colo serve``) can be added as a new entry of `ENGINES`: a function
 ``(models, prompts, new_tokens) -> (seconds, latencies, first_token_latencies, tokens)``.
 
+On a GPU (``--device cuda --dtype bfloat16``, fp32 format rows only, e.g. ``--model 1b``): both models in bf16 on
+the device, transformers with SDPA and its static cache (``cache_implementation="static"``), clocks read after a
+device synchronize; no thread limit.
+
 Run::
 
     OMP_NUM_THREADS=1 python benchmarks/serving.py [--concurrency 1 4 16] [--repeats 3] [--prompt-len-max 128]
+    python benchmarks/serving.py --device cuda --dtype bfloat16 --model 1b --formats fp32 --prompt-len 128 \
+        --prompt-len-max 1024 --new-tokens 128 --concurrency 1 4 16 --out benchmarks/results/serving_h200.json
 
 Writes ``benchmarks/results/serving_cpu.json`` (``--out``).
 """
@@ -65,8 +71,19 @@ FORMATS = {"fp32": (None, None), "int8": ("int8", None), "int4-g32": ("int4", 32
 MODELS = {"tiny-llama": {"intermediate_size": 768}, "bench-25m": {}}
 
 
-def build_models(preset: str, fmt: str, seed: int) -> dict[str, torch.nn.Module]:
-    """The native Llama and the Hugging Face Llama with the same weights, both in format ``fmt``."""
+DEVICE = torch.device("cpu")
+"""Where the models run (``--device``)."""
+
+
+def _sync() -> None:
+    """Wait for the device (a clock read after it sees finished work)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_models(preset: str, fmt: str, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Module]:
+    """The native Llama and the Hugging Face Llama with the same weights, both in format ``fmt`` (``dtype`` on
+    `DEVICE` for the float format)."""
     import transformers
 
     from colo.apps.hf.llama_io import llama_config_to_hf
@@ -84,7 +101,16 @@ def build_models(preset: str, fmt: str, seed: int) -> dict[str, torch.nn.Module]
     if mode is not None:
         for model in (native, hf):
             quantize_model(model, mode, group_size=group_size, skip=("lm_head",))
+    elif DEVICE.type != "cpu" or dtype != torch.float32:
+        native.to(DEVICE, dtype)
+        hf.to(DEVICE, dtype)
+        native.rotary_emb.reset_parameters()  # the rotary tables in fp32 on the device, as the model builds them
     return {"native": native, "hf": hf}
+
+
+def _hf_generate_options() -> dict:
+    """transformers' static cache on a GPU (the fair peer there); its default cache on the CPU."""
+    return {"cache_implementation": "static"} if DEVICE.type == "cuda" else {}
 
 
 Run = tuple[float, list[float], list[float], list[list[int]]]
@@ -96,6 +122,7 @@ def run_colo(models, prompts: list[list[int]], new_tokens: int) -> Run:
     blocks_per_request = -(-(max(len(p) for p in prompts) + new_tokens) // 16)
     engine = ServingEngine(models["native"], max_batch_size=16, block_size=16, num_blocks=16 * blocks_per_request)
     params = RequestParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    _sync()
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, params)
@@ -103,7 +130,7 @@ def run_colo(models, prompts: list[list[int]], new_tokens: int) -> Run:
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step():  # the step's tokens reached the host: its work is done
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - start
             tokens[out.request_id] += out.new_token_ids
@@ -143,13 +170,16 @@ def run_hf_static(models, prompts: list[list[int]], new_tokens: int) -> Run:
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    _sync()
     start = time.perf_counter()
     clock = _first_token_clock(start)
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            pad_token_id=0, streamer=clock,
+            pad_token_id=0, streamer=clock, **_hf_generate_options(),
         )  # fmt: skip
+    _sync()
     seconds = time.perf_counter() - start
     return seconds, [seconds] * len(prompts), [clock.first] * len(prompts), out[:, width:].tolist()
 
@@ -158,15 +188,17 @@ def run_hf_sequential(models, prompts: list[list[int]], new_tokens: int) -> Run:
     """transformers ``generate``, one request after another (no batching)."""
     model = models["hf"]
     latencies, first, tokens = [], [], []
+    _sync()
     start = time.perf_counter()
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=DEVICE)
             clock = _first_token_clock(start)
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0, streamer=clock,
+                do_sample=False, pad_token_id=0, streamer=clock, **_hf_generate_options(),
             )  # fmt: skip
+            _sync()
             latencies.append(time.perf_counter() - start)
             first.append(clock.first)
             tokens.append(out[0, len(prompt) :].tolist())
@@ -196,10 +228,18 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default=str(RESULTS / "serving_cpu.json"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    models = {fmt: build_models(args.model, fmt, args.seed) for fmt in args.formats}
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if (DEVICE.type != "cpu" or dtype != torch.float32) and args.formats != ["fp32"]:
+        parser.error("--device cuda / --dtype bfloat16 run the float models only: pass --formats fp32")
+    if DEVICE.type == "cpu":
+        torch.set_num_threads(1)
+    models = {fmt: build_models(args.model, fmt, args.seed, dtype) for fmt in args.formats}
     vocab = models[args.formats[0]]["native"].config.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
     longest = args.prompt_len_max or args.prompt_len
@@ -273,7 +313,9 @@ def main() -> int:
     payload = {
         "benchmark": "serving: colo ServingEngine (continuous batching, paged KV, prefix caching) vs transformers "
         "generate on static batches of the same requests and one request at a time",
-        "device": "cpu",
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "hf_cache": "static" if DEVICE.type == "cuda" else "dynamic",
         "environment": {
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -6,6 +6,8 @@
 #                                            tune (benchmarks/kernel_tuning.py, issue 50: writes tuning.json, which every
 #                                            later stage then runs with through COLO_KERNEL_TUNING; put it first) and
 #                                            train (colo train --preset llama-1b on one GPU, ZeRO-2, 8 x 2048 per step)
+#                                            and serve (benchmarks/serving.py in bf16 on the 1b preset: colo's engine vs
+#                                            transformers generate with SDPA and its static cache, issue 48)
 #
 # Writes into $OUT (default ./gpu-out): log.txt (everything printed), tests_{kernels,comm,gemini}.xml (junit), llama_gpu.json,
 # kernels_bench.json (one merged report; each op ran in its own process with the copy_ baseline beside it),
@@ -199,6 +201,17 @@ if wants train; then
             --set output_dir=/tmp/colo-train-1b ${TRAIN_ARGS:-}
         echo "train exit $?"
         find /tmp/colo-train-1b -name "*.jsonl" -size -8M | head -1 | xargs -r -I{} cp {} "$OUT/train_metrics.jsonl"
+    fi
+fi
+if wants serve; then
+    # colo's ServingEngine vs transformers (SDPA, static cache) on the same requests, bf16, 1b preset (issue 48)
+    stage serve
+    seconds=$(cap serve "${SERVE_CAP:-150}" 60)
+    if ((seconds > 0)); then
+        timeout -k 5 "$seconds" python3 benchmarks/serving.py --device cuda --dtype bfloat16 --model 1b --formats fp32 \
+            --engines colo hf-static --prompt-len 128 --prompt-len-max 1024 --new-tokens 128 --concurrency 1 4 16 \
+            --repeats 2 --out "$OUT/serving_gpu.json" ${SERVE_ARGS:-}
+        echo "serve exit $?"
     fi
 fi
 stage done
