@@ -35,6 +35,23 @@ def mixtral_config_to_hf(config: MoELlamaConfig, *, dtype: torch.dtype = torch.f
             f"score_func={config.score_func!r}, expert_bias={config.expert_bias}: Mixtral routes by softmax without an "
             "expert bias; only such models export to Hugging Face Mixtral"
         )
+    deepseek = {
+        "first_k_dense_replace": (config.first_k_dense_replace, 0),
+        "n_shared_experts": (config.n_shared_experts, 0),
+        "n_group": (config.moe_config().groups_per_token < config.n_group, False),
+        "routed_scaling_factor": (config.routed_scaling_factor, 1.0),
+        "moe_intermediate_size": (config.expert_intermediate_size, config.intermediate_size),
+    }
+    for name, (value, mixtral) in deepseek.items():
+        if value != mixtral:
+            shown = (
+                f"n_group={config.n_group}, topk_group={config.topk_group}" if name == "n_group" else f"{name}={value}"
+            )
+            raise ValueError(
+                f"{shown}: a DeepSeek-style setting Mixtral does not have; Hugging Face DeepseekV3 export needs "
+                "multi-head latent attention, which colo's MoE Llama does not implement, so such a model has no "
+                "Hugging Face export yet (leave the setting at its default for a Mixtral)"
+            )
     hf = llama_config_to_hf(config, dtype=dtype)
     hf.update(
         architectures=["MixtralForCausalLM"],

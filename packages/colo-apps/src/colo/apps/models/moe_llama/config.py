@@ -1,12 +1,18 @@
-"""`MoELlamaConfig`: a Llama whose MLPs are mixtures of experts on every k-th layer (Mixtral's shape at k = 1).
+"""`MoELlamaConfig`: a Llama whose MLPs are mixtures of experts on every k-th layer (Mixtral's shape at k = 1), or
+DeepSeek-V3-style blocks (shared experts, many small routed experts, group-limited sigmoid routing) after
+``first_k_dense_replace`` dense layers.
 
 Field names follow Hugging Face's ``MixtralConfig`` where the meaning is the same (``num_local_experts``,
-``num_experts_per_tok``, ``router_aux_loss_coef``), so Mixtral configs map field by field.
+``num_experts_per_tok``, ``router_aux_loss_coef``), so Mixtral configs map field by field, and its
+``DeepseekV3Config`` for the DeepSeek settings (``moe_intermediate_size``, ``n_shared_experts``, ``n_group``,
+``topk_group``, ``routed_scaling_factor``, ``first_k_dense_replace``). The attention stays Llama's (grouped-query,
+not DeepSeek-V3's multi-head latent attention).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from colo.tensor.moe import MoEConfig
@@ -40,11 +46,43 @@ class MoELlamaConfig(LlamaConfig):
     """Aux-loss-free balancing bias (DeepSeek-V3), updated after each optimizer step."""
     expert_impl: str = "grouped"
     """``"grouped"`` experts (grouped matmuls) or the ``"loop"`` reference."""
+    moe_intermediate_size: int | None = None
+    """Width of each routed expert (DeepSeek's fine-grained experts are narrow); ``None``: ``intermediate_size``
+    (Mixtral). The dense layers keep ``intermediate_size``."""
+    n_shared_experts: int = 0
+    """Always-on shared experts per MoE layer (`colo.tensor.moe.SharedExperts`), together one SwiGLU MLP of
+    ``n_shared_experts * moe_intermediate_size`` (DeepSeek-V3: 1); 0: none."""
+    n_group: int = 1
+    """Group-limited routing: the experts form ``n_group`` contiguous groups (`MoEConfig.num_groups`); under the
+    ``expert`` plugin with ``n_group == ep`` a group is one ep rank's experts."""
+    topk_group: int | None = None
+    """Groups each token may use (`MoEConfig.top_k_groups`); ``None``: all."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights (DeepSeek-V3: 2.5)."""
+    first_k_dense_replace: int = 0
+    """The first ``first_k_dense_replace`` layers keep the dense MLP (DeepSeek-V3: 3); later layers follow
+    ``moe_layer_interval``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_positive_int("moe_layer_interval", self.moe_layer_interval)
-        self.moe_config()  # MoEConfig's checks: top-k <= experts, capacity factor > 0, ...
+        dense = self.first_k_dense_replace
+        if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < self.num_hidden_layers:
+            raise ValueError(
+                f"MoELlamaConfig: first_k_dense_replace={dense!r} must be an integer in 0..num_hidden_layers - 1 = "
+                f"{self.num_hidden_layers - 1} (0: every layer may be MoE), so that some layer has experts"
+            )
+        if self.moe_intermediate_size is not None:
+            self._check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        try:
+            self.moe_config()  # MoEConfig's checks: top-k <= experts, capacity factor > 0, groups, ...
+        except ValueError as error:
+            raise ValueError(_in_llama_names(str(error))) from None
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Width of each routed expert: ``moe_intermediate_size``, or ``intermediate_size``."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     def moe_config(self) -> MoEConfig:
         """The `MoEConfig` of every MoE layer."""
@@ -58,25 +96,57 @@ class MoELlamaConfig(LlamaConfig):
             z_loss_coef=self.router_z_loss_coef,
             expert_bias=self.expert_bias,
             expert_impl=self.expert_impl,
+            num_shared_experts=self.n_shared_experts,
+            num_groups=self.n_group,
+            top_k_groups=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
         )
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer ``index`` has an MoE MLP."""
-        return index % self.moe_layer_interval == 0
+        """Whether layer ``index`` has an MoE MLP: past the first ``first_k_dense_replace`` layers, every
+        ``moe_layer_interval``-th."""
+        return index >= self.first_k_dense_replace and index % self.moe_layer_interval == 0
+
+    def _moe_mlp_parameters(self, *, active: bool) -> int:
+        """Parameters of one MoE MLP (all experts, or the ``num_experts_per_tok`` one token uses) with its router and
+        shared experts."""
+        expert = 3 * self.hidden_size * self.expert_intermediate_size
+        routed = self.num_experts_per_tok if active else self.num_local_experts
+        shared = self.n_shared_experts * expert
+        return routed * expert + shared + self.num_local_experts * self.hidden_size
 
     def num_parameters(self, *, embeddings: bool = True) -> int:
         """Parameters of `MoELlama` with this config (every expert counted; a tied matrix once)."""
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
-        moe_mlp = self.num_local_experts * dense_mlp + self.num_local_experts * self.hidden_size  # experts + router
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        moe_mlp = self._moe_mlp_parameters(active=False)
         return super().num_parameters(embeddings=embeddings) + moe_layers * (moe_mlp - dense_mlp)
 
     def num_active_parameters(self) -> int:
-        """Parameters one token uses: ``num_experts_per_tok`` experts per MoE layer, the router, all the rest."""
-        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        """Parameters one token uses: ``num_experts_per_tok`` routed experts per MoE layer, the shared experts, the
+        router, all the rest."""
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        idle = (self.num_local_experts - self.num_experts_per_tok) * dense_mlp
+        idle = self._moe_mlp_parameters(active=False) - self._moe_mlp_parameters(active=True)
         return self.num_parameters() - moe_layers * idle
+
+
+_LLAMA_NAMES = {
+    "num_experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
+    "aux_loss_coef": "router_aux_loss_coef",
+    "z_loss_coef": "router_z_loss_coef",
+    "num_shared_experts": "n_shared_experts",
+    "num_groups": "n_group",
+    "top_k_groups": "topk_group",
+}
+"""`MoEConfig` fields under their `MoELlamaConfig` names (the others are the same)."""
+
+
+def _in_llama_names(message: str) -> str:
+    """A `MoEConfig` error message with the fields named as `MoELlamaConfig` names them."""
+    message = message.replace("MoEConfig.", "MoELlamaConfig: ")
+    pattern = re.compile(r"\b(" + "|".join(_LLAMA_NAMES) + r")\b")
+    return pattern.sub(lambda match: _LLAMA_NAMES[match.group(1)], message)
 
 
 MOE_PRESETS: dict[str, MoELlamaConfig] = {

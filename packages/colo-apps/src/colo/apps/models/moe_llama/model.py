@@ -2,7 +2,8 @@
 
 Layer ``i`` with ``config.is_moe_layer(i)`` has a `colo.tensor.moe.MoEBlock` as its ``mlp`` (router ``mlp.gate``,
 experts ``mlp.experts.w1`` / ``w2`` / ``w3`` as ``(E, ...)`` tensors: transformers 5's in-memory Mixtral names up to
-the fused ``gate_up_proj``); every other module is `colo.apps.models.llama.Llama`'s. The training loss is the
+the fused ``gate_up_proj``; with shared experts DeepSeek-V3's ``mlp.shared_experts.gate_proj`` / ``up_proj`` /
+``down_proj``); every other module is `colo.apps.models.llama.Llama`'s. The training loss is the
 next-token loss plus every MoE layer's weighted auxiliary losses from the same forward. Expert parallelism is applied
 from outside (`colo.tensor.moe.shard_experts`).
 """
@@ -63,7 +64,7 @@ class MoELlama(Llama):
         for index, layer in self.layers.items():
             if config.is_moe_layer(int(index)):
                 with torch.device("meta" if meta else self.embed_tokens.weight.device):
-                    layer.mlp = MoEBlock(config.hidden_size, config.intermediate_size, moe)
+                    layer.mlp = MoEBlock(config.hidden_size, config.expert_intermediate_size, moe)
         self._building = False
         if not meta:
             self.init_weights()
