@@ -175,6 +175,30 @@ MOE_PRESETS: dict[str, MoELlamaConfig] = {
         num_experts_per_tok=2,
         moe_layer_interval=2,
     ),
+    # CPU demo of the DeepSeek-V3 block: a dense first layer, then 16 narrow experts (top-4) beside a shared one,
+    # sigmoid routing with the aux-loss-free bias, limited to one of two expert groups (the two ranks at ep2), routed
+    # scaling; a small sequence-wise balance loss as DeepSeek-V3's. Llama attention (no MLA)
+    "tiny-deepseek": MoELlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=48,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        score_func="sigmoid",
+        expert_bias=True,
+        first_k_dense_replace=1,
+        router_aux_loss_coef=1e-4,
+        aux_loss_type="sequence",
+    ),
     # Mixtral-8x7B (Jiang et al., 2024): 46.7B parameters, 12.9B active
     "mixtral-8x7b": MoELlamaConfig(
         vocab_size=32000,
@@ -204,7 +228,8 @@ MOE_PRESETS: dict[str, MoELlamaConfig] = {
         num_experts_per_tok=2,
     ),
 }
-"""Named MoE shapes: ``tiny-moe`` (CPU tests), ``tiny-mixtral`` (CPU demo), ``mixtral-8x7b``, ``mixtral-8x22b``."""
+"""Named MoE shapes: ``tiny-moe`` (CPU tests), ``tiny-mixtral`` and ``tiny-deepseek`` (CPU demos), ``mixtral-8x7b``,
+``mixtral-8x22b``."""
 
 
 def get_moe_preset(name: str, **overrides) -> MoELlamaConfig:
