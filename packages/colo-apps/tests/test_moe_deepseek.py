@@ -162,3 +162,149 @@ def test_activation_checkpointing_counts_each_assignment_once(mode):
             assert block.gate.tokens_per_expert.sum() == 2 * 12 * 4
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+MLA = {"kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
+
+
+@pytest.mark.parametrize(("q_lora_rank", "rope_interleave"), [(16, True), (None, False)])
+def test_multi_head_latent_attention_equals_transformers_deepseek_v3_attention(q_lora_rank, rope_interleave):
+    """colo's MLA (`MultiHeadLatentAttention`, on colo.kernels' rotary and attention) equals transformers'
+    ``DeepseekV3Attention`` (eager, causal mask) on the same weights: the output and the gradients of the input and
+    of every weight, fp32. rtol 1e-5 / atol 1e-6 for the output and the input's gradient (the same products, the
+    attention summed by another kernel); the weights' gradients, sums over the 18 tokens of terms up to ~1, atol 1e-5
+    (one element of kv_a_proj_with_mqa's differs by 1.3e-6 from the RMSNorm backward's order)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    from colo.apps.models.llama.layers import RotaryEmbedding
+    from colo.apps.models.moe_llama.mla import MultiHeadLatentAttention
+
+    hidden, heads, seq = 32, 4, 9
+    config = DeepseekV3Config(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=q_lora_rank,
+        rope_interleave=rope_interleave, max_position_embeddings=64, **MLA,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = DeepseekV3Attention(config, layer_idx=0)
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    colo = MultiHeadLatentAttention(hidden, heads, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave, **MLA)
+    colo.load_state_dict(hf.state_dict())
+    generator = torch.Generator().manual_seed(2)
+    x, g = torch.randn(2, seq, hidden, generator=generator), torch.randn(2, seq, hidden, generator=generator)
+    positions = torch.arange(seq)[None]
+    hf_cos, hf_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
+    mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    cos, sin = RotaryEmbedding(MLA["qk_rope_head_dim"], 64, config.rope_parameters["rope_theta"])(seq)
+    x_hf, x_colo = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_hf = hf(x_hf, (hf_cos, hf_sin), mask)[0]
+    y = colo(x_colo, cos, sin)
+    (y_hf * g).sum().backward()
+    (y * g).sum().backward()
+    torch.testing.assert_close(y, y_hf, **TOLERANCE)
+    torch.testing.assert_close(x_colo.grad, x_hf.grad, **TOLERANCE)
+    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
+    for name, p in colo.named_parameters():
+        torch.testing.assert_close(
+            p.grad, hf_grads[name], rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+DEEPSEEK_V3 = {**DEEPSEEK_LLAMA, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, **{
+    name: MLA[name] for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}}  # fmt: skip
+
+
+def test_a_deepseek_v3_shaped_moe_llama_exports_as_a_deepseek_v3_that_transformers_loads_with_the_same_logits(tmp_path):
+    """MoELlama with multi-head latent attention, a dense first layer, shared experts and group-limited sigmoid routing
+    with a (non-zero) expert bias, written with one tensor per expert (``mlp.experts.{e}.gate_proj.weight``), loads
+    in transformers' ``DeepseekV3ForCausalLM`` with the same logits (fp32; rtol / atol 1e-5: the attention and the
+    experts sum in another order)."""
+    from safetensors import safe_open
+    from transformers import DeepseekV3ForCausalLM
+
+    from colo.apps.hf.deepseek_io import save_moe_llama_as_deepseek_v3
+    from colo.apps.models.moe_llama import MoELlama, get_moe_preset
+    from colo.apps.models.moe_llama.mla import MultiHeadLatentAttention
+    from colo.tensor.moe import moe_blocks
+
+    config = get_moe_preset("tiny-moe", **DEEPSEEK_V3)
+    model = MoELlama(config).eval()
+    model.init_weights(seed=3)
+    assert isinstance(model.layers["0"].self_attn, MultiHeadLatentAttention)
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        for _, block in moe_blocks(model):
+            block.gate.expert_bias.normal_(std=0.02, generator=torch.Generator().manual_seed(4))
+    save_moe_llama_as_deepseek_v3(model, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as file:
+        names = set(file.keys())
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in names and "model.layers.1.mlp.experts.w1" not in names
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.n_routed_experts == 8 and hf.config.first_k_dense_replace == 1
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _train_ep2_and_save(path: str) -> None:
+    from colo.apps.booster import Booster, ExpertParallel
+    from colo.apps.models.moe_llama import MoELlama, get_moe_preset
+
+    model = MoELlama(get_moe_preset("tiny-moe", **DEEPSEEK_V3))
+    booster = Booster(ExpertParallel(ep=2, stage=2))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        booster.train_step({"input_ids": x, "labels": x})
+    booster.save(path)
+
+
+def test_an_ep2_deepseek_v3_shaped_run_converts_to_a_deepseek_v3_with_the_same_logits(tmp_path):
+    """An ep2 ZeRO-2 checkpoint of the MLA model (experts saved as slices of (E, ...) tensors by two ranks, the expert
+    biases in its metadata) loads into one process with its biases and becomes a DeepseekV3 directory whose logits in
+    transformers equal colo's."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from colo.apps.hf.deepseek_io import save_moe_llama_as_deepseek_v3
+    from colo.apps.hf.mixtral_io import load_moe_llama_checkpoint
+    from colo.apps.models.moe_llama import get_moe_preset
+    from colo.comm.testing import run_distributed
+    from colo.tensor.moe import moe_blocks
+
+    run_distributed(_train_ep2_and_save, str(tmp_path / "ckpt"), world_size=2)
+    model = load_moe_llama_checkpoint(tmp_path / "ckpt", get_moe_preset("tiny-moe", **DEEPSEEK_V3))
+    assert all(block.gate.expert_bias.abs().sum() > 0 for _, block in moe_blocks(model))  # restored, not zeros
+    save_moe_llama_as_deepseek_v3(model, tmp_path / "hf")
+    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_trainer_refuses_a_final_sample_with_latent_attention_and_the_planner_the_deepseek_block():
+    import copy
+
+    from colo.apps.models.moe_llama import get_moe_preset
+    from colo.apps.plan.layout import Layout
+    from colo.apps.plan.memory import check_layout
+    from colo.apps.train import RUN_PRESETS, ConfigError, validate_config
+
+    config = copy.deepcopy(RUN_PRESETS["tiny-deepseek"])
+    validate_config(config)
+    mla = {
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    }
+    config["model"].update(mla)
+    with pytest.raises(ConfigError, match="sample.max_new_tokens=80 with multi-head latent attention"):
+        validate_config(config)
+    config["sample"]["max_new_tokens"] = 0
+    validate_config(config)
+    with pytest.raises(ValueError, match="n_shared_experts=1: colo plan models Mixtral-shaped MoE layers"):
+        check_layout(get_moe_preset("tiny-deepseek"), Layout(plugin="expert", ep=2))

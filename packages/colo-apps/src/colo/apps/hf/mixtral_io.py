@@ -170,7 +170,26 @@ def load_moe_llama_checkpoint(
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(state[name].to(param.dtype))
+    _restore_expert_biases(model, index.metadata, path)
     return model.eval()
+
+
+@torch.no_grad()
+def _restore_expert_biases(model: MoELlama, metadata: dict, path: str) -> None:
+    """Copy the routers' aux-loss-free expert biases the ``expert`` plugin saved in the checkpoint metadata (they
+    steer which experts a token goes to, so a model loaded without them routes otherwise)."""
+    from colo.tensor.moe import moe_blocks
+
+    from ..booster.plugins.expert import EXPERT_BIAS_KEY
+
+    saved = metadata.get(EXPERT_BIAS_KEY)
+    if not model.config.expert_bias or saved is None:
+        return
+    for name, block in moe_blocks(model):
+        found = [values for key, values in saved.items() if key == name or key.endswith("." + name)]
+        if len(found) != 1:
+            raise ValueError(f"{path}: the checkpoint's metadata has no single expert bias for the MoE block {name!r}")
+        block.gate.expert_bias.copy_(torch.tensor(found[0], dtype=torch.float32))
 
 
 def export_moe_llama_checkpoint_as_hf(

@@ -62,6 +62,21 @@ class MoELlamaConfig(LlamaConfig):
     first_k_dense_replace: int = 0
     """The first ``first_k_dense_replace`` layers keep the dense MLP (DeepSeek-V3: 3); later layers follow
     ``moe_layer_interval``."""
+    kv_lora_rank: int | None = None
+    """``None``: Llama's grouped-query attention. A width: DeepSeek-V3's multi-head latent attention
+    (`colo.apps.models.moe_llama.mla.MultiHeadLatentAttention`) with keys and values compressed to this latent;
+    then ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` are required, ``num_key_value_heads`` equals
+    ``num_attention_heads`` and the rotary tables have ``qk_rope_head_dim``. No KV cache (no incremental decoding)."""
+    q_lora_rank: int | None = None
+    """Multi-head latent attention: width of the queries' low-rank path; ``None``: one ``q_proj``."""
+    qk_nope_head_dim: int | None = None
+    """Multi-head latent attention: per-head query/key dims without position."""
+    qk_rope_head_dim: int | None = None
+    """Multi-head latent attention: per-head rotary query/key dims (even; one rotary key shared by the heads)."""
+    v_head_dim: int | None = None
+    """Multi-head latent attention: per-head value dims."""
+    rope_interleave: bool = True
+    """Multi-head latent attention: the rotary dims are adjacent pairs (DeepSeek's layout, transformers' default)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,10 +89,67 @@ class MoELlamaConfig(LlamaConfig):
             )
         if self.moe_intermediate_size is not None:
             self._check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        self._check_latent_attention()
         try:
             self.moe_config()  # MoEConfig's checks: top-k <= experts, capacity factor > 0, groups, ...
         except ValueError as error:
             raise ValueError(_in_llama_names(str(error))) from None
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether the attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    def _check_latent_attention(self) -> None:
+        names = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.latent_attention:
+            given = [name for name in names if getattr(self, name) is not None]
+            if given:
+                raise ValueError(
+                    f"MoELlamaConfig: {given[0]}={getattr(self, given[0])} configures multi-head latent attention, "
+                    "which is off (kv_lora_rank=None); set kv_lora_rank or drop it"
+                )
+            return
+        self._check_positive_int("kv_lora_rank", self.kv_lora_rank)
+        for name in names:
+            value = getattr(self, name)
+            if name == "q_lora_rank" and value is None:
+                continue
+            if value is None:
+                raise ValueError(
+                    f"MoELlamaConfig: {name} is required with multi-head latent attention (kv_lora_rank="
+                    f"{self.kv_lora_rank}); DeepSeek-V3 uses qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128"
+                )
+            self._check_positive_int(name, value)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"MoELlamaConfig: qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary dims come in pairs)"
+            )
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"MoELlamaConfig: num_key_value_heads={self.num_key_value_heads} with multi-head latent attention: "
+                f"every head expands its own keys and values from the latent; set num_key_value_heads="
+                f"{self.num_attention_heads} (num_attention_heads)"
+            )
+
+    def _llama_attention_parameters(self) -> int:
+        """Parameters of one layer's grouped-query attention (what `LlamaConfig.num_parameters` counts)."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        return hidden * (heads + 2 * self.num_key_value_heads) * self.head_dim + heads * self.head_dim * hidden
+
+    def _attention_parameters(self) -> int:
+        """Parameters of one layer's attention."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        if not self.latent_attention:
+            return self._llama_attention_parameters()
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            queries = hidden * heads * qk
+        else:
+            queries = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk
+        latent = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        expand = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return queries + latent + expand + heads * self.v_head_dim * hidden
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -120,7 +192,8 @@ class MoELlamaConfig(LlamaConfig):
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         moe_mlp = self._moe_mlp_parameters(active=False)
-        return super().num_parameters(embeddings=embeddings) + moe_layers * (moe_mlp - dense_mlp)
+        attention = self.num_hidden_layers * (self._attention_parameters() - self._llama_attention_parameters())
+        return super().num_parameters(embeddings=embeddings) + moe_layers * (moe_mlp - dense_mlp) + attention
 
     def num_active_parameters(self) -> int:
         """Parameters one token uses: ``num_experts_per_tok`` routed experts per MoE layer, the shared experts, the
