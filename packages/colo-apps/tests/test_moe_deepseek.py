@@ -167,8 +167,14 @@ def test_activation_checkpointing_counts_each_assignment_once(mode):
 MLA = {"kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
 
 
-@pytest.mark.parametrize(("q_lora_rank", "rope_interleave"), [(16, True), (None, False)])
-def test_multi_head_latent_attention_equals_transformers_deepseek_v3_attention(q_lora_rank, rope_interleave):
+WIDE_MLA = {"kv_lora_rank": 12, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+"""DeepSeek-V3's head sizes (192 for queries and keys): wider than colo's attention kernel takes, so SDPA."""
+
+
+@pytest.mark.parametrize(
+    ("q_lora_rank", "rope_interleave", "dims"), [(16, True, MLA), (None, False, MLA), (16, True, WIDE_MLA)]
+)
+def test_multi_head_latent_attention_equals_transformers_deepseek_v3_attention(q_lora_rank, rope_interleave, dims):
     """colo's MLA (`MultiHeadLatentAttention`, on colo.kernels' rotary and attention) equals transformers'
     ``DeepseekV3Attention`` (eager, causal mask) on the same weights: the output and the gradients of the input and
     of every weight, fp32. rtol 1e-5 / atol 1e-6 for the output and the input's gradient (the same products, the
@@ -183,21 +189,21 @@ def test_multi_head_latent_attention_equals_transformers_deepseek_v3_attention(q
     hidden, heads, seq = 32, 4, 9
     config = DeepseekV3Config(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=q_lora_rank,
-        rope_interleave=rope_interleave, max_position_embeddings=64, **MLA,
+        rope_interleave=rope_interleave, max_position_embeddings=64, **dims,
     )  # fmt: skip
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = DeepseekV3Attention(config, layer_idx=0)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    colo = MultiHeadLatentAttention(hidden, heads, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave, **MLA)
+    colo = MultiHeadLatentAttention(hidden, heads, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave, **dims)
     colo.load_state_dict(hf.state_dict())
     generator = torch.Generator().manual_seed(2)
     x, g = torch.randn(2, seq, hidden, generator=generator), torch.randn(2, seq, hidden, generator=generator)
     positions = torch.arange(seq)[None]
     hf_cos, hf_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
     mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
-    cos, sin = RotaryEmbedding(MLA["qk_rope_head_dim"], 64, config.rope_parameters["rope_theta"])(seq)
+    cos, sin = RotaryEmbedding(dims["qk_rope_head_dim"], 64, config.rope_parameters["rope_theta"])(seq)
     x_hf, x_colo = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     y_hf = hf(x_hf, (hf_cos, hf_sin), mask)[0]
     y = colo(x_colo, cos, sin)
@@ -308,3 +314,18 @@ def test_the_trainer_refuses_a_final_sample_with_latent_attention_and_the_planne
     validate_config(config)
     with pytest.raises(ValueError, match="n_shared_experts=1: colo plan models Mixtral-shaped MoE layers"):
         check_layout(get_moe_preset("tiny-deepseek"), Layout(plugin="expert", ep=2))
+
+
+@pytest.mark.parametrize("dims", [MLA, WIDE_MLA], ids=["kernel", "wide"])
+def test_latent_attention_keeps_packed_documents_apart(dims):
+    """Two documents packed in one row (positions restart) give the logits each gives alone: the attention does not
+    cross the boundary, on colo's kernel (padded heads) and on the wide path (torch reference with the mask)."""
+    from colo.apps.models.moe_llama import MoELlama, get_moe_preset
+
+    config = get_moe_preset("tiny-moe", **{**DEEPSEEK_V3, **{k: v for k, v in dims.items() if k != "kv_lora_rank"}})
+    model = MoELlama(config).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        packed = model(ids, position_ids=torch.arange(6).repeat(2)[None]).logits
+        apart = torch.cat([model(ids[:, :6]).logits, model(ids[:, 6:]).logits], dim=1)
+    torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)

@@ -12,8 +12,12 @@ adjacent pairs of the rotary dims: they are de-interleaved here (evens, then odd
 layout of `colo.kernels.rotary`, which computes the same numbers.
 
 The attention itself is `colo.apps.models.llama.layers.AttentionCore` (`colo.kernels.flash_attention`), whose values
-have the keys' head size: the values are zero-padded to it and the output cut back, which changes no number.
-Incremental decoding with a KV cache (which would cache the latent) is not implemented.
+have the keys' head size and whose Triton kernel takes head sizes 16, 32, 64 and 128: queries, keys and values are
+zero-padded to the smallest of those that holds both head sizes and the output is cut back (zero dims change no
+score: the scale is explicit). Heads wider than 128 (DeepSeek-V3's 192) go to torch's
+``scaled_dot_product_attention`` instead, which takes the two head sizes as they are (with packed documents, to
+colo's torch reference with their mask). Incremental decoding with a KV cache (which would cache the latent) is not
+implemented.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colo.kernels import DocumentMask
+from colo.kernels import DocumentMask, flash_attention
 
 from ..llama.layers import AttentionCore, RMSNorm, apply_rotary
+
+KERNEL_HEAD_DIMS = (16, 32, 64, 128)
+"""Head sizes `colo.kernels.flash_attention`'s Triton kernel takes."""
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -119,13 +126,26 @@ class MultiHeadLatentAttention(nn.Module):
         q_rot, k_rot = apply_rotary(q_rot.contiguous(), k_rot.contiguous(), cos, sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(batch, seq, heads, rope)], dim=-1)
-        pad = self.qk_head_dim - v_dim
-        if pad > 0:
-            v = nn.functional.pad(v, (0, pad))
-        elif pad < 0:  # values wider than keys: zero dims added to q and k leave every score as it is
-            q, k = nn.functional.pad(q, (0, -pad)), nn.functional.pad(k, (0, -pad))
-        out = self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)
+        out = self._attend(q, k, v, document_ids)
         return self.o_proj(out[..., :v_dim].reshape(batch, seq, heads * v_dim))
+
+    def _attend(self, q, k, v, document_ids) -> torch.Tensor:
+        """Causal attention of ``(batch, seq, heads, dim)`` tensors, the values' dims first in the output (module
+        docstring)."""
+        width = max(self.qk_head_dim, self.v_head_dim)
+        padded = next((size for size in KERNEL_HEAD_DIMS if size >= width), None)
+        if padded is None:
+            if document_ids is None:
+                out = nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.core.scale
+                )
+                return out.transpose(1, 2)
+            q, k, v = (nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+            return flash_attention(
+                q, k, v, causal=True, scale=self.core.scale, document_ids=document_ids, backend="torch"
+            )
+        q, k, v = (nn.functional.pad(t, (0, padded - t.shape[-1])) for t in (q, k, v))
+        return self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)
 
     def extra_repr(self) -> str:
         return (
