@@ -329,3 +329,43 @@ def test_latent_attention_keeps_packed_documents_apart(dims):
         packed = model(ids, position_ids=torch.arange(6).repeat(2)[None]).logits
         apart = torch.cat([model(ids[:, :6]).logits, model(ids[:, 6:]).logits], dim=1)
     torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deepseek_v3_with_colo_blocks_computes_what_it_computed():
+    """transformers' ``DeepseekV3ForCausalLM`` with its MoE blocks replaced by colo's (same weights and bias): the same
+    logits and the same gradients of every parameter (fp32; the experts sum in another order)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from colo.apps.hf.deepseek_io import use_colo_deepseek_blocks
+
+    config = DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=16, **MLA,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:
+            for p in layer.mlp.parameters():
+                p.normal_(std=0.3)
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.05)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    expected = hf(ids, labels=ids)
+    expected.loss.backward()
+    expected_grads = {name: p.grad.clone() for name, p in hf.named_parameters()}
+    hf.zero_grad()
+    use_colo_deepseek_blocks(hf)
+    assert type(hf.model.layers[1].mlp).__name__ == "MoEBlock"
+    got = hf(ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.logits, expected.logits, **TOLERANCE)
+    grads = {name: p.grad for name, p in hf.named_parameters()}
+    for layer in (1, 2):
+        mlp = f"model.layers.{layer}.mlp"
+        tensors = {name.removeprefix(mlp + "."): expected_grads.pop(name) for name in list(expected_grads)
+                   if name.startswith(mlp + ".")}  # fmt: skip
+        expected_grads.update({f"{mlp}.{name}": grad for name, grad in _colo_names(tensors).items()})
+    assert set(grads) == set(expected_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -6,7 +6,8 @@ The experts are written one tensor per expert under DeepSeek-V3's checkpoint nam
 ``mlp.gate.weight`` with its ``e_score_correction_bias``); transformers stacks them into its in-memory
 ``gate_up_proj`` / ``down_proj`` on load. A model has that form when its attention is multi-head latent attention
 (``kv_lora_rank`` set) and its routing is DeepSeek-V3's (sigmoid scores, top-k renormalized, an MoE MLP on every
-layer after the first ``first_k_dense_replace``, dropless).
+layer after the first ``first_k_dense_replace``, dropless). `use_colo_deepseek_blocks` goes the other way for a
+transformers model: its MoE blocks become colo's.
 """
 
 from __future__ import annotations
@@ -95,3 +96,66 @@ def save_moe_llama_as_deepseek_v3(model: MoELlama, directory: str | os.PathLike)
     (directory / CONFIG_FILE).write_text(json.dumps(deepseek_v3_config_to_hf(config, dtype=dtype), indent=2) + "\n")
     save_file(state, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     return [CONFIG_FILE, WEIGHTS_FILE]
+
+
+@torch.no_grad()
+def use_colo_deepseek_blocks(model: torch.nn.Module, **moe_overrides) -> torch.nn.Module:
+    """Replace every ``DeepseekV3MoE`` of a Hugging Face DeepseekV3 model (transformers 5) by a
+    `colo.tensor.moe.MoEBlock` holding the same weights (its router ``gate.weight`` and ``e_score_correction_bias`` as
+    colo's ``expert_bias``; its fused ``gate_up_proj`` split into ``w1`` / ``w3``, ``down_proj`` as ``w2``; its shared
+    experts), in place, so that `colo.tensor.moe.shard_experts` can split its experts over ``ep`` (the grouped
+    experts and colo's dispatch then run them). The model computes what it computed (sigmoid scores, group-limited
+    choice, routed scaling); the bias is then updated by colo's aux-loss-free rule wherever
+    `colo.tensor.moe.update_expert_biases` runs.
+
+    Args:
+        model: a ``DeepseekV3ForCausalLM`` (or ``DeepseekV3Model``), matched by class name: transformers is not
+            imported.
+        **moe_overrides: other `MoEConfig` fields (``aux_loss_coef``, ``expert_bias_update_rate``, ...).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: the model has no ``DeepseekV3MoE``, or its config sets ``norm_topk_prob=False`` (colo
+            renormalizes the top-k weights).
+    """
+    from colo.tensor.moe import MoEBlock, MoEConfig
+
+    config = model.config
+    if not getattr(config, "norm_topk_prob", True):
+        raise ValueError("use_colo_deepseek_blocks: norm_topk_prob=False is not supported (colo renormalizes top-k)")
+    settings = {
+        "num_experts": config.n_routed_experts,
+        "top_k": config.num_experts_per_tok,
+        "score_func": "sigmoid",
+        "expert_bias": True,
+        "num_shared_experts": config.n_shared_experts,
+        "num_groups": config.n_group,
+        "top_k_groups": config.topk_group,
+        "routed_scaling_factor": float(config.routed_scaling_factor),
+        **moe_overrides,
+    }
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ != "DeepseekV3MoE":
+            continue
+        gate_up, down = module.experts.gate_up_proj, module.experts.down_proj
+        intermediate = down.shape[-1]
+        weight = module.gate.weight
+        with torch.device(weight.device):
+            block = MoEBlock(weight.shape[1], intermediate, MoEConfig(**settings)).to(down.dtype)
+        block.gate.weight.copy_(weight)
+        block.gate.expert_bias.copy_(module.gate.e_score_correction_bias)
+        block.experts.w1.copy_(gate_up[:, :intermediate])
+        block.experts.w3.copy_(gate_up[:, intermediate:])
+        block.experts.w2.copy_(down)
+        block.shared_experts.load_state_dict(module.shared_experts.state_dict())
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, block)
+        replaced += 1
+    if not replaced:
+        raise ValueError(
+            f"use_colo_deepseek_blocks: {type(model).__name__} has no DeepseekV3MoE; pass a transformers 5 DeepseekV3"
+        )
+    return model
