@@ -240,6 +240,12 @@ def test_a_deepseek_v3_shaped_moe_llama_exports_as_a_deepseek_v3_that_transforme
     model.init_weights(seed=3)
     assert isinstance(model.layers["0"].self_attn, MultiHeadLatentAttention)
     assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    from colo.apps.models.llama.flops import flops_per_token, matmul_parameters
+
+    params = model.named_parameters(remove_duplicate=False)
+    assert matmul_parameters(config) == sum(p.numel() for n, p in params if p.dim() > 1 and "embed_tokens" not in n)
+    qk, v, heads = MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"], MLA["v_head_dim"], config.num_attention_heads
+    assert flops_per_token(config, 32) - 6 * matmul_parameters(config) == 6 * 3 * 32 * heads * (qk + v)
     with torch.no_grad():
         for _, block in moe_blocks(model):
             block.gate.expert_bias.normal_(std=0.02, generator=torch.Generator().manual_seed(4))

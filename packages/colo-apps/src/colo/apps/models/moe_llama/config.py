@@ -152,6 +152,23 @@ class MoELlamaConfig(LlamaConfig):
         return queries + latent + expand + heads * self.v_head_dim * hidden
 
     @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """Per-head (query / key, value) sizes: ``(qk_nope_head_dim + qk_rope_head_dim, v_head_dim)`` with
+        multi-head latent attention, else Llama's."""
+        if not self.latent_attention:
+            return super().attention_head_dims
+        return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+
+    @property
+    def num_norm_parameters(self) -> int:
+        """Llama's RMSNorm scales plus multi-head latent attention's latent norms (``kv_a_layernorm``,
+        ``q_a_layernorm``) in every layer."""
+        latent = 0
+        if self.latent_attention:
+            latent = self.num_hidden_layers * (self.kv_lora_rank + (self.q_lora_rank or 0))
+        return super().num_norm_parameters + latent
+
+    @property
     def expert_intermediate_size(self) -> int:
         """Width of each routed expert: ``moe_intermediate_size``, or ``intermediate_size``."""
         return self.moe_intermediate_size or self.intermediate_size
