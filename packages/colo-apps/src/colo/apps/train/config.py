@@ -640,13 +640,6 @@ class BaseRunConfig(_Section):
                 f"plugin.ep={plugin.ep} does not divide model.num_local_experts={experts}: every ep rank holds the "
                 f"same number of experts; choose plugin.ep dividing {experts}"
             )
-        latent = model.kv_lora_rank if model.kv_lora_rank is not None else MOE_PRESETS[model.preset].kv_lora_rank
-        if latent is not None and self.sample.max_new_tokens:
-            raise ValueError(
-                f"sample.max_new_tokens={self.sample.max_new_tokens} with multi-head latent attention "
-                f"(model.kv_lora_rank={latent}): the final sample decodes with a KV cache, which colo's MLA does not "
-                "have yet; set sample.max_new_tokens=0"
-            )
         if self.lora.enabled:
             raise ValueError(
                 f"lora.enabled with the mixture-of-experts model.preset={model.preset!r} is not supported (adapters of "

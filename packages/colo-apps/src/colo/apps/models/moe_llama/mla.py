@@ -16,8 +16,11 @@ have the keys' head size and whose Triton kernel takes head sizes 16, 32, 64 and
 zero-padded to the smallest of those that holds both head sizes and the output is cut back (zero dims change no
 score: the scale is explicit). Heads wider than 128 (DeepSeek-V3's 192) go to torch's
 ``scaled_dot_product_attention`` instead, which takes the two head sizes as they are (with packed documents, to
-colo's torch reference with their mask). Incremental decoding with a KV cache (which would cache the latent) is not
-implemented.
+colo's torch reference with their mask).
+
+Incremental decoding: with a static `colo.apps.models.llama.KVCache` (``KVCache.for_model``: ``num_kv_heads`` is
+``num_heads``, ``head_dim`` the padded width above) the layer caches the expanded keys (after rotary) and values, not
+the latent: correct, without MLA's smaller cache. A paged cache (serving) is refused.
 """
 
 from __future__ import annotations
@@ -88,6 +91,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.core = AttentionCore(causal=True, scale=self.qk_head_dim**-0.5)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        width = max(self.qk_head_dim, v_head_dim)
+        self.head_dim = next((size for size in KERNEL_HEAD_DIMS if size >= width), width)
+        """Width of the keys and values attention runs on (and a KV cache holds): both head sizes, zero-padded."""
+        self.num_kv_heads = num_heads
+        """Key/value heads a KV cache holds: every head's expanded keys and values."""
 
     def forward(
         self,
@@ -102,13 +110,17 @@ class MultiHeadLatentAttention(nn.Module):
         (`colo.apps.models.llama.layers.RotaryEmbedding`). Returns ``x``'s shape. ``document_ids`` as in
         `colo.apps.models.llama.layers.LlamaAttention`.
 
+        With ``kv_cache`` (this layer's slot of a static `KVCache`), the new expanded keys and values are written to
+        it and the queries attend over every cached token and the new ones (``cos`` and ``sin`` then start at the
+        first new token's position).
+
         Raises:
-            ValueError: with a ``kv_cache`` (incremental decoding of MLA is not implemented).
+            ValueError: with a paged cache (serving), which multi-head latent attention does not implement.
         """
-        if kv_cache is not None:
+        if getattr(kv_cache, "paged", False):
             raise ValueError(
-                "MultiHeadLatentAttention: incremental decoding with a KV cache is not implemented for multi-head "
-                "latent attention; run the model on whole sequences (no kv_cache)"
+                "MultiHeadLatentAttention: a paged KV cache (colo serve) is not implemented for multi-head latent "
+                "attention; decode with the static KVCache (colo generate)"
             )
         batch, seq = x.shape[:2]
         heads, nope, rope, v_dim = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
@@ -126,25 +138,25 @@ class MultiHeadLatentAttention(nn.Module):
         q_rot, k_rot = apply_rotary(q_rot.contiguous(), k_rot.contiguous(), cos, sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(batch, seq, heads, rope)], dim=-1)
-        out = self._attend(q, k, v, document_ids)
+        out = self._attend(q, k, v, document_ids, kv_cache)
         return self.o_proj(out[..., :v_dim].reshape(batch, seq, heads * v_dim))
 
-    def _attend(self, q, k, v, document_ids) -> torch.Tensor:
+    def _attend(self, q, k, v, document_ids, kv_cache) -> torch.Tensor:
         """Causal attention of ``(batch, seq, heads, dim)`` tensors, the values' dims first in the output (module
         docstring)."""
-        width = max(self.qk_head_dim, self.v_head_dim)
-        padded = next((size for size in KERNEL_HEAD_DIMS if size >= width), None)
-        if padded is None:
-            if document_ids is None:
-                out = nn.functional.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.core.scale
-                )
-                return out.transpose(1, 2)
-            q, k, v = (nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        wide = self.head_dim not in KERNEL_HEAD_DIMS
+        if wide and document_ids is None and kv_cache is None:  # SDPA takes the two head sizes as they are
+            out = nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.core.scale
+            )
+            return out.transpose(1, 2)
+        q, k, v = (nn.functional.pad(t, (0, self.head_dim - t.shape[-1])) for t in (q, k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # every cached token's k / v and the new ones
+        if wide:  # the torch reference: any head size, packed documents' mask, bottom-right causal over a cache
             return flash_attention(
                 q, k, v, causal=True, scale=self.core.scale, document_ids=document_ids, backend="torch"
             )
-        q, k, v = (nn.functional.pad(t, (0, padded - t.shape[-1])) for t in (q, k, v))
         return self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)
 
     def extra_repr(self) -> str:
