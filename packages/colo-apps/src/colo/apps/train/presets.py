@@ -76,10 +76,10 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
         "sample": {"prompt": "def ", "max_new_tokens": 80},
     },
-    # The DeepSeek-V3-style block on CPU (2 processes): tiny-deepseek's dense first layer, shared expert, 16 narrow
-    # experts (top-4) in two groups, one per ep rank (each token's rows go to one rank), sigmoid routing with the
-    # aux-loss-free bias updated every step; ZeRO-2, fp32, on the same text as tiny-llama. No Hugging Face export yet
-    # (DeepseekV3 needs multi-head latent attention).
+    # DeepSeek-V3's shape on CPU (2 processes): tiny-deepseek's multi-head latent attention, dense first layer, shared
+    # expert, 16 narrow experts (top-4) in two groups, one per ep rank (each token's rows go to one rank), sigmoid
+    # routing with the aux-loss-free bias updated every step; ZeRO-2, fp32, on the same text as tiny-llama;
+    # `colo convert --to hf` writes a DeepseekV3ForCausalLM.
     "tiny-deepseek": {
         "name": "tiny-deepseek",
         "output_dir": "runs/tiny-deepseek",
@@ -330,7 +330,7 @@ comments say, set by ``colo launch``)."""
 PRESET_DESCRIPTIONS: dict[str, str] = {
     "tiny-llama": "CPU demo (make demo): a 3M-parameter Llama on the standard library's .py files, DDP, 300 steps",
     "tiny-moe": "CPU: a Mixtral-style MoE Llama (8 experts, top-2) with experts over ep=2, ZeRO-2; Mixtral export",
-    "tiny-deepseek": "CPU: DeepSeek-style MoE (shared expert, 16 experts top-4, groups = ep ranks, bias), ep=2, ZeRO-2",
+    "tiny-deepseek": "CPU: DeepSeek-V3-shaped (MLA, shared expert, 16 experts top-4, groups = ep ranks), ep=2; HF export",
     "tiny-rm": "CPU: a reward model on generated preference pairs, from a policy SFT'd first",
     "tiny-dpo": "CPU: DPO on the same preference pairs, after an SFT warm-up that becomes the reference",
     "tiny-grpo": "CPU: GRPO on integer-addition prompts with an exact-answer reward, after an SFT warm-up",

@@ -265,16 +265,21 @@ MOE_PRESETS: dict[str, MoELlamaConfig] = {
         num_experts_per_tok=2,
         moe_layer_interval=2,
     ),
-    # CPU demo of the DeepSeek-V3 block: a dense first layer, then 16 narrow experts (top-4) beside a shared one,
-    # sigmoid routing with the aux-loss-free bias, limited to one of two expert groups (the two ranks at ep2), routed
-    # scaling; a small sequence-wise balance loss as DeepSeek-V3's. Llama attention (no MLA)
+    # CPU demo of DeepSeek-V3's shape: multi-head latent attention, a dense first layer, then 16 narrow experts
+    # (top-4) beside a shared one, sigmoid routing with the aux-loss-free bias, limited to one of two expert groups
+    # (the two ranks at ep2), routed scaling; a small sequence-wise balance loss as DeepSeek-V3's
     "tiny-deepseek": MoELlamaConfig(
         vocab_size=128,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
         max_position_embeddings=256,
         num_local_experts=16,
         num_experts_per_tok=4,
