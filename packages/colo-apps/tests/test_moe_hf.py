@@ -141,6 +141,16 @@ def test_moe_llama_exports_as_a_mixtral_that_transformers_loads_with_the_same_lo
     model.init_weights(seed=3)
     files = save_moe_llama_as_hf(model, tmp_path)
     assert files == ["config.json", "model.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as file:  # one tensor per expert, Mixtral's names
+        experts = {name for name in file.keys() if ".block_sparse_moe.experts." in name}
+    assert experts == {
+        f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+        for layer in range(2)
+        for e in range(4)
+        for w in ("w1", "w2", "w3")
+    }
     hf = MixtralForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert hf.config.num_local_experts == 4 and hf.config.num_experts_per_tok == 2
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -146,3 +146,28 @@ def test_bad_moe_settings_name_the_field(tmp_path):
     # ep dividing the experts but not the world: the trainer refuses before the Booster builds any group
     with pytest.raises(RankFailure, match="plugin.ep=4 does not divide the world size 2"):
         run_distributed(_train, {**config, "plugin": {"name": "expert", "ep": 4}}, world_size=2)
+
+
+def test_a_deepseek_v3_shaped_run_samples_and_converts_to_a_deepseek_v3(tmp_path):
+    """The trainer runs tiny-deepseek's shape (MLA, a dense first layer, shared expert, group-limited sigmoid routing
+    with the bias) for 2 steps on 2 processes, samples through MLA's KV cache, and ``colo convert --to hf`` of the
+    checkpoint (expert biases from its metadata) loads in transformers' DeepseekV3ForCausalLM with the run's logits."""
+    transformers = pytest.importorskip("transformers")
+    from colo.apps.runs import export_llama_hf, load_llama
+
+    corpus = write_corpus(tmp_path)
+    config = run_config(corpus, str(tmp_path / "run"), total_steps=2)
+    config["model"] = {"preset": "tiny-deepseek", "num_hidden_layers": 3, "hidden_size": 64}
+    config["checkpoint"]["every_steps"] = 2
+    result = run_distributed(_train, config, world_size=2)[0]
+    assert result["sample"] and len(result["losses"]) == 2
+    checkpoint = os.path.join(tmp_path / "run", "checkpoints", "step-00000002")
+    model, _ = load_llama(checkpoint)
+    assert model.config.kv_lora_rank == 64 and any(
+        m.gate.expert_bias.abs().sum() > 0 for m in model.layers["1"].modules() if hasattr(m, "gate")
+    )
+    export_llama_hf(checkpoint, tmp_path / "hf")
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)

@@ -174,26 +174,6 @@ def _routing(model, mesh) -> list[tuple[int, int, int]]:
     return result
 
 
-def _memory_report(optimizer):
-    """`memory_report()` of the chunk optimizer; `ExpertParallelZero`'s two parts counted together with colo.zero's
-    own accounting (its storages once: both parts share one torch optimizer)."""
-    from types import SimpleNamespace
-
-    from colo.zero.memory import memory_report
-
-    parts = getattr(optimizer, "parts", None)
-    if parts is None:
-        return optimizer.memory_report()
-    both = SimpleNamespace(
-        chunks=[c for part in parts for c in part.chunks],
-        optimizer=optimizer.optimizer,
-        offload=False,
-        pool=SimpleNamespace(nbytes=sum(part.pool.nbytes for part in parts)),
-        gatherer=None,
-    )
-    return memory_report(both)
-
-
 class _HeldActivations:
     """The bytes of distinct non-model-state storages autograd holds for backward, live, and their peak over a step.
 
@@ -315,7 +295,7 @@ def _measure(cases):
         optimizer = engine.optimizer
         report = None
         if hasattr(optimizer, "memory_report") or hasattr(optimizer, "parts"):
-            report = _memory_report(optimizer)
+            report = optimizer.memory_report()  # ExpertParallelZero's counts both parts, storages once
             if layout.plugin == "gemini":
                 report = {tier: (t.params, t.optimizer) for tier, t in report.tiers.items()}
             else:

@@ -222,6 +222,27 @@ def test_expert_bias_steers_the_choice_not_the_weights_and_moves_against_the_loa
     assert block.gate.tokens_per_expert.sum() == 0
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_block_counts_its_assignments_once(use_reentrant):
+    """Activation checkpointing runs the block's forward again in backward; the router counts each assignment once
+    (the aux-loss-free bias update reads these counts) and the block keeps the losses of the original forward."""
+    block = _block(torch.float32, num_experts=4, top_k=2, expert_bias=True)
+    block.train()
+    x = _x(2, 6, HIDDEN, dtype=torch.float32).requires_grad_(True)
+    y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant)
+    aux, stats = block.aux_loss, block.stats
+    (y.sum() + aux).backward()
+    expected = torch.bincount(block.last_routing.top_k_index.flatten(), minlength=4).float()
+    assert block.gate.tokens_per_expert.sum() == 12 * 2
+    assert torch.equal(block.gate.tokens_per_expert, expected)
+    assert block.aux_loss is aux and block.stats is stats  # not replaced by the recomputation
+    grad = x.grad.clone()
+    x.grad = None
+    (block(x).sum() + block.aux_loss).backward()  # the same block without checkpointing: the same gradient
+    torch.testing.assert_close(x.grad, grad, rtol=1e-6, atol=1e-6)
+    assert block.gate.tokens_per_expert.sum() == 2 * 12 * 2  # one more forward, counted once
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -230,10 +251,23 @@ def test_expert_bias_steers_the_choice_not_the_weights_and_moves_against_the_loa
         ({"capacity_factor": -1.0}, "capacity_factor=-1.0 must be > 0"),
         ({"score_func": "relu"}, "score_func='relu'"),
         ({"aux_loss_type": "global"}, "aux_loss_type='global'"),
+        ({"num_shared_experts": -1}, "num_shared_experts=-1 must be an integer >= 0"),
+        ({"shared_intermediate_size": 16}, "shared_intermediate_size=16 is set but num_shared_experts=0"),
+        ({"num_experts": 8, "num_groups": 3}, "num_groups=3 does not divide num_experts=8: .* [1, 2, 4, 8]"),
+        (
+            {"num_experts": 8, "num_groups": 4, "top_k_groups": 5},
+            "top_k_groups=5 must be an integer in 1..num_groups=4",
+        ),
+        (
+            {"num_experts": 16, "top_k": 8, "num_groups": 4, "top_k_groups": 1},
+            "top_k=8 is more than the 4 experts in the top_k_groups=1 groups of 4 .* set top_k_groups >= 2",
+        ),
+        ({"routed_scaling_factor": 0.0}, "routed_scaling_factor=0.0 must be > 0"),
     ],
 )
 def test_bad_moe_settings_name_the_field(settings, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    escaped = message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    with pytest.raises(ValueError, match=escaped):
         MoEConfig(**settings)
 
 

@@ -35,6 +35,23 @@ def mixtral_config_to_hf(config: MoELlamaConfig, *, dtype: torch.dtype = torch.f
             f"score_func={config.score_func!r}, expert_bias={config.expert_bias}: Mixtral routes by softmax without an "
             "expert bias; only such models export to Hugging Face Mixtral"
         )
+    deepseek = {
+        "first_k_dense_replace": (config.first_k_dense_replace, 0),
+        "n_shared_experts": (config.n_shared_experts, 0),
+        "n_group": (config.moe_config().groups_per_token < config.n_group, False),
+        "routed_scaling_factor": (config.routed_scaling_factor, 1.0),
+        "moe_intermediate_size": (config.expert_intermediate_size, config.intermediate_size),
+    }
+    for name, (value, mixtral) in deepseek.items():
+        if value != mixtral:
+            shown = (
+                f"n_group={config.n_group}, topk_group={config.topk_group}" if name == "n_group" else f"{name}={value}"
+            )
+            raise ValueError(
+                f"{shown}: a DeepSeek-style setting Mixtral does not have; Hugging Face DeepseekV3 export needs "
+                "multi-head latent attention, which colo's MoE Llama does not implement, so such a model has no "
+                "Hugging Face export yet (leave the setting at its default for a Mixtral)"
+            )
     hf = llama_config_to_hf(config, dtype=dtype)
     hf.update(
         architectures=["MixtralForCausalLM"],
@@ -153,7 +170,26 @@ def load_moe_llama_checkpoint(
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(state[name].to(param.dtype))
+    _restore_expert_biases(model, index.metadata, path)
     return model.eval()
+
+
+@torch.no_grad()
+def _restore_expert_biases(model: MoELlama, metadata: dict, path: str) -> None:
+    """Copy the routers' aux-loss-free expert biases the ``expert`` plugin saved in the checkpoint metadata (they
+    steer which experts a token goes to, so a model loaded without them routes otherwise)."""
+    from colo.tensor.moe import moe_blocks
+
+    from ..booster.plugins.expert import EXPERT_BIAS_KEY
+
+    saved = metadata.get(EXPERT_BIAS_KEY)
+    if not model.config.expert_bias or saved is None:
+        return
+    for name, block in moe_blocks(model):
+        found = [values for key, values in saved.items() if key == name or key.endswith("." + name)]
+        if len(found) != 1:
+            raise ValueError(f"{path}: the checkpoint's metadata has no single expert bias for the MoE block {name!r}")
+        block.gate.expert_bias.copy_(torch.tensor(found[0], dtype=torch.float32))
 
 
 def export_moe_llama_checkpoint_as_hf(

@@ -64,6 +64,13 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         )
     if not is_moe(config):
         return
+    for name, plain in (("n_shared_experts", 0), ("moe_intermediate_size", None), ("kv_lora_rank", None)):
+        if getattr(config, name) != plain:
+            raise ValueError(
+                f"{name}={getattr(config, name)}: colo plan models Mixtral-shaped MoE layers (Llama attention, experts "
+                f"of intermediate_size, no shared experts) and not this DeepSeek-style model yet; plan with {name}="
+                f"{plain} for an estimate"
+            )
     experts = config.num_local_experts
     if experts % layout.ep:
         choices = [d for d in range(1, experts + 1) if experts % d == 0]

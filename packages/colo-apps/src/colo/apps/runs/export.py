@@ -1,6 +1,7 @@
 """Exporting a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory (``colo convert --to hf``; a LoRA
-run's adapters merged into the weights; a mixture-of-experts run as ``MixtralForCausalLM``), or a LoRA run's adapters
-alone as a ``peft`` adapter directory (``colo convert --to peft``)."""
+run's adapters merged into the weights; a mixture-of-experts run as ``MixtralForCausalLM`` or, with multi-head latent
+attention, ``DeepseekV3ForCausalLM``), or a LoRA run's adapters alone as a ``peft`` adapter directory
+(``colo convert --to peft``)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def export_llama_hf(
     stored apart), then renames the tensors with the ``model.`` prefix, one file at a time. A LoRA run's checkpoint
     is loaded whole instead, its adapters merged (``W + (alpha / r) B A``), and written as a plain model. A
     mixture-of-experts run (`MoELlama`, any ``ep``) is loaded whole too and written as a Hugging Face
-    ``MixtralForCausalLM`` (`colo.apps.hf.mixtral_io`: one tensor per expert, ``block_sparse_moe.experts.{e}.w1``);
-    only models whose every layer is MoE have that form.
+    ``MixtralForCausalLM`` (`colo.apps.hf.mixtral_io`: one tensor per expert, ``block_sparse_moe.experts.{e}.w1``;
+    only models whose every layer is MoE have that form), or, with multi-head latent attention, as a
+    ``DeepseekV3ForCausalLM`` (`colo.apps.hf.deepseek_io`: ``mlp.experts.{e}.gate_proj``, the expert biases from the
+    checkpoint's metadata as ``e_score_correction_bias``).
 
     Args:
         checkpoint: a checkpoint written by the trainer.
@@ -82,7 +85,7 @@ def export_llama_hf(
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     index = read_index(checkpoint)
     run = run_of(index, source=checkpoint)
-    if "num_local_experts" in run["llama_config"]:  # MoE: a Mixtral directory, the model whole in host memory
+    if "num_local_experts" in run["llama_config"]:  # MoE: Mixtral / DeepseekV3, the model whole in host memory
         return _export_mixtral(checkpoint, out_dir, model_config_of(run), dtype=dtype, overwrite=overwrite)
     if has_lora_tensors(index.tensors):  # merge in one process (the whole model in host memory), then write
         return _export_merged_lora(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
@@ -108,15 +111,22 @@ def export_llama_hf(
 
 
 def _export_mixtral(checkpoint: str, out_dir: str, config, *, dtype: torch.dtype | None, overwrite: bool) -> list[str]:
+    """A Mixtral, or a DeepseekV3 for a model with multi-head latent attention."""
+    from ..hf.deepseek_io import check_deepseek_v3_form, save_moe_llama_as_deepseek_v3
     from ..hf.mixtral_io import load_moe_llama_checkpoint, mixtral_config_to_hf, save_moe_llama_as_hf
 
-    mixtral_config_to_hf(config)  # a model with no Mixtral form is refused before anything is read
+    deepseek = config.latent_attention
+    if deepseek:  # a model with no such form is refused before anything is read
+        check_deepseek_v3_form(config)
+    else:
+        mixtral_config_to_hf(config)
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace an earlier export")
     model = load_moe_llama_checkpoint(checkpoint, config)
     if dtype is not None:
         model = model.to(dtype)
-    return [os.path.join(out_dir, name) for name in save_moe_llama_as_hf(model, out_dir)]
+    save = save_moe_llama_as_deepseek_v3 if deepseek else save_moe_llama_as_hf
+    return [os.path.join(out_dir, name) for name in save(model, out_dir)]
 
 
 def _export_merged_lora(checkpoint: str, out_dir: str, *, dtype: torch.dtype | None, overwrite: bool) -> list[str]:

@@ -76,6 +76,24 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
         "sample": {"prompt": "def ", "max_new_tokens": 80},
     },
+    # DeepSeek-V3's shape on CPU (2 processes): tiny-deepseek's multi-head latent attention, dense first layer, shared
+    # expert, 16 narrow experts (top-4) in two groups, one per ep rank (each token's rows go to one rank), sigmoid
+    # routing with the aux-loss-free bias updated every step; ZeRO-2, fp32, on the same text as tiny-llama;
+    # `colo convert --to hf` writes a DeepseekV3ForCausalLM.
+    "tiny-deepseek": {
+        "name": "tiny-deepseek",
+        "output_dir": "runs/tiny-deepseek",
+        "seed": 0,
+        "model": {"preset": "tiny-deepseek", "router_z_loss_coef": 1e-3},
+        "plugin": {"name": "expert", "ep": 2, "stage": 2, "precision": "fp32", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"total_steps": 200, "warmup_steps": 20, "min_lr": 2e-4},
+        "data": {"seq_len": 128, "global_batch_size": 16, "max_tokens": 4_000_000},
+        "checkpoint": {"every_steps": 100, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 10},
+        "eval": {"every_steps": 100, "num_sequences": 64, "batch_size": 16},
+        "sample": {"prompt": "def ", "max_new_tokens": 80},
+    },
     # Reward model on CPU (2 processes): the embedded preference set (a standard-library Python line chosen, its words
     # shuffled rejected, after the previous line), generated at run time. The recipe first SFTs the policy on the
     # chosen answers (preference.sft_steps, tiny-dpo's warm-up), saves it (runs/tiny-rm/sft-policy), then trains the
@@ -304,13 +322,15 @@ RUN_PRESETS: dict[str, dict] = {
         "eval": {"every_steps": 2000, "num_sequences": 512, "batch_size": 32},  # a multiple of the microbatches
     },
 }
-"""``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo), ``tiny-moe`` (mixture of experts, ep2, CPU)
+"""``colo train --preset NAME`` configs: ``tiny-llama`` (the CPU demo), ``tiny-moe`` and ``tiny-deepseek`` (mixture of
+experts, Mixtral- and DeepSeek-style, ep2, CPU)
 and ``llama-1b`` / ``llama-7b`` / ``llama-70b`` (GPU recipes: configs that validate; their world sizes are what the
 comments say, set by ``colo launch``)."""
 
 PRESET_DESCRIPTIONS: dict[str, str] = {
     "tiny-llama": "CPU demo (make demo): a 3M-parameter Llama on the standard library's .py files, DDP, 300 steps",
     "tiny-moe": "CPU: a Mixtral-style MoE Llama (8 experts, top-2) with experts over ep=2, ZeRO-2; Mixtral export",
+    "tiny-deepseek": "CPU: DeepSeek-V3-shaped (MLA, shared expert, 16 experts top-4, groups = ep ranks), ep=2; HF export",
     "tiny-rm": "CPU: a reward model on generated preference pairs, from a policy SFT'd first",
     "tiny-dpo": "CPU: DPO on the same preference pairs, after an SFT warm-up that becomes the reference",
     "tiny-grpo": "CPU: GRPO on integer-addition prompts with an exact-answer reward, after an SFT warm-up",

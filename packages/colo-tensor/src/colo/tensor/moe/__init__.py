@@ -3,7 +3,8 @@
 A token-choice top-k router with fp32 scores and an optional aux-loss-free expert bias (`TopKRouter`), the
 load-balancing and z-losses (`load_balancing_loss`, `z_loss`), dropless or capacity routing with a deterministic
 drop rule and the permutation by expert (`permute`, `unpermute`, `capacity_mask`), SwiGLU experts as grouped
-matrix products with a loop reference (`GroupedExperts`), the block putting them together (`MoEBlock`), and expert
+matrix products with a loop reference (`GroupedExperts`), DeepSeek's always-on shared experts (`SharedExperts`), the
+block putting them together (`MoEBlock`, Mixtral- or DeepSeek-V3-shaped by its `MoEConfig`), and expert
 parallelism over an ``ep`` mesh axis: all-to-all dispatch and combine with the split sizes exchanged first
 (`expert_parallel`), `shard_experts`, and the gradient groups (`dense_data_axes`, `expert_data_axes`).
 
@@ -15,7 +16,7 @@ Example::
 
 from .config import MoEConfig
 from .dispatch import AllToAllRows, dispatch_bytes, exchange_counts, expert_parallel
-from .experts import GroupedExperts
+from .experts import GroupedExperts, SharedExperts
 from .layer import MoEBlock, moe_aux_loss, moe_blocks, router_stats, update_expert_biases
 from .losses import load_balancing_loss, z_loss
 from .parallel import (
@@ -26,7 +27,7 @@ from .parallel import (
     shard_experts,
 )
 from .permute import Permutation, capacity_mask, expert_capacity, permute, unpermute
-from .router import Routing, TopKRouter
+from .router import Routing, TopKRouter, recomputing
 
 __all__ = [
     "AllToAllRows",
@@ -35,6 +36,7 @@ __all__ = [
     "MoEConfig",
     "Permutation",
     "Routing",
+    "SharedExperts",
     "TopKRouter",
     "capacity_mask",
     "check_expert_parallel",
@@ -49,6 +51,7 @@ __all__ = [
     "moe_aux_loss",
     "moe_blocks",
     "permute",
+    "recomputing",
     "router_stats",
     "shard_experts",
     "unpermute",

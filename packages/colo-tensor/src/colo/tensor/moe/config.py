@@ -15,6 +15,11 @@ class MoEConfig:
     Jiang et al., "Mixtral of Experts", 2024): which experts a token goes to, how many, and the auxiliary losses.
 
     The defaults are Mixtral's: softmax scores over 8 experts, the top 2 renormalized to sum to one, dropless.
+    DeepSeek-V3's block (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024) is these settings: many small experts
+    (``num_experts=256, top_k=8``), ``num_shared_experts=1``, ``score_func="sigmoid"`` with ``expert_bias``,
+    ``num_groups=8, top_k_groups=4`` and ``routed_scaling_factor=2.5``; Hugging Face's ``DeepseekV3Config`` names
+    them ``n_routed_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``n_group``, ``topk_group``,
+    ``routed_scaling_factor``.
     """
 
     num_experts: int = 8
@@ -45,6 +50,25 @@ class MoEConfig:
     expert_impl: str = "grouped"
     """``"grouped"``: one grouped matrix product per projection over all local experts
     (``torch.nn.functional.grouped_mm``); ``"loop"``: one matmul per expert, the reference."""
+    num_shared_experts: int = 0
+    """Always-on experts beside the routed ones (DeepSeek-MoE's shared experts; ``n_shared_experts``): every token
+    goes through them, unweighted, and their output is added to the routed experts'. They are one SwiGLU MLP of
+    ``shared_intermediate_size`` (``MoEBlock.shared_experts``), a dense part of the model (replicated over ``ep``).
+    0: none (Mixtral)."""
+    shared_intermediate_size: int | None = None
+    """Width of the shared experts' MLP; ``None``: ``num_shared_experts`` times the routed experts' intermediate
+    size (DeepSeek-V3's rule; Qwen-MoE sets its own ``shared_expert_intermediate_size``)."""
+    num_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's node-limited routing; ``n_group``): the experts are split into
+    ``num_groups`` contiguous groups of ``num_experts / num_groups``; each token ranks the groups by the sum of the
+    top-2 choice scores (``scores + expert_bias``) in each, keeps the best ``top_k_groups`` and picks its ``top_k``
+    experts among those only. Under expert parallelism with ``num_groups == ep`` a group is exactly one ep rank's
+    experts, so each token's rows go to at most ``top_k_groups`` ranks. 1: no grouping."""
+    top_k_groups: int | None = None
+    """Groups each token may use (``topk_group``); ``None``: all ``num_groups`` (no limit)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights after the top-k normalization (DeepSeek-V3: 2.5), so the routed part
+    keeps its scale beside the shared experts."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
@@ -70,3 +94,65 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name}={getattr(self, name)} must be >= 0")
         if self.expert_impl not in EXPERT_IMPLS:
             raise ValueError(f"MoEConfig.expert_impl={self.expert_impl!r}; choose one of {EXPERT_IMPLS}")
+        self._check_shared_experts()
+        self._check_groups()
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(
+                f"MoEConfig.routed_scaling_factor={self.routed_scaling_factor} must be > 0 (1.0: the normalized "
+                "weights as they are; DeepSeek-V3 uses 2.5)"
+            )
+
+    @property
+    def experts_per_group(self) -> int:
+        """``num_experts / num_groups``."""
+        return self.num_experts // self.num_groups
+
+    @property
+    def groups_per_token(self) -> int:
+        """The groups a token may use: ``top_k_groups``, or every group."""
+        return self.num_groups if self.top_k_groups is None else self.top_k_groups
+
+    def _check_shared_experts(self) -> None:
+        shared = self.num_shared_experts
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts={shared!r} must be an integer >= 0 (0: no shared experts)")
+        size = self.shared_intermediate_size
+        if size is None:
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                f"MoEConfig.shared_intermediate_size={size!r} must be a positive integer, or None for "
+                "num_shared_experts times the routed experts' intermediate size"
+            )
+        if shared == 0:
+            raise ValueError(
+                f"MoEConfig.shared_intermediate_size={size} is set but num_shared_experts=0; set num_shared_experts "
+                ">= 1 or leave shared_intermediate_size None"
+            )
+
+    def _check_groups(self) -> None:
+        groups, experts = self.num_groups, self.num_experts
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+            raise ValueError(f"MoEConfig.num_groups={groups!r} must be a positive integer (1: no grouping)")
+        if experts % groups:
+            choices = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise ValueError(
+                f"MoEConfig.num_groups={groups} does not divide num_experts={experts}: the experts are split into "
+                f"equal groups; choose num_groups in {choices}"
+            )
+        chosen = self.top_k_groups
+        if chosen is not None and (
+            not isinstance(chosen, int) or isinstance(chosen, bool) or not 1 <= chosen <= groups
+        ):
+            raise ValueError(
+                f"MoEConfig.top_k_groups={chosen!r} must be an integer in 1..num_groups={groups}, or None for every "
+                "group"
+            )
+        reachable = self.groups_per_token * self.experts_per_group
+        if self.top_k > reachable:
+            needed = -(-self.top_k // self.experts_per_group)
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} is more than the {reachable} experts in the top_k_groups="
+                f"{self.groups_per_token} groups of {self.experts_per_group} a token may use; set top_k_groups >= "
+                f"{needed} or top_k <= {reachable}"
+            )

@@ -84,3 +84,25 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.scale, None
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts of a DeepSeek-MoE block (Dai et al., "DeepSeekMoE", 2024): one SwiGLU MLP
+    ``down_proj(silu(gate_proj(x)) * up_proj(x))`` every token goes through, its width the shared experts' summed
+    widths. The module names are Hugging Face DeepseekV3's (``mlp.shared_experts.gate_proj`` / ``up_proj`` /
+    ``down_proj``); the weights are dense parameters (replicated over ``ep``).
+
+    Args:
+        hidden_size (int): width of the tokens.
+        intermediate_size (int): width of the gate and up projections.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of ``x`` (``(..., hidden)``)."""
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

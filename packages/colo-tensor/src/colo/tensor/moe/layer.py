@@ -1,9 +1,10 @@
 """`MoEBlock`: a mixture-of-experts MLP (router, permutation, experts, combine), optionally expert-parallel.
 
 Drop-in for a transformer's MLP on ``(batch, seq, hidden)`` activations, with Mixtral's module names (``gate``,
-``experts``). After each forward it holds ``aux_loss`` (the weighted load-balancing and z-losses, with their graph:
-the model adds it to its loss) and ``stats`` (detached router statistics: tokens per expert, the fraction of
-assignments dropped, each loss). Expert parallelism is applied from outside by `shard_experts`.
+``experts``) and DeepSeek-V3's for the optional shared experts (``shared_experts``, added to the routed output).
+After each forward it holds ``aux_loss`` (the weighted load-balancing and z-losses, with their graph: the model adds
+it to its loss) and ``stats`` (detached router statistics: tokens per expert, the fraction of assignments dropped,
+each loss). Expert parallelism is applied from outside by `shard_experts`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from colo.comm import Group
 
 from .config import MoEConfig
 from .dispatch import expert_parallel
-from .experts import GroupedExperts
+from .experts import GroupedExperts, SharedExperts
 from .losses import load_balancing_loss, z_loss
 from .permute import capacity_mask, expert_capacity, permute, unpermute
-from .router import Routing, TopKRouter
+from .router import Routing, TopKRouter, recomputing
 
 
 class MoEBlock(nn.Module):
@@ -26,8 +27,8 @@ class MoEBlock(nn.Module):
 
     Args:
         hidden_size (int): width of the tokens.
-        intermediate_size (int): width of each expert's gate and up projections.
-        config (MoEConfig): routing and losses.
+        intermediate_size (int): width of each routed expert's gate and up projections.
+        config (MoEConfig): routing, losses and the shared experts.
 
     Example::
 
@@ -42,6 +43,10 @@ class MoEBlock(nn.Module):
         self.hidden_size = hidden_size
         self.gate = TopKRouter(hidden_size, config)
         self.experts = GroupedExperts(config.num_experts, hidden_size, intermediate_size, impl=config.expert_impl)
+        self.shared_experts: SharedExperts | None = None
+        if config.num_shared_experts:
+            shared = config.shared_intermediate_size or config.num_shared_experts * intermediate_size
+            self.shared_experts = SharedExperts(hidden_size, shared)
         self.ep_group: Group | None = None
         """The expert-parallel group once `shard_experts` split the experts over it."""
         self.last_routing: Routing | None = None
@@ -54,7 +59,8 @@ class MoEBlock(nn.Module):
         return 0 if self.ep_group is None else self.ep_group.rank * self.experts.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output for ``x`` (``(batch, seq, hidden)``); sets ``aux_loss``, ``stats``, ``last_routing``."""
+        """The block's output for ``x`` (``(batch, seq, hidden)``); sets ``aux_loss``, ``stats``, ``last_routing``
+        (not when an activation-checkpointing recomputation runs it again: `colo.tensor.moe.router.recomputing`)."""
         batch, seq, hidden = x.shape
         config = self.config
         tokens = x.reshape(-1, hidden)
@@ -74,10 +80,17 @@ class MoEBlock(nn.Module):
         else:
             out = expert_parallel(rows, permutation.counts, self.experts, self.ep_group)
         y = unpermute(out, permutation, routing.top_k_weights)
-        self._losses(routing, batch, permutation.counts, tokens.shape[0])
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        aux_loss, stats = self._losses(routing, batch, permutation.counts, tokens.shape[0])
+        if not recomputing():  # a recomputation computes the same (checkpointing needs the same saved tensors)
+            self.last_routing, self.aux_loss, self.stats = routing, aux_loss, stats
         return y.view(batch, seq, hidden)
 
-    def _losses(self, routing: Routing, batch: int, counts: torch.Tensor, num_tokens: int) -> None:
+    def _losses(
+        self, routing: Routing, batch: int, counts: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The weighted auxiliary loss and the detached statistics of one forward."""
         config = self.config
         balance = load_balancing_loss(
             routing.scores,
@@ -87,15 +100,15 @@ class MoEBlock(nn.Module):
             score_func=config.score_func,
         )
         router_z = z_loss(routing.logits)
-        self.last_routing = routing
-        self.aux_loss = config.aux_loss_coef * balance + config.z_loss_coef * router_z
+        aux_loss = config.aux_loss_coef * balance + config.z_loss_coef * router_z
         assignments = num_tokens * config.top_k
-        self.stats = {
+        stats = {
             "tokens_per_expert": counts.detach(),
             "drop_fraction": (1 - counts.sum() / max(assignments, 1)).detach().float(),
             "load_balancing_loss": balance.detach(),
             "z_loss": router_z.detach(),
         }
+        return aux_loss, stats
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:

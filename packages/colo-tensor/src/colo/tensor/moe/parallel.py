@@ -8,7 +8,12 @@ split over ``ep`` and replicated over ``dp``. So:
 - expert gradients over the ``dp`` ranks holding the same experts: ``mesh.group("dp")`` (`expert_data_axes`);
   because each expert saw the tokens of its whole ``ep`` group, its weight gradients are scaled by ``1 / ep`` in
   backward (``GroupedExperts.grad_scale``), so that average is the gradient of the mean loss over all data ranks;
-- the expert bias counts (aux-loss-free balancing) are summed over ``dp x ep``.
+- the expert bias counts (aux-loss-free balancing) are summed over ``dp x ep``;
+- shared experts (`SharedExperts`) are dense parameters: replicated, their gradients averaged over ``dp x ep``.
+
+Group-limited routing (`MoEConfig.num_groups`) splits the experts into contiguous groups as ``shard_experts`` splits
+them over ranks, so with ``num_groups == ep`` group ``g`` is exactly rank ``g``'s experts and ``top_k_groups`` bounds
+the ranks each token's rows are sent to (DeepSeek-V3's node-limited routing, with ep ranks for nodes).
 """
 
 from __future__ import annotations

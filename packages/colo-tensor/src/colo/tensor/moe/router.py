@@ -4,7 +4,12 @@ For tokens ``x`` (``(tokens, hidden)``) the router computes logits ``x W^T`` (``
 ``gate`` of Hugging Face's Mixtral), in fp32 (float64 inputs stay float64); scores ``softmax(logits)`` or
 ``sigmoid(logits)``; picks the top ``k`` of ``scores + bias`` per token (the bias, DeepSeek-V3's aux-loss-free
 balancing, only steers the choice) and weights each chosen expert by its score, renormalized over the k when
-``normalize_top_k``. Ties go to the lower expert index (``torch.topk``).
+``normalize_top_k``, then by ``routed_scaling_factor``. Ties go to the lower expert index (``torch.topk``).
+
+Group-limited routing (``num_groups > 1`` with ``top_k_groups < num_groups``; DeepSeek-V3, as transformers'
+``DeepseekV3TopkRouter`` computes it): the choice scores ``scores + bias`` are viewed as ``num_groups`` contiguous
+groups, each group is ranked by the sum of its two best choice scores (its best one when a group holds a single
+expert), and the experts outside the ``top_k_groups`` best groups are excluded from the top-k choice.
 """
 
 from __future__ import annotations
@@ -36,6 +41,26 @@ class Routing:
     top_k_index: torch.Tensor
 
 
+def recomputing() -> bool:
+    """Whether this forward is an activation-checkpointing recomputation: it runs inside a backward pass (the
+    autograd engine is executing a graph task), as `torch.utils.checkpoint` (reentrant or not, so Hugging Face's
+    gradient checkpointing too) recomputes a block. A router counts its assignments and a block records its losses
+    and statistics only in the original forward, so a recomputation neither counts them twice (which would skew the
+    aux-loss-free bias update) nor replaces them."""
+    return torch._C._current_graph_task_id() != -1  # no public API yet; torch.utils.checkpoint itself reads it
+
+
+def _outside_top_groups_excluded(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """``choice`` (``(T, E)``) with ``-inf`` for the experts outside each token's ``top_k_groups`` best groups, a
+    group ranked by the sum of its (up to) two best choice scores (module docstring)."""
+    tokens = choice.shape[0]
+    grouped = choice.view(tokens, config.num_groups, config.experts_per_group)
+    group_scores = grouped.topk(min(2, config.experts_per_group), dim=-1).values.sum(dim=-1)
+    best_groups = torch.topk(group_scores, config.groups_per_token, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(tokens, -1)
+
+
 class TopKRouter(nn.Module):
     """The gate of a mixture-of-experts block (see the module docstring).
 
@@ -63,14 +88,20 @@ class TopKRouter(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32 (float64 stays float64)
         logits = nn.functional.linear(x.to(dtype), self.weight.to(dtype))
         scores = torch.softmax(logits, dim=-1) if config.score_func == "softmax" else torch.sigmoid(logits)
-        if config.expert_bias:
-            _, top_k_index = torch.topk(scores.detach() + self.expert_bias, config.top_k, dim=-1)
+        limited = config.groups_per_token < config.num_groups
+        if config.expert_bias or limited:
+            choice = scores.detach() + self.expert_bias if config.expert_bias else scores.detach()
+            if limited:
+                choice = _outside_top_groups_excluded(choice, config)
+            _, top_k_index = torch.topk(choice, config.top_k, dim=-1)
             top_k_weights = scores.gather(1, top_k_index)
         else:
             top_k_weights, top_k_index = torch.topk(scores, config.top_k, dim=-1)
         if config.normalize_top_k:
             top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
-        if self.training:
+        if config.routed_scaling_factor != 1.0:
+            top_k_weights = top_k_weights * config.routed_scaling_factor
+        if self.training and not recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(top_k_index.flatten(), minlength=config.num_experts)
         return Routing(logits, scores, top_k_weights, top_k_index)

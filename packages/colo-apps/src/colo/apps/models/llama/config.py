@@ -92,6 +92,16 @@ class LlamaConfig:
         """Size of one attention head, ``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """Per-head sizes of the (query / key, value) vectors attention multiplies: ``(head_dim, head_dim)``."""
+        return self.head_dim, self.head_dim
+
+    @property
+    def num_norm_parameters(self) -> int:
+        """Parameters of the RMSNorm scales: two per layer and the final one."""
+        return (2 * self.num_hidden_layers + 1) * self.hidden_size
+
     @staticmethod
     def _check_positive_int(name: str, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

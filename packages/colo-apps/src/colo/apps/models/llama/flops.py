@@ -9,8 +9,7 @@ def matmul_parameters(config: LlamaConfig) -> int:
     """The weights of every matrix multiply of one token's forward pass: the attention projections, the MLP and
     ``lm_head`` (the embedding is a lookup and the norms are elementwise, so neither is counted; a tied matrix is
     counted once, as ``lm_head``)."""
-    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
-    return config.num_parameters(embeddings=False) - norms
+    return config.num_parameters(embeddings=False) - config.num_norm_parameters
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int, *, causal: bool = False) -> int:
@@ -22,7 +21,9 @@ def flops_per_token(config: LlamaConfig, seq_len: int, *, causal: bool = False) 
       gradients of its input and of its weights); ``N`` is `matmul_parameters`.
     - ``12 * L * S * H * D``: per layer, the scores ``q k^T`` and the product with ``v`` cost ``2 * S * H * D``
       FLOPs each per token forward over ``S`` keys (``L`` layers, ``H`` query heads of size ``D``), times 3 for
-      the backward. Grouped-query attention does not change it (every query head still scores every key).
+      the backward. Grouped-query attention does not change it (every query head still scores every key). With
+      query/key heads of ``Dqk`` and value heads of ``Dv`` (`LlamaConfig.attention_head_dims`; multi-head latent
+      attention) the term is ``6 * L * S * H * (Dqk + Dv)``.
 
     Model FLOPs, not hardware FLOPs: recomputation (activation checkpointing) is not counted, and with
     ``causal=False`` neither is the causal mask: the full ``S x S`` scores are counted, the convention MFU figures
@@ -38,5 +39,6 @@ def flops_per_token(config: LlamaConfig, seq_len: int, *, causal: bool = False) 
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"flops_per_token: seq_len={seq_len!r} must be a positive integer")
-    attention = 12 * config.num_hidden_layers * seq_len * config.num_attention_heads * config.head_dim
+    qk_dim, v_dim = config.attention_head_dims  # (D, D) for Llama; multi-head latent attention's differ
+    attention = 6 * config.num_hidden_layers * seq_len * config.num_attention_heads * (qk_dim + v_dim)
     return 6 * matmul_parameters(config) + (attention // 2 if causal else attention)

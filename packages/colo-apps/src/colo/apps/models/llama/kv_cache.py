@@ -77,8 +77,8 @@ class KVCache:
     def for_model(cls, model: nn.Module, *, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         """A cache shaped for ``model`` (a `Llama` or `LlamaStage`): its layers, heads, dtype and device.
 
-        The head counts are read from the attention modules, so a tensor-parallel model gets a cache of this
-        rank's kv heads.
+        The head counts are read from the attention modules (``num_kv_heads``, ``head_dim``), so a tensor-parallel
+        model gets a cache of this rank's kv heads (and multi-head latent attention one of its expanded, padded heads).
 
         Args:
             model (nn.Module): the model; must have ``config`` and ``layers``.
@@ -90,7 +90,8 @@ class KVCache:
         if not layers:
             raise ValueError("KVCache.for_model: the model has no decoder layers to cache")
         attention = layers[0].self_attn
-        weight = next(attention.qkv_proj.parameters(), None)  # a Linear's weight, a tp QKVParallelLinear's q_weight
+        projection = getattr(attention, "qkv_proj", attention)  # multi-head latent attention has several projections
+        weight = next(projection.parameters(), None)  # a Linear's weight, a tp QKVParallelLinear's q_weight
         if weight is None:  # a weight-only quantized projection (colo.apps.quant) holds buffers: the norm's dtype
             weight = layers[0].input_layernorm.weight
         return cls(

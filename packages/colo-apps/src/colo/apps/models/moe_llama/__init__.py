@@ -11,16 +11,24 @@ Example::
 """
 
 from .config import MOE_PRESETS, MoELlamaConfig, get_moe_preset
-from .hf import mixtral_config_from_hf, moe_llama_state_dict_from_hf, moe_llama_state_dict_to_hf
+from .hf import (
+    mixtral_config_from_hf,
+    moe_llama_state_dict_from_hf,
+    moe_llama_state_dict_to_deepseek_v3,
+    moe_llama_state_dict_to_hf,
+)
+from .mla import MultiHeadLatentAttention
 from .model import MoELlama, init_moe_llama_module
 
 __all__ = [
     "MOE_PRESETS",
     "MoELlama",
     "MoELlamaConfig",
+    "MultiHeadLatentAttention",
     "get_moe_preset",
     "init_moe_llama_module",
     "mixtral_config_from_hf",
     "moe_llama_state_dict_from_hf",
+    "moe_llama_state_dict_to_deepseek_v3",
     "moe_llama_state_dict_to_hf",
 ]

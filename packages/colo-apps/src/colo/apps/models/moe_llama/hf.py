@@ -5,6 +5,11 @@ Checkpoint names are those ``save_pretrained`` writes for Mixtral: ``model.layer
 ``(intermediate, hidden)``), ``w3`` (up, same shape) and ``w2`` (down, ``(hidden, intermediate)``). `MoELlama` keeps
 each as an ``(E, ...)`` tensor (``layers.N.mlp.experts.w1``); everything else maps as for Llama
 (`colo.apps.models.llama.hf`). Only models whose every layer is MoE have a Mixtral equivalent.
+
+DeepSeek-V3 (`moe_llama_state_dict_to_deepseek_v3`): ``model.layers.N.mlp.gate.weight``, the router bias as
+``mlp.gate.e_score_correction_bias``, one tensor per expert as ``mlp.experts.{e}.gate_proj.weight`` (``w1``),
+``up_proj`` (``w3``) and ``down_proj`` (``w2``); the shared experts, the dense layers' MLPs and the multi-head latent
+attention keep their names under ``model.``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,31 @@ def moe_llama_state_dict_to_hf(state_dict: Mapping[str, torch.Tensor], config: M
         elif gate:
             result[f"model.layers.{gate.group(1)}.block_sparse_moe.gate.weight"] = tensor
         elif name.endswith("expert_bias") or name.endswith("tokens_per_expert"):
+            continue
+        else:
+            rest[name] = tensor
+    result.update(llama_state_dict_to_hf(rest, config))
+    return result
+
+
+_DEEPSEEK_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_COLO_BIAS = re.compile(r"^layers\.(\d+)\.mlp\.gate\.expert_bias$")
+
+
+def moe_llama_state_dict_to_deepseek_v3(state_dict: Mapping[str, torch.Tensor], config: MoELlamaConfig) -> dict:
+    """Rename a `MoELlama` state dict (unsharded tensors, the routers' ``expert_bias`` buffers included) into
+    DeepSeek-V3 checkpoint names, one tensor per expert (see the module docstring)."""
+    rest: dict[str, torch.Tensor] = {}
+    result: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        experts, bias = _COLO_EXPERTS.match(name), _COLO_BIAS.match(name)
+        if experts:
+            layer, which = experts.groups()
+            for e in range(tensor.shape[0]):
+                result[f"model.layers.{layer}.mlp.experts.{e}.{_DEEPSEEK_EXPERT_NAMES[which]}.weight"] = tensor[e]
+        elif bias:
+            result[f"model.layers.{bias.group(1)}.mlp.gate.e_score_correction_bias"] = tensor
+        elif name.endswith("tokens_per_expert"):
             continue
         else:
             rest[name] = tensor

@@ -2,7 +2,9 @@
 
 Layer ``i`` with ``config.is_moe_layer(i)`` has a `colo.tensor.moe.MoEBlock` as its ``mlp`` (router ``mlp.gate``,
 experts ``mlp.experts.w1`` / ``w2`` / ``w3`` as ``(E, ...)`` tensors: transformers 5's in-memory Mixtral names up to
-the fused ``gate_up_proj``); every other module is `colo.apps.models.llama.Llama`'s. The training loss is the
+the fused ``gate_up_proj``; with shared experts DeepSeek-V3's ``mlp.shared_experts.gate_proj`` / ``up_proj`` /
+``down_proj``); with ``kv_lora_rank`` set, each ``self_attn`` is DeepSeek-V3's multi-head latent attention
+(`colo.apps.models.moe_llama.mla`); every other module is `colo.apps.models.llama.Llama`'s. The training loss is the
 next-token loss plus every MoE layer's weighted auxiliary losses from the same forward. Expert parallelism is applied
 from outside (`colo.tensor.moe.shard_experts`).
 """
@@ -14,8 +16,10 @@ from torch import nn
 
 from colo.tensor.moe import GroupedExperts, MoEBlock, TopKRouter, moe_aux_loss
 
+from ..llama.layers import RotaryEmbedding
 from ..llama.model import Llama, LlamaOutput, init_llama_module, module_seed
 from .config import MoELlamaConfig
+from .mla import MultiHeadLatentAttention
 
 
 @torch.no_grad()
@@ -60,10 +64,26 @@ class MoELlama(Llama):
         super().__init__(config)
         meta = self.embed_tokens.weight.is_meta
         moe = config.moe_config()
-        for index, layer in self.layers.items():
-            if config.is_moe_layer(int(index)):
-                with torch.device("meta" if meta else self.embed_tokens.weight.device):
-                    layer.mlp = MoEBlock(config.hidden_size, config.intermediate_size, moe)
+        with torch.device("meta" if meta else self.embed_tokens.weight.device):
+            for index, layer in self.layers.items():
+                if config.is_moe_layer(int(index)):
+                    layer.mlp = MoEBlock(config.hidden_size, config.expert_intermediate_size, moe)
+                if config.latent_attention:
+                    layer.self_attn = MultiHeadLatentAttention(
+                        config.hidden_size,
+                        config.num_attention_heads,
+                        kv_lora_rank=config.kv_lora_rank,
+                        q_lora_rank=config.q_lora_rank,
+                        qk_nope_head_dim=config.qk_nope_head_dim,
+                        qk_rope_head_dim=config.qk_rope_head_dim,
+                        v_head_dim=config.v_head_dim,
+                        rope_interleave=config.rope_interleave,
+                        rms_norm_eps=config.rms_norm_eps,
+                    )
+            if config.latent_attention:  # the rotary tables of the decoupled rotary dims
+                self.rotary_emb = RotaryEmbedding(
+                    config.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta
+                )
         self._building = False
         if not meta:
             self.init_weights()
