@@ -6,6 +6,9 @@ none); both must generate the same number of rounds (a rank that stopped early w
 collective) and end with the same number of rows (the update's microbatches). A short ``data.task: grpo`` run on two
 ranks with the exact-answer reward, where most groups of a freshly SFT'd policy score all 0, then trains through the
 refill, the overlong punishment and the truncation mask without a hang, logging the metrics.
+
+Rows whose loss is identically zero (masked out, or a zero advantage at beta 0) leave the update's compute: the
+update of two ranks that drop different rows, in two microbatches, equals one process's update of the whole batch.
 """
 
 from __future__ import annotations
@@ -198,5 +201,73 @@ def test_grpo_run_with_dapo_settings_on_two_ranks(tmp_path):
         assert 0 <= record["grpo/dynamic_extra_rounds"] <= 2
         assert record["grpo/dynamic_dropped_groups"] >= record["grpo/dynamic_shortfall_groups"] >= 0
         assert 0.0 <= record["grpo/truncated_fraction"] <= 1.0
+        # masked rows leave the compute, but for at most 2 a rank (of its 8) put back to fill its 2 microbatches
+        assert record["grpo/skipped_fraction"] >= record["grpo/truncated_fraction"] - 4 / 16
+        assert record["grpo/skipped_fraction"] > 0
+        assert "grpo/kl" not in record  # beta 0: no reference is taken, no KL reported
     # the fresh policy answers few sums: some groups scored all equal and were dropped
     assert sum(r["grpo/dynamic_dropped_groups"] for r in steps) > 0
+
+
+# --- rows that cannot move the weights leave the update ------------------------------------------------------------
+
+
+ROWS, PROMPT, RESPONSE = 8, 4, 5
+
+
+def _skip_case(skip: bool, num_microbatches: int) -> dict:
+    """One GRPO update at beta 0 on a batch with truncated (masked) rows and a group of equal rewards; with ``skip``
+    the rows of identically zero loss are left out (the counts still taken over the whole batch)."""
+    import torch.distributed as dist
+
+    from colo.apps import DDP, Booster, Llama, get_preset
+    from colo.apps.rlhf import GRPOCriterion, attach_rollout_forward, global_counts
+    from colo.apps.rlhf.grpo_task import _whole_microbatches
+    from colo.apps.rlhf.policy_loss import rows_with_gradient
+
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(4, 128, (ROWS, PROMPT + RESPONSE), generator=generator)
+    lengths = torch.tensor([5, 0, 3, 0, 2, 5, 1, 4])  # rows 1 and 3: truncated, masked out of the loss
+    mask = (torch.arange(RESPONSE)[None, :] < lengths[:, None]).long()
+    advantages = torch.tensor([0.7, -0.2, 0.4, -0.9, 0.0, 0.0, 0.0, 0.0])  # the second group: equal rewards
+    model = Llama(get_preset("tiny", initializer_range=0.1))
+    model.init_weights(3)
+    attach_rollout_forward(model, temperature=0.9)
+    criterion = GRPOCriterion(loss_aggregation="token-mean", beta=0.0, eps_low=0.2, eps_high=0.28)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    booster = Booster(DDP(num_microbatches=num_microbatches))
+    booster.boost(model, optimizer, criterion=criterion)
+    group = booster.mesh.group("dp")
+    rank, world = dist.get_rank(), group.size
+    positions = torch.arange(PROMPT + RESPONSE).expand(ROWS, -1)
+    batch = {
+        "input_ids": input_ids,
+        "position_ids": positions,
+        "document_ids": torch.zeros_like(input_ids),
+        "response_mask": mask,
+        "advantages": advantages,
+        "old_logps": -4.0 + 0.3 * torch.randn(ROWS, RESPONSE, generator=generator),
+    }
+    rows = ROWS // world
+    batch = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
+    counts = global_counts(batch["response_mask"], max_new_tokens=RESPONSE, group=group)
+    kept = rows
+    if skip:
+        keep = _whole_microbatches(rows_with_gradient(batch["advantages"], batch["response_mask"], beta=0.0), 2)
+        batch = {key: value[keep] for key, value in batch.items()}
+        kept = int(keep.sum())
+    criterion.prepare(counts, num_microbatches=num_microbatches, num_data_ranks=world)
+    loss = float(booster.train_step(batch).loss)
+    return {"loss": loss, "kept": kept, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_rows_of_zero_loss_leave_the_update_without_changing_it():
+    full = run_distributed(_skip_case, False, 1, world_size=1, timeout=60)[0]
+    skipped = run_distributed(_skip_case, True, 2, world_size=2, timeout=60)
+    # rank 0 keeps rows 0 and 2 (1 and 3 are masked); rank 1 keeps none and takes back 2 rows for its 2 microbatches
+    assert [rank["kept"] for rank in skipped] == [2, 2]
+    assert abs(full["loss"]) > 1e-3
+    for rank in skipped:
+        assert rank["loss"] == pytest.approx(full["loss"], rel=1e-6, abs=1e-7)
+        for param, expected in zip(rank["params"], full["params"], strict=True):
+            torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)  # summation order only

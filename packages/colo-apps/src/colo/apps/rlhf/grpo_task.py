@@ -42,7 +42,7 @@ from ..train.language_model import LanguageModelTask
 from .advantages import group_advantages
 from .dapo import fill_informative_groups, soft_overlong_punishment, truncated_rows
 from .grpo import GRPOCriterion, attach_rollout_forward
-from .policy_loss import global_counts
+from .policy_loss import global_counts, rows_with_gradient
 from .prompts import build_prompt_dataset
 from .rewards import compute_rewards, load_reward_function
 
@@ -129,7 +129,7 @@ class GRPOTask(LanguageModelTask):
         self._attach(trainer)
         if step < self.sft_steps:
             return self._sft_step(trainer)
-        if self.reference is None:
+        if self.reference is None and self.settings.beta > 0:  # beta 0 (DAPO): no KL term, no reference
             self._take_reference(trainer, step)
         return self._grpo_step(trainer, step)
 
@@ -173,6 +173,8 @@ class GRPOTask(LanguageModelTask):
                     f"{prefix}/time_update": total["update_seconds"] / steps,
                 }
             )
+            if "skipped_rows" in total:  # rows whose loss is identically zero, left out of the update's compute
+                metrics[f"{prefix}/skipped_fraction"] = total["skipped_rows"] / rows
             if "truncated_rows" in total:  # TRL's completions/clipped_ratio: rows that ran out of budget
                 metrics[f"{prefix}/truncated_fraction"] = total["truncated_rows"] / rows
             ranks = group.size if group is not None else 1  # "steps" counts each rank's steps
@@ -336,11 +338,6 @@ class GRPOTask(LanguageModelTask):
             "response_mask": mask,
             "advantages": advantages.to(device),
         }
-        on_policy = self.updates_per_step == 1  # the update's own forward gives the old log-probs (grpo.py)
-        if not on_policy:
-            batch["old_logps"] = self._logps(booster.forward, batch)
-        batch["ref_logps"] = self._logps(self.reference, batch)
-        scored = time.perf_counter()
         minibatches = self.settings.minibatches
         microbatches = booster.plugin.num_microbatches
         if rollout.num_rows % (minibatches * microbatches):
@@ -348,21 +345,38 @@ class GRPOTask(LanguageModelTask):
                 f"{rollout.num_rows} completions on this rank do not split into grpo.minibatches={minibatches} x "
                 f"schedule.num_microbatches={microbatches}; change data.global_batch_size or those"
             )
+        counts, rollout_logps = None, rollout.logprobs
+        if minibatches == 1:  # rows whose loss is identically zero leave the update; the counts keep them
+            counts = global_counts(mask, max_new_tokens=self.params.max_new_tokens, group=group)
+            keep = _whole_microbatches(rows_with_gradient(advantages, mask, beta=settings.beta), microbatches)
+            if not bool(keep.all()):
+                batch = {key: value[keep.to(value.device)] for key, value in batch.items()}
+                rollout_logps = rollout.logprobs[keep.to(rollout.logprobs.device)]
+            self._add(skipped_rows=float((~keep).sum()))
+        on_policy = self.updates_per_step == 1  # the update's own forward gives the old log-probs (grpo.py)
+        if not on_policy:
+            batch["old_logps"] = self._logps(booster.forward, batch)
+        if self.reference is not None:
+            batch["ref_logps"] = self._logps(self.reference, batch)
+        scored = time.perf_counter()
         losses, outcome = [], None
         for _ in range(self.settings.epochs):
             for part in split_batch(batch, minibatches):
-                counts = global_counts(part["response_mask"], max_new_tokens=self.params.max_new_tokens, group=group)
+                if counts is None or minibatches > 1:
+                    max_new = self.params.max_new_tokens
+                    counts = global_counts(part["response_mask"], max_new_tokens=max_new, group=group)
                 self.criterion.prepare(counts, num_microbatches=microbatches, num_data_ranks=group.size)
                 outcome = booster.train_step(part)
                 losses.append(outcome.loss)
         updated = time.perf_counter()
+        trained_mask = batch["response_mask"]
         old_logps = self.criterion.take_forward_logps() if on_policy else batch["old_logps"]
-        if old_logps is None or old_logps.shape != mask.shape:
+        if old_logps is None or old_logps.shape != trained_mask.shape:
             raise RuntimeError(
                 f"GRPO: the update's forwards gave log-probs of shape "
-                f"{None if old_logps is None else tuple(old_logps.shape)} for a rollout of {tuple(mask.shape)}"
+                f"{None if old_logps is None else tuple(old_logps.shape)} for a batch of {tuple(trained_mask.shape)}"
             )
-        mismatch = (old_logps - rollout.logprobs).abs() * mask
+        mismatch = (old_logps - rollout_logps).abs() * trained_mask
         self._add(
             steps=1.0,
             rows=float(first_rows),  # the rewards of the step's own prompts: what the policy earns on them
@@ -372,7 +386,7 @@ class GRPOTask(LanguageModelTask):
             generated_tokens=float(generated),
             truncated_rows=float(truncated.sum()),
             mismatch_sum=float(mismatch.sum()),
-            mismatch_tokens=float(mask.sum()),
+            mismatch_tokens=float(trained_mask.sum()),
             rollout_seconds=rolled - started,
             logprob_seconds=scored - rolled,
             update_seconds=updated - scored,
@@ -476,6 +490,16 @@ def _reference_path(trainer) -> str:
     if "tp" in mesh.shape and mesh.size("tp") > 1:
         return path.replace(".safetensors", f"-tp{mesh.rank('tp')}-of-{mesh.size('tp')}.safetensors")
     return path
+
+
+def _whole_microbatches(keep: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """``keep`` with skipped rows put back, first first, until the kept rows fill whole microbatches (at least one
+    row each: every rank runs every microbatch's forward and backward, so data-parallel ranks stay in step)."""
+    keep = keep.clone()
+    short = (-int(keep.sum())) % microbatches or (microbatches if not bool(keep.any()) else 0)
+    for row in (~keep).nonzero().flatten().tolist()[:short]:
+        keep[row] = True
+    return keep
 
 
 def _forever(sampler):
