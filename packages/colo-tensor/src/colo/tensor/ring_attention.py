@@ -19,7 +19,13 @@ computes ``r`` full ones and 1 diagonal, so the last rank sets the pace.
 
 Packed rows (several documents per row): ``document_ids`` holds the ids of the *whole* sequence, the same on every
 rank; each block step gets the ids of its query chunk and of the key chunks it sees (the zigzag split cuts the ids
-as it cuts the tokens), so attention stays within each document exactly as in the single process.
+as it cuts the tokens), so attention stays within each document exactly as in the single process. A key chunk whose
+documents cannot meet the query chunk's in any row (ids are non-decreasing, so each chunk covers one interval of ids
+per row, read once per call from the ids' first and last entries per chunk) is left out of the block step, forward
+and backward, and a block step left with no key chunk is skipped: every query would have masked all of those keys,
+so the output, the log-sum-exp and the gradients are the same as computing them (packed long responses then cost the
+attention of their own documents, not of the whole row). The blocks still travel the whole ring: a block passes
+through ranks that skip it on its way to ranks that need it.
 
 Sequences that are not a multiple of the number of chunks are padded at the end (`shard_sequence`) and
 ``seq_len`` tells ring attention where the real tokens stop: padded keys are cut off each block and padded
@@ -72,6 +78,18 @@ class _Ring:
         self.chunk_len = local_len // (1 if layout == "contiguous" else 2)
         self.seq_len = seq_len
         self.document_ids = document_ids  # (batch, padded global length) or None
+        self.chunk_ids = None  # (batch, chunks, 2): first and last document id of every chunk, on the host
+        if document_ids is not None:
+            chunks = self.n * (1 if layout == "contiguous" else 2)
+            ids = document_ids[:, : chunks * self.chunk_len].reshape(document_ids.shape[0], chunks, self.chunk_len)
+            self.chunk_ids = torch.stack([ids[..., 0], ids[..., -1]], dim=-1).cpu()
+
+    def meets(self, query_chunk: int, key_chunk: int) -> bool:
+        """Whether some row has a document in both chunks (their id intervals overlap; always, without ids)."""
+        if self.chunk_ids is None:
+            return True
+        query, key = self.chunk_ids[:, query_chunk], self.chunk_ids[:, key_chunk]
+        return bool(((key[:, 1] >= query[:, 0]) & (key[:, 0] <= query[:, 1])).any())
 
     def documents(self, source: int, q_offset: int, q_len: int, spans: list[tuple[int, int]]) -> dict:
         """The block step's ``query_document_ids`` and ``document_ids`` (keys), sliced from the global ids."""
@@ -95,9 +113,12 @@ class _Ring:
     def calls(self, source: int) -> list[tuple[int, int, list[tuple[int, int]], bool]]:
         """``(query offset, query length, [(key offset, key length)], causal)`` for the block of ``source``."""
         query_valid, key_valid = self.valid(self.rank), self.valid(source)
+        query_chunks, key_chunks = (shard_chunks(self.n, owner, self.layout) for owner in (self.rank, source))
         out = []
         for qi, keys, causal in ring_attention_calls(self.n, self.rank, source, causal=self.causal, layout=self.layout):
-            spans = [(ki * self.chunk_len, key_valid[ki]) for ki in keys if key_valid[ki]]
+            # the diagonal (causal) chunk always meets its own queries, so it is never the one left out
+            keys = [ki for ki in keys if key_valid[ki] and self.meets(query_chunks[qi], key_chunks[ki])]
+            spans = [(ki * self.chunk_len, key_valid[ki]) for ki in keys]
             if query_valid[qi] and spans:
                 out.append((qi * self.chunk_len, query_valid[qi], spans, causal))
         return out
