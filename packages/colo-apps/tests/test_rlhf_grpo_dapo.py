@@ -222,8 +222,7 @@ def _skip_case(skip: bool, num_microbatches: int) -> dict:
 
     from colo.apps import DDP, Booster, Llama, get_preset
     from colo.apps.rlhf import GRPOCriterion, attach_rollout_forward, global_counts
-    from colo.apps.rlhf.grpo_task import _whole_microbatches
-    from colo.apps.rlhf.policy_loss import rows_with_gradient
+    from colo.apps.rlhf.policy_loss import keep_whole_microbatches, rows_with_gradient
 
     generator = torch.Generator().manual_seed(7)
     input_ids = torch.randint(4, 128, (ROWS, PROMPT + RESPONSE), generator=generator)
@@ -253,7 +252,7 @@ def _skip_case(skip: bool, num_microbatches: int) -> dict:
     counts = global_counts(batch["response_mask"], max_new_tokens=RESPONSE, group=group)
     kept = rows
     if skip:
-        keep = _whole_microbatches(rows_with_gradient(batch["advantages"], batch["response_mask"], beta=0.0), 2)
+        keep = keep_whole_microbatches(rows_with_gradient(batch["advantages"], batch["response_mask"], beta=0.0), 2)
         batch = {key: value[keep] for key, value in batch.items()}
         kept = int(keep.sum())
     criterion.prepare(counts, num_microbatches=num_microbatches, num_data_ranks=world)

@@ -42,7 +42,7 @@ from ..train.language_model import LanguageModelTask
 from .advantages import group_advantages
 from .dapo import fill_informative_groups, soft_overlong_punishment, truncated_rows
 from .grpo import GRPOCriterion, attach_rollout_forward
-from .policy_loss import global_counts, rows_with_gradient
+from .policy_loss import global_counts, keep_whole_microbatches, rows_with_gradient
 from .prompts import build_prompt_dataset
 from .rewards import compute_rewards, load_reward_function
 
@@ -348,7 +348,7 @@ class GRPOTask(LanguageModelTask):
         counts, rollout_logps = None, rollout.logprobs
         if minibatches == 1:  # rows whose loss is identically zero leave the update; the counts keep them
             counts = global_counts(mask, max_new_tokens=self.params.max_new_tokens, group=group)
-            keep = _whole_microbatches(rows_with_gradient(advantages, mask, beta=settings.beta), microbatches)
+            keep = keep_whole_microbatches(rows_with_gradient(advantages, mask, beta=settings.beta), microbatches)
             if not bool(keep.all()):
                 batch = {key: value[keep.to(value.device)] for key, value in batch.items()}
                 rollout_logps = rollout.logprobs[keep.to(rollout.logprobs.device)]
@@ -490,16 +490,6 @@ def _reference_path(trainer) -> str:
     if "tp" in mesh.shape and mesh.size("tp") > 1:
         return path.replace(".safetensors", f"-tp{mesh.rank('tp')}-of-{mesh.size('tp')}.safetensors")
     return path
-
-
-def _whole_microbatches(keep: torch.Tensor, microbatches: int) -> torch.Tensor:
-    """``keep`` with skipped rows put back, first first, until the kept rows fill whole microbatches (at least one
-    row each: every rank runs every microbatch's forward and backward, so data-parallel ranks stay in step)."""
-    keep = keep.clone()
-    short = (-int(keep.sum())) % microbatches or (microbatches if not bool(keep.any()) else 0)
-    for row in (~keep).nonzero().flatten().tolist()[:short]:
-        keep[row] = True
-    return keep
 
 
 def _forever(sampler):

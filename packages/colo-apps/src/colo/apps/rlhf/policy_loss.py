@@ -156,6 +156,18 @@ def rows_with_gradient(advantages: torch.Tensor, response_mask: torch.Tensor, *,
     return has_tokens & (per_row.to(has_tokens.device) != 0)
 
 
+def keep_whole_microbatches(keep: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+    """``keep`` (``(R,)`` bool, from `rows_with_gradient`) with left-out rows put back, first first, until the kept
+    rows fill whole microbatches, at least one row each: every data-parallel rank runs every microbatch's forward and
+    backward, so ranks stay in step. ``R`` must be a multiple of ``num_microbatches``."""
+    keep = keep.clone()
+    kept = int(keep.sum())
+    short = (-kept) % num_microbatches if kept else num_microbatches
+    for row in (~keep).nonzero().flatten().tolist()[:short]:
+        keep[row] = True
+    return keep
+
+
 @dataclass(frozen=True)
 class AggregationCounts:
     """The global denominators of `aggregate_loss` for one update batch.
