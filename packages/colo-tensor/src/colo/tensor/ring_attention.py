@@ -19,8 +19,9 @@ computes ``r`` full ones and 1 diagonal, so the last rank sets the pace.
 
 Packed rows (several documents per row): ``document_ids`` holds the ids of the *whole* sequence, the same on every
 rank; each block step gets the ids of its query chunk and of the key chunks it sees (the zigzag split cuts the ids
-as it cuts the tokens), so attention stays within each document exactly as in the single process. A block step
-whose query chunk shares no document with its key chunks in any row is skipped, and a key/value block travels only
+as it cuts the tokens), so attention stays within each document exactly as in the single process. A key chunk
+that shares no document with the query chunk in any row is left out of the block step (a step left with none is
+skipped), and a key/value block travels only
 as far around the ring as the farthest rank that attends to it (`RingPlan`: every rank derives the same plan from
 the same ids, so a skipped send is a skipped receive on the other side). With short packed documents most blocks
 stay home: a rank computes and receives only what its documents reach.
@@ -86,7 +87,7 @@ class RingPlan:
 
     Attributes:
         steps: ``steps[(rank, source)]``: the block steps `Span` rank ``rank`` computes on rank ``source``'s block
-            (padding cut off; steps whose query and key chunks share no document in any row left out).
+            (padding cut off; key chunks that share no document with the query chunk in any row left out).
         travel: ``travel[s]``: how many ring hops rank ``s``'s block makes, the ring distance ``(r - s) mod n`` of
             the farthest rank ``r`` with a step on it (0: it stays home).
     """
@@ -123,22 +124,21 @@ def ring_plan(
                 ids = document_ids[:, chunk * chunk_len : chunk * chunk_len + length]
                 runs[rank, index] = [torch.unique_consecutive(row) for row in ids]
 
-    def meet(rank: int, query_index: int, source: int, key_indices: list[int]) -> bool:
+    def meet(rank: int, query_index: int, source: int, key_index: int) -> bool:
+        """Whether, in some row, the query chunk and the key chunk share a document."""
         if runs is None:
             return True
-        for row, query_ids in enumerate(runs[rank, query_index]):
-            key_ids = torch.cat([runs[source, k][row] for k in key_indices])
-            if torch.isin(query_ids, key_ids).any():
-                return True
-        return False
+        pairs = zip(runs[rank, query_index], runs[source, key_index], strict=True)
+        return any(bool(torch.isin(query_ids, key_ids).any()) for query_ids, key_ids in pairs)
 
     steps: dict[tuple[int, int], list[Span]] = {}
     for rank in range(n):
         for source in range(n):
             spans = []
             for qi, keys, block_causal in ring_attention_calls(n, rank, source, causal=causal, layout=layout):
-                keys = [ki for ki in keys if valid[source][ki]]
-                if valid[rank][qi] and keys and meet(rank, qi, source, keys):
+                # the diagonal chunk, when visible, is the last and always meets itself: the causal flag holds
+                keys = [ki for ki in keys if valid[source][ki] and valid[rank][qi] and meet(rank, qi, source, ki)]
+                if keys:
                     key_spans = [(ki * chunk_len, valid[source][ki]) for ki in keys]
                     spans.append((qi * chunk_len, valid[rank][qi], key_spans, block_causal))
             steps[rank, source] = spans

@@ -12,8 +12,9 @@
   ``tiny-grpo`` preset's prompts).
 - GRPO / RLOO (``data.task: grpo``): `advantages` (`group_advantages`: GRPO, Dr. GRPO, RLOO), `policy_loss` (KL
   estimators, the clipped loss, loss aggregation with global counts), `grpo` (`attach_rollout_forward`,
-  `GRPOCriterion`), `rewards` (reward functions by import path), `prompts` (`PromptDataset`), `grpo_task` (the
-  trainer's `GRPOTask`).
+  `GRPOCriterion`), `rewards` (reward functions by import path), `math_answer` (the verifiable math-answer reward:
+  `math_answer`, `extract_answer`, `answers_match`), `dapo` (DAPO's overlong punishment, truncation mask and dynamic
+  sampling), `prompts` (`PromptDataset`), `grpo_task` (the trainer's `GRPOTask`).
 - PPO (``data.task: ppo``): `ppo` (KL-shaped rewards, GAE, global whitening, the clipped value loss, the clipped
   policy loss with dual clip and entropy bonus, fixed / adaptive KL controllers, `PPOCriterion`), `critic`
   (`add_value_head`, `attach_ppo_forward`: per-token log-probs, entropies and values; `critic_from_policy`),
@@ -28,6 +29,7 @@ from .critic import add_value_head, attach_ppo_forward, critic_from_policy
 from .data import PreferenceDataset, read_preference_records
 from .grpo import GRPOCriterion, attach_rollout_forward
 from .losses import PREFERENCE_LOSSES, bradley_terry_loss, dpo_loss, ipo_loss, preference_loss, simpo_loss
+from .math_answer import answers_match, extract_answer, math_answer
 from .modeling import (
     attach_pair_forward,
     last_non_pad_index,
@@ -88,6 +90,9 @@ __all__ = [
     "clipped_policy_loss",
     "compute_rewards",
     "exact_answer",
+    "answers_match",
+    "extract_answer",
+    "math_answer",
     "global_counts",
     "group_advantages",
     "kl_penalty",

@@ -154,8 +154,8 @@ class GRPOCriterion(_TokenMetrics):
     the microbatch holds ``response_mask`` (``(R, T)``), ``advantages`` (``(R,)``), ``old_logps`` (``(R, T)``; left
     out for an on-policy update: the forward's own log-probs, detached, see the module docstring) and, with a
     reference, ``ref_logps``. Call `prepare` with the update batch's global counts before each
-    ``booster.train_step``. Metrics (means over response tokens): ``kl``, ``clip_fraction``, ``entropy``,
-    ``ratio``.
+    ``booster.train_step``. Metrics (means over response tokens): ``kl`` (with a reference), ``clip_fraction``,
+    ``entropy``, ``ratio``.
 
     Args:
         loss_aggregation (str): one of `LOSS_AGGREGATIONS`. Default: ``"token-mean"``.
@@ -234,5 +234,8 @@ class GRPOCriterion(_TokenMetrics):
             kl_ratio_correction=self.kl_ratio_correction,
         )
         share = aggregate_loss(terms.loss, mask, self.loss_aggregation, self.counts)
-        self.record(mask, kl=terms.kl, clip_fraction=terms.clipped, entropy=output["entropy"], ratio=terms.ratio)
+        stats = {"clip_fraction": terms.clipped, "entropy": output["entropy"], "ratio": terms.ratio}
+        if batch.get("ref_logps") is not None:  # no reference (beta 0): no KL to report
+            stats["kl"] = terms.kl
+        self.record(mask, **stats)
         return share * self.scale

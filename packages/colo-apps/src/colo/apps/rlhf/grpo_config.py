@@ -84,10 +84,44 @@ class GRPOSection(RolloutSection):
     eps_high: float | None = Field(
         default=None, ge=0, description="Upper clip range: 1 + eps_high (DAPO's clip-higher); None: eps_low."
     )
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="DAPO's dynamic sampling (colo.apps.rlhf.dapo): drop the prompt groups whose rewards are all equal "
+        "(zero advantage) and refill the step's batch with groups generated from the next prompts, for at most "
+        "grpo.dynamic_sampling_max_rounds extra rounds (agreed by every data-parallel rank); a batch still short then "
+        "is filled with dropped groups. Metrics: grpo/dynamic_dropped_groups, grpo/dynamic_extra_rounds, "
+        "grpo/dynamic_shortfall_groups.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        default=3,
+        ge=1,
+        description="With grpo.dynamic_sampling: the most generation rounds per step after the first (each draws a "
+        "new batch of prompts from the sampler).",
+    )
+    overlong_buffer: int = Field(
+        default=0,
+        ge=0,
+        description="DAPO's soft overlong punishment (TRL's get_soft_overlong_punishment): a completion of n tokens "
+        "(eos counted) gets grpo.overlong_penalty * (L - B - n) / B added to its reward when n > L - B, with L = "
+        "grpo.max_new_tokens and B this buffer; 0: off.",
+    )
+    overlong_penalty: float = Field(
+        default=1.0, ge=0, description="The overlong punishment at the budget (-penalty at n = max_new_tokens)."
+    )
+    mask_truncated: bool = Field(
+        default=False,
+        description="Leave completions that ran out of budget without an eos out of the loss and its token count "
+        "(DAPO's overlong filtering, TRL's mask_truncated_completions); their rows still count as sequences.",
+    )
 
     @model_validator(mode="after")
     def _valid(self):
         check_group_size(self.group_size, self.advantage, field="grpo.group_size")
         if not self.reward_functions:
             raise ValueError("grpo.reward_functions is empty; name at least one 'module:function'")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(
+                f"grpo.overlong_buffer={self.overlong_buffer} exceeds grpo.max_new_tokens={self.max_new_tokens}: the "
+                "buffer is the last tokens before the budget; set it to at most max_new_tokens (0: off)"
+            )
         return self

@@ -5,8 +5,12 @@ Each step on each data-parallel rank (`GRPOTask.train_step`):
 1. **rollout**: this rank's prompts (the resumable sampler's batch) are continued ``grpo.group_size`` times each by
    `colo.apps.generation.RolloutEngine` from the weights the Booster trains (in place under DDP / ZeRO 1-2), with a
    sampling generator seeded by ``(seed, step, rank)`` (a resumed run draws the same completions);
-2. **rewards** from the reward functions (`colo.apps.rlhf.rewards`), **advantages** per prompt group
-   (`colo.apps.rlhf.advantages`; a group never spans ranks, so this needs no communication);
+2. **rewards** from the reward functions (`colo.apps.rlhf.rewards`) plus, with ``grpo.overlong_buffer``, DAPO's
+   soft overlong punishment; with ``grpo.dynamic_sampling`` the groups of all-equal rewards are dropped and the batch
+   refilled from the next prompts (`colo.apps.rlhf.dapo.fill_informative_groups`, every rank generating the same
+   number of rounds and keeping the same number of rows); **advantages** per prompt group
+   (`colo.apps.rlhf.advantages`; a group never spans ranks, so this needs no communication); with
+   ``grpo.mask_truncated`` the completions that ran out of budget are left out of the loss;
 3. **log-probs**: the old log-probs recomputed by the training forward over the rollout (as verl does: the loss's
    ratio then compares like with like; their distance to the rollout's own log-probs is logged as
    ``grpo/logprob_mismatch``), and the frozen reference's. With one update per step (``grpo.epochs`` x
@@ -36,8 +40,9 @@ from ..data import IGNORE_INDEX
 from ..generation import SamplingParams, rollout_model_inputs
 from ..train.language_model import LanguageModelTask
 from .advantages import group_advantages
+from .dapo import fill_informative_groups, soft_overlong_punishment, truncated_rows
 from .grpo import GRPOCriterion, attach_rollout_forward
-from .policy_loss import global_counts
+from .policy_loss import global_counts, keep_whole_microbatches, rows_with_gradient
 from .prompts import build_prompt_dataset
 from .rewards import compute_rewards, load_reward_function
 
@@ -124,7 +129,7 @@ class GRPOTask(LanguageModelTask):
         self._attach(trainer)
         if step < self.sft_steps:
             return self._sft_step(trainer)
-        if self.reference is None:
+        if self.reference is None and self.settings.beta > 0:  # beta 0 (DAPO): no KL term, no reference
             self._take_reference(trainer, step)
         return self._grpo_step(trainer, step)
 
@@ -151,13 +156,14 @@ class GRPOTask(LanguageModelTask):
         if total.get("rows"):
             rows, steps = total["rows"], max(total["steps"], 1.0)
             mean = total["reward_sum"] / rows
-            generated = total["response_tokens"] / max(peak["rollout_seconds"], 1e-9)
+            generated = total.get("generated_tokens", total["response_tokens"]) / max(peak["rollout_seconds"], 1e-9)
+            checked = total.get("mismatch_tokens", total["response_tokens"])
             metrics.update(
                 {
                     f"{prefix}/reward_mean": mean,
                     f"{prefix}/reward_std": math.sqrt(max(total["reward_sq"] / rows - mean * mean, 0.0)),
                     f"{prefix}/response_length": total["response_tokens"] / rows,
-                    f"{prefix}/logprob_mismatch": total["mismatch_sum"] / max(total["response_tokens"], 1.0),
+                    f"{prefix}/logprob_mismatch": total["mismatch_sum"] / max(checked, 1.0),
                     f"{prefix}/logprob_mismatch_max": peak["mismatch_max"],
                     f"{prefix}/rollout_peak_bytes": peak.get("rollout_peak_bytes", 0.0),
                     # tokens of every rank over the slowest rank's rollout time
@@ -167,6 +173,15 @@ class GRPOTask(LanguageModelTask):
                     f"{prefix}/time_update": total["update_seconds"] / steps,
                 }
             )
+            if "skipped_rows" in total:  # rows whose loss is identically zero, left out of the update's compute
+                metrics[f"{prefix}/skipped_fraction"] = total["skipped_rows"] / rows
+            if "truncated_rows" in total:  # TRL's completions/clipped_ratio: rows that ran out of budget
+                metrics[f"{prefix}/truncated_fraction"] = total["truncated_rows"] / rows
+            ranks = group.size if group is not None else 1  # "steps" counts each rank's steps
+            for name in ("dynamic_extra_rounds", "dynamic_dropped_groups", "dynamic_shortfall_groups"):
+                if name in total:  # per step; the groups summed over ranks, the rounds the same on every rank
+                    per_rank = name == "dynamic_extra_rounds"
+                    metrics[f"{prefix}/{name}"] = total[name] / steps * (1 if per_rank else ranks)
         return metrics
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
@@ -288,21 +303,41 @@ class GRPOTask(LanguageModelTask):
         records = self._next_records(trainer)
         started = time.perf_counter()
         generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step, group.rank))
+        settings = self.settings
         rollout = self._generate(trainer, records, self.params, generator)
+        first_rewards = rewards = self._train_rewards(records, rollout)
+        first_rows, generated = rollout.num_rows, int(rollout.response_mask.sum())
+        if settings.dynamic_sampling:
+            sample = fill_informative_groups(
+                records,
+                rollout,
+                rewards,
+                group_size=settings.group_size,
+                max_extra_rounds=settings.dynamic_sampling_max_rounds,
+                generate=lambda more: self._generate(trainer, more, self.params, generator),
+                score=self._train_rewards,
+                next_records=lambda: self._next_records(trainer),
+                pad_token_id=self.tokenizer.pad_id,
+                group=group,
+            )
+            records, rollout, rewards = sample.records, sample.rollout, sample.rewards
+            generated = sample.generated_tokens
+            self._add(
+                dynamic_extra_rounds=float(sample.extra_rounds),
+                dynamic_dropped_groups=float(sample.dropped_groups),
+                dynamic_shortfall_groups=float(sample.shortfall_groups),
+            )
         rolled = time.perf_counter()
-        rewards, _ = self._score(records, rollout)
-        advantages = group_advantages(rewards, self.settings.group_size, estimator=self.settings.advantage)
+        advantages = group_advantages(rewards, settings.group_size, estimator=settings.advantage)
+        truncated = truncated_rows(rollout, self.tokenizer.eos_id)
         mask = rollout.response_mask
+        if settings.mask_truncated:  # the rows stay (a sequence of the seq-mean counts), their tokens leave the loss
+            mask = mask * (~truncated).to(mask.dtype).unsqueeze(1)
         batch = {
             **rollout_model_inputs(rollout, hf=False),
             "response_mask": mask,
             "advantages": advantages.to(device),
         }
-        on_policy = self.updates_per_step == 1  # the update's own forward gives the old log-probs (grpo.py)
-        if not on_policy:
-            batch["old_logps"] = self._logps(booster.forward, batch)
-        batch["ref_logps"] = self._logps(self.reference, batch)
-        scored = time.perf_counter()
         minibatches = self.settings.minibatches
         microbatches = booster.plugin.num_microbatches
         if rollout.num_rows % (minibatches * microbatches):
@@ -310,29 +345,48 @@ class GRPOTask(LanguageModelTask):
                 f"{rollout.num_rows} completions on this rank do not split into grpo.minibatches={minibatches} x "
                 f"schedule.num_microbatches={microbatches}; change data.global_batch_size or those"
             )
+        counts, rollout_logps = None, rollout.logprobs
+        if minibatches == 1:  # rows whose loss is identically zero leave the update; the counts keep them
+            counts = global_counts(mask, max_new_tokens=self.params.max_new_tokens, group=group)
+            keep = keep_whole_microbatches(rows_with_gradient(advantages, mask, beta=settings.beta), microbatches)
+            if not bool(keep.all()):
+                batch = {key: value[keep.to(value.device)] for key, value in batch.items()}
+                rollout_logps = rollout.logprobs[keep.to(rollout.logprobs.device)]
+            self._add(skipped_rows=float((~keep).sum()))
+        on_policy = self.updates_per_step == 1  # the update's own forward gives the old log-probs (grpo.py)
+        if not on_policy:
+            batch["old_logps"] = self._logps(booster.forward, batch)
+        if self.reference is not None:
+            batch["ref_logps"] = self._logps(self.reference, batch)
+        scored = time.perf_counter()
         losses, outcome = [], None
         for _ in range(self.settings.epochs):
             for part in split_batch(batch, minibatches):
-                counts = global_counts(part["response_mask"], max_new_tokens=self.params.max_new_tokens, group=group)
+                if counts is None or minibatches > 1:
+                    max_new = self.params.max_new_tokens
+                    counts = global_counts(part["response_mask"], max_new_tokens=max_new, group=group)
                 self.criterion.prepare(counts, num_microbatches=microbatches, num_data_ranks=group.size)
                 outcome = booster.train_step(part)
                 losses.append(outcome.loss)
         updated = time.perf_counter()
+        trained_mask = batch["response_mask"]
         old_logps = self.criterion.take_forward_logps() if on_policy else batch["old_logps"]
-        if old_logps is None or old_logps.shape != mask.shape:
+        if old_logps is None or old_logps.shape != trained_mask.shape:
             raise RuntimeError(
                 f"GRPO: the update's forwards gave log-probs of shape "
-                f"{None if old_logps is None else tuple(old_logps.shape)} for a rollout of {tuple(mask.shape)}"
+                f"{None if old_logps is None else tuple(old_logps.shape)} for a batch of {tuple(trained_mask.shape)}"
             )
-        mismatch = (old_logps - rollout.logprobs).abs() * mask
-        response_tokens = float(mask.sum())
+        mismatch = (old_logps - rollout_logps).abs() * trained_mask
         self._add(
             steps=1.0,
-            rows=float(rollout.num_rows),
-            reward_sum=float(rewards.double().sum()),
-            reward_sq=float((rewards.double() ** 2).sum()),
-            response_tokens=response_tokens,
+            rows=float(first_rows),  # the rewards of the step's own prompts: what the policy earns on them
+            reward_sum=float(first_rewards.double().sum()),
+            reward_sq=float((first_rewards.double() ** 2).sum()),
+            response_tokens=float(rollout.response_mask.sum()),
+            generated_tokens=float(generated),
+            truncated_rows=float(truncated.sum()),
             mismatch_sum=float(mismatch.sum()),
+            mismatch_tokens=float(trained_mask.sum()),
             rollout_seconds=rolled - started,
             logprob_seconds=scored - rolled,
             update_seconds=updated - scored,
@@ -347,6 +401,19 @@ class GRPOTask(LanguageModelTask):
     def _generate(self, trainer, records, params, generator):
         return self.engine.generate([record["prompt_ids"] for record in records], params, generator=generator)
 
+    def _train_rewards(self, records, rollout) -> torch.Tensor:
+        """The rewards a GRPO step trains on: the reward functions', plus DAPO's soft overlong punishment with
+        ``grpo.overlong_buffer`` (`colo.apps.rlhf.dapo.soft_overlong_punishment`; eos counted in the length)."""
+        rewards, _ = self._score(records, rollout)
+        buffer = self.settings.overlong_buffer
+        if buffer:
+            lengths = rollout.response_mask.sum(dim=1).cpu()
+            shaping = soft_overlong_punishment(
+                lengths, max_length=self.params.max_new_tokens, buffer=buffer, penalty=self.settings.overlong_penalty
+            )
+            rewards = (rewards.double() + shaping).float()
+        return rewards
+
     def _score(self, records, rollout):
         """``(rewards, completions)`` of a rollout's rows: the reward functions on the decoded responses (eos off)."""
         eos = self.tokenizer.eos_id
@@ -356,7 +423,10 @@ class GRPOTask(LanguageModelTask):
         owners = rollout.prompt_index.tolist()
         prompts = [records[i]["prompt"] for i in owners]
         columns = {name: [records[i][name] for i in owners] for name in records[0] if name not in _PER_ROW}
-        return compute_rewards(self.reward_functions, prompts, completions, columns), completions
+        rewards = compute_rewards(
+            self.reward_functions, prompts, completions, columns, completion_ids=rollout.responses()
+        )
+        return rewards, completions
 
     @torch.no_grad()
     def _logps(self, forward, batch) -> torch.Tensor:

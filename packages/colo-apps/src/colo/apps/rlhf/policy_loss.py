@@ -136,6 +136,38 @@ def clipped_policy_loss(
     return PolicyLossTerms(loss=loss, ratio=ratio.detach(), clipped=clipped.to(logps.dtype), kl=kl)
 
 
+def rows_with_gradient(advantages: torch.Tensor, response_mask: torch.Tensor, *, beta: float) -> torch.Tensor:
+    """``(R,)`` bool: the rows whose per-token loss is not identically zero, so the update must run them.
+
+    A row moves no weight when none of its tokens is in the loss (an empty response mask: a truncated completion under
+    ``mask_truncated``), or when ``beta == 0`` and its advantage is exactly 0 (``-min(rho * 0, clip(rho) * 0) = 0`` for
+    every ratio: a group of equal rewards). Such a row adds nothing to the loss or the gradient; the aggregation's
+    counts (`global_counts`) must still be taken over the whole batch, with it.
+
+    Args:
+        advantages (torch.Tensor): ``(R,)`` per-row or ``(R, T)`` per-token advantages.
+        response_mask (torch.Tensor): ``(R, T)`` 1 on the tokens in the loss.
+        beta (float): the KL coefficient (``!= 0``: every row with a token in the loss has a KL gradient).
+    """
+    has_tokens = response_mask.bool().any(dim=1)
+    if beta != 0.0:
+        return has_tokens
+    per_row = advantages if advantages.dim() == 1 else (advantages * response_mask).abs().amax(dim=1)
+    return has_tokens & (per_row.to(has_tokens.device) != 0)
+
+
+def keep_whole_microbatches(keep: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+    """``keep`` (``(R,)`` bool, from `rows_with_gradient`) with left-out rows put back, first first, until the kept
+    rows fill whole microbatches, at least one row each: every data-parallel rank runs every microbatch's forward and
+    backward, so ranks stay in step. ``R`` must be a multiple of ``num_microbatches``."""
+    keep = keep.clone()
+    kept = int(keep.sum())
+    short = (-kept) % num_microbatches if kept else num_microbatches
+    for row in (~keep).nonzero().flatten().tolist()[:short]:
+        keep[row] = True
+    return keep
+
+
 @dataclass(frozen=True)
 class AggregationCounts:
     """The global denominators of `aggregate_loss` for one update batch.

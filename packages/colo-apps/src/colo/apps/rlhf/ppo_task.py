@@ -252,7 +252,9 @@ class PPOTask(GRPOTask):
         prompts = [records[i]["prompt"] for i in owners]
         skip = ("prompt_ids", "prompt")
         columns = {name: [records[i][name] for i in owners] for name in records[0] if name not in skip}
-        scores = compute_rewards(self.reward_functions, prompts, completions, columns)
+        scores = compute_rewards(
+            self.reward_functions, prompts, completions, columns, completion_ids=rollout.responses()
+        )
         if self.reward_model is not None:
             scores = scores + reward_model_scores(self.reward_model, rollout).cpu()
         return scores, completions

@@ -3,8 +3,10 @@
 A reward function is any Python callable ``fn(prompts, completions, **columns) -> sequence of floats``, TRL's
 convention: ``prompts`` and ``completions`` are lists of strings of equal length (one entry per completion: a
 prompt repeats once per sample), ``columns`` the prompt dataset's other fields, repeated the same way (the
-arithmetic set's ``answer``); it returns one finite number per completion. Name it in the run config as
-``"module:function"`` (``"colo.apps.rlhf.rewards:exact_answer"``); several functions add up.
+arithmetic set's ``answer``), and, when the caller has them (the trainer does), ``completion_ids``: each
+completion's token ids, its eos included, as TRL passes them (so TRL's length rewards run unchanged); it returns one
+finite number per completion. A function should take ``**kwargs`` for the fields it does not read. Name it in the
+run config as ``"module:function"`` (``"colo.apps.rlhf.rewards:exact_answer"``); several functions add up.
 
 `compute_rewards` calls each function and turns its mistakes into errors that name it: an exception inside it, a
 result that is not one number per completion, a NaN.
@@ -56,6 +58,8 @@ def compute_rewards(
     prompts: Sequence[str],
     completions: Sequence[str],
     columns: Mapping[str, Sequence] | None = None,
+    *,
+    completion_ids: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """The sum of every reward function's values, one float per completion.
 
@@ -64,6 +68,7 @@ def compute_rewards(
         prompts: one prompt per completion.
         completions: the completions' texts.
         columns: extra keyword arguments, one value per completion each. Default: none.
+        completion_ids: each completion's token ids, passed as ``completion_ids=`` when given. Default: ``None``.
 
     Returns:
         torch.Tensor: ``(len(completions),)`` float32.
@@ -74,9 +79,12 @@ def compute_rewards(
     """
     count = len(completions)
     total = torch.zeros(count, dtype=torch.float64)
+    extra = dict(columns or {})
+    if completion_ids is not None:
+        extra["completion_ids"] = [list(ids) for ids in completion_ids]
     for name, function in functions.items():
         try:
-            values = function(prompts=list(prompts), completions=list(completions), **dict(columns or {}))
+            values = function(prompts=list(prompts), completions=list(completions), **extra)
         except Exception as error:
             raise RewardFunctionError(
                 f"reward function {name!r} raised {type(error).__name__}: {error} (called with {count} completions)"

@@ -5,7 +5,8 @@
   Telling them apart takes the syntax a language model learns (a 0.2M-parameter reward model gets ~94% on
   held-out pairs after 200 steps on one CPU process).
 - `arithmetic_prompts` (the ``tiny-grpo`` preset): distinct ``a+b=`` prompts with their ``answer``, the
-  verifiable task of online RL (reward: the exact answer).
+  verifiable task of online RL (reward: the exact answer, or `colo.apps.rlhf.math_answer.math_answer`, which also
+  reads ``\boxed{}`` / ``####`` / last-number answers).
 - `arithmetic_records`: sums answered correctly or with the last digit corrupted. Harder than it looks: a reward
   model must learn addition modulo 10 first, and the tiny presets do not get past chance in minutes (measured),
   so it serves the tests only.
