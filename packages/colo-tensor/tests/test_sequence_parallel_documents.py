@@ -7,8 +7,9 @@ documents only where the single process's mask allows. Sequence lengths 24 (a mu
 and 22 (padded to 24 at the end, ``seq_len`` masking the padding).
 
 Ring attention leaves out the key chunks whose documents cannot meet the query chunk's (`ring_plan`): the result
-equals the unskipped computation (rtol 1e-5, atol 1e-6: the unskipped steps reduce over more, zero, terms) and the single
-process, and the query x key pairs computed fall as the documents allow (counted by wrapping the block kernel).
+equals the unskipped computation (rtol 1e-5, atol 1e-6: the unskipped steps reduce over more, zero, terms) and the
+single process, and the query x key pairs computed fall as the documents allow (counted by wrapping the block
+kernel).
 
 Tolerances: fp32, rtol=1e-5, atol=2e-6, as test_ring_attention.py: ring attention merges per-block softmaxes with
 the log-sum-exp and sums gradients over blocks (another rounding order); Ulysses runs the same kernel on a head

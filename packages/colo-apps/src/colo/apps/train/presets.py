@@ -330,7 +330,7 @@ comments say, set by ``colo launch``)."""
 PRESET_DESCRIPTIONS: dict[str, str] = {
     "tiny-llama": "CPU demo (make demo): a 3M-parameter Llama on the standard library's .py files, DDP, 300 steps",
     "tiny-moe": "CPU: a Mixtral-style MoE Llama (8 experts, top-2) with experts over ep=2, ZeRO-2; Mixtral export",
-    "tiny-deepseek": "CPU: DeepSeek-V3-shaped (MLA, shared expert, 16 experts top-4, groups = ep ranks), ep=2; HF export",
+    "tiny-deepseek": "CPU: DeepSeek-V3-shaped (MLA, shared expert, 16 experts top-4, groups = ep ranks) over ep=2",
     "tiny-rm": "CPU: a reward model on generated preference pairs, from a policy SFT'd first",
     "tiny-dpo": "CPU: DPO on the same preference pairs, after an SFT warm-up that becomes the reference",
     "tiny-grpo": "CPU: GRPO on integer-addition prompts with an exact-answer reward, after an SFT warm-up",
