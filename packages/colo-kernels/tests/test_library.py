@@ -93,3 +93,55 @@ def test_operators_are_in_the_colo_namespace_and_the_functions_call_them():
     assert all(op.namespace == "colo" for op in operators.values())
     traced = make_fx(lambda x, w: rms_norm(x, w, backend="torch"))(torch.randn(2, 8), torch.ones(8))
     assert operators["rms_norm"] in [node.target for node in traced.graph.nodes]
+
+
+def _per_layer_ops(backend):
+    """rms_norm (alone and with a residual), rotary and swiglu forward and backward: outputs and input gradients."""
+    from colo.kernels import rotary, swiglu
+
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator).requires_grad_(True)
+
+    x, residual, weight = leaf(3, 5, 32), leaf(3, 5, 32), leaf(32)
+    q, k = leaf(2, 6, 4, 16), leaf(2, 6, 2, 16)
+    gate, up = leaf(3, 40), leaf(3, 40)
+    cos, sin = rotary_cos_sin(10, 16)
+    y, h = rms_norm(x, weight, residual=residual, backend=backend)
+    outputs = [y, h, rms_norm(x, weight, backend=backend), *rotary(q, k, cos, sin, position_offset=2, backend=backend)]
+    outputs.append(swiglu(gate, up, backend=backend))
+    sum((o * torch.arange(o.numel()).reshape(o.shape).sin()).sum() for o in outputs).backward()
+    return [o.detach() for o in outputs] + [t.grad for t in (x, residual, weight, q, k, gate, up)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_eager_fast_path_equals_the_operators_and_yields_to_dispatch_modes(backend, monkeypatch):
+    """In plain eager code rms_norm, rotary and swiglu skip their operator's dispatch (`dispatch.eager_fast_path`)
+    with the same outputs and gradients, bit for bit; under a dispatch mode (as selective checkpointing, fake
+    tensors and FLOP counting install) the operators run."""
+    import importlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dispatch = importlib.import_module("colo.kernels.dispatch")
+    fast = _per_layer_ops(backend)
+    monkeypatch.setattr(dispatch, "_FAST_PATH", False)
+    through_operators = _per_layer_ops(backend)
+    for got, expected in zip(fast, through_operators, strict=True):
+        assert torch.equal(got, expected)
+    monkeypatch.setattr(dispatch, "_FAST_PATH", True)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        _per_layer_ops(backend)
+    assert {"colo.rms_norm", "colo.rotary", "colo.swiglu"} <= seen.names, seen.names
+    assert {"colo.rms_norm_backward", "colo.swiglu_backward"} <= seen.names, seen.names

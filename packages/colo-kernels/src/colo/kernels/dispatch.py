@@ -8,6 +8,14 @@ Every op is a torch operator in the ``colo`` namespace (``torch.ops.colo.rms_nor
 whose last argument is the backend. The public functions resolve the choice above in Python, so ``torch.compile``
 traces it (and guards on it), and pass ``"triton"`` or ``"torch"``; an operator called directly may also get
 ``"auto"``, which it resolves by device alone (`op_backend`).
+
+In plain eager code the per-layer ops (`rms_norm`, `rotary`, `swiglu`) skip the operator's dispatch and run the
+same implementation and the same registered backward as a `torch.autograd.Function` (`eager_fast_path`): the
+operator's dispatch, schema checks and autograd wrapper cost tens of microseconds of host time per call, most of a
+small op's time and what kept RMSNorm host-bound on the GPU. Wherever something must see the operator (under
+``torch.compile``, a dispatch or torch-function mode such as selective activation checkpointing, fake tensors or a
+device context, the autograd profiler, a tensor subclass) the operator runs. ``COLO_KERNELS_EAGER_FAST_PATH=0``
+turns the fast path off.
 """
 
 from __future__ import annotations
@@ -118,3 +126,46 @@ def use_backend(backend: str) -> Iterator[None]:
         yield
     finally:
         _override.pop()
+
+
+_FAST_PATH = os.environ.get("COLO_KERNELS_EAGER_FAST_PATH", "1") != "0"
+
+
+def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
+    """Whether an op may run its implementation as a plain `torch.autograd.Function` instead of through its
+    ``torch.ops.colo`` operator (module docstring): eager (not traced by ``torch.compile``), no dispatch or
+    torch-function mode active, the autograd profiler off (its traces name the operator), plain tensors."""
+    return (
+        _FAST_PATH
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._len_torch_function_stack() == 0
+        and not torch.autograd.profiler._is_profiler_enabled
+        and all(tensor is None or type(tensor) is torch.Tensor for tensor in tensors)
+    )
+
+
+def eager_function(name: str, implementation, setup_context, backward) -> type[torch.autograd.Function]:
+    """The `torch.autograd.Function` of an operator's fast path: ``implementation`` (the operator's own body) as
+    the forward, the operator's registered ``setup_context`` and ``backward``; its ``call(*args)`` runs it (the
+    implementation alone when no gradient can flow: no autograd node to build). The forward takes ``ctx`` and calls
+    ``setup_context`` itself: a Function with a separate ``setup_context`` binds its arguments through
+    ``inspect.signature`` on every call (measured: twice the operator's own dispatch time)."""
+
+    def forward(ctx, *args):
+        output = implementation(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    def call(*args):
+        """The op on ``args``: through the Function when a gradient may flow, else the implementation alone."""
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function.apply(*args)
+        return implementation(*args)
+
+    function = type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward), "call": staticmethod(call)},
+    )
+    return function

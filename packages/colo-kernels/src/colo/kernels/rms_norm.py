@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._rows import _backward_grid, _row_tiling
-from .dispatch import check_triton_dtypes, op_backend, resolve_backend
+from .dispatch import check_triton_dtypes, eager_fast_path, eager_function, op_backend, resolve_backend
 
 try:
     import triton
@@ -177,6 +177,11 @@ def _backward_torch(dy, dh_out, h, weight, rstd, compute_dweight):
 def _rms_norm_op(x, weight, residual, eps, backend):
     """``(y, h, rstd)``: the norm, the residual sum ``x + residual`` (empty without a residual) and the fp32
     ``1 / rms`` of each row (shaped ``x.shape[:-1]``), saved for the backward."""
+    return _rms_norm_forward(x, weight, residual, eps, backend)
+
+
+def _rms_norm_forward(x, weight, residual, eps, backend):
+    """The body of ``colo::rms_norm`` (and of its eager fast path)."""
     if op_backend(backend, x, weight) == "triton":
         return _forward_triton(x, weight, residual, eps)
     return _forward_torch(x, weight, residual, eps)
@@ -197,6 +202,11 @@ def _(x, weight, residual, eps, backend):
 def _rms_norm_backward_op(dy, dh_out, h, weight, rstd, compute_dweight, backend):
     """``(dh, dweight)``: the gradient of the normalized input ``h`` (plus ``dh_out``, the gradient the residual
     sum got from elsewhere) and of the weight (empty unless ``compute_dweight``)."""
+    return _rms_norm_backward(dy, dh_out, h, weight, rstd, compute_dweight, backend)
+
+
+def _rms_norm_backward(dy, dh_out, h, weight, rstd, compute_dweight, backend):
+    """The body of ``colo::rms_norm_backward`` (and of its eager fast path)."""
     if op_backend(backend, h, weight) == "triton":
         return _backward_triton(dy, dh_out, h, weight, rstd, compute_dweight)
     return _backward_torch(dy, dh_out, h, weight, rstd, compute_dweight)
@@ -218,11 +228,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, dh_out, _drstd):
     h, weight, rstd = ctx.saved_tensors
     dh_out = dh_out if ctx.has_residual else None
-    dh, dweight = torch.ops.colo.rms_norm_backward(dy, dh_out, h, weight, rstd, ctx.needs_input_grad[1], ctx.backend)
+    backward = _rms_norm_backward if eager_fast_path(dy, dh_out, h) else torch.ops.colo.rms_norm_backward
+    dh, dweight = backward(dy, dh_out, h, weight, rstd, ctx.needs_input_grad[1], ctx.backend)
     return dh, dweight if ctx.needs_input_grad[1] else None, dh if ctx.has_residual else None, None, None
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+_RMSNormEager = eager_function("_RMSNormEager", _rms_norm_forward, _setup_context, _backward)
 
 
 def rms_norm_reference(
@@ -282,5 +294,8 @@ def rms_norm(
     backend = resolve_backend("rms_norm", *tensors, backend=backend)
     if backend == "triton":
         check_triton_dtypes("rms_norm", x=x, weight=weight)
-    y, h, _ = torch.ops.colo.rms_norm(x, weight, residual, float(eps), backend)
+    if eager_fast_path(x, weight, residual):
+        y, h, _ = _RMSNormEager.call(x, weight, residual, float(eps), backend)
+    else:
+        y, h, _ = torch.ops.colo.rms_norm(x, weight, residual, float(eps), backend)
     return y if residual is None else (y, h)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import check_triton_dtypes, op_backend, resolve_backend
+from .dispatch import check_triton_dtypes, eager_fast_path, eager_function, op_backend, resolve_backend
 
 try:
     import triton
@@ -105,6 +105,11 @@ def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
 )
 def _rotary_op(q, k, cos, sin, position_offset, inverse, backend):
     """``(q_rot, k_rot)``; with ``inverse`` the transposed rotation (by ``-theta``), which is the backward."""
+    return _rotary_forward(q, k, cos, sin, position_offset, inverse, backend)
+
+
+def _rotary_forward(q, k, cos, sin, position_offset, inverse, backend):
+    """The body of ``colo::rotary`` (and of its eager fast path)."""
     if op_backend(backend, q, k, cos, sin) == "triton":
         cos, sin = cos.contiguous(), sin.contiguous()
         return (
@@ -127,13 +132,15 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq_rot, dk_rot):
     cos, sin = ctx.saved_tensors
-    dq, dk = torch.ops.colo.rotary(
+    rotate = _rotary_forward if eager_fast_path(dq_rot, dk_rot) else torch.ops.colo.rotary
+    dq, dk = rotate(
         dq_rot, dk_rot, cos, sin, ctx.position_offset, not ctx.inverse, ctx.backend
     )  # the transposed rotation; autograd passes zeros for an output that got no gradient
     return dq, dk, None, None, None, None, None
 
 
 _rotary_op.register_autograd(_backward, setup_context=_setup_context)
+_RotaryEager = eager_function("_RotaryEager", _rotary_forward, _setup_context, _backward)
 
 
 def rotary_cos_sin(
@@ -236,4 +243,6 @@ def rotary(
     backend = resolve_backend("rotary", q, k, cos, sin, backend=backend)
     if backend == "triton":
         check_triton_dtypes("rotary", q=q, k=k, cos=cos, sin=sin)
+    if eager_fast_path(q, k, cos, sin):
+        return _RotaryEager.call(q, k, cos, sin, int(position_offset), False, backend)
     return torch.ops.colo.rotary(q, k, cos, sin, int(position_offset), False, backend)

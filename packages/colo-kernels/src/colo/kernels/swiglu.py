@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import check_triton_dtypes, op_backend, resolve_backend
+from .dispatch import check_triton_dtypes, eager_fast_path, eager_function, op_backend, resolve_backend
 
 try:
     import triton
@@ -90,6 +90,11 @@ def _backward_torch(dout, gate, up):
 @torch.library.custom_op("colo::swiglu", mutates_args=(), schema="(Tensor gate, Tensor up, str backend) -> Tensor")
 def _swiglu_op(gate, up, backend):
     """``silu(gate) * up``."""
+    return _swiglu_forward(gate, up, backend)
+
+
+def _swiglu_forward(gate, up, backend):
+    """The body of ``colo::swiglu`` (and of its eager fast path)."""
     if op_backend(backend, gate, up) == "triton":
         return _forward_triton(gate, up)
     return swiglu_reference(gate, up).contiguous()
@@ -107,6 +112,11 @@ def _(gate, up, backend):
 )
 def _swiglu_backward_op(dout, gate, up, backend):
     """``(dgate, dup)``; the sigmoid is recomputed, not saved."""
+    return _swiglu_backward(dout, gate, up, backend)
+
+
+def _swiglu_backward(dout, gate, up, backend):
+    """The body of ``colo::swiglu_backward`` (and of its eager fast path)."""
     if op_backend(backend, gate, up) == "triton":
         return _backward_triton(dout, gate, up)
     return _backward_torch(dout, gate, up)
@@ -125,11 +135,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout):
     gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.colo.swiglu_backward(dout, gate, up, ctx.backend)
+    backward = _swiglu_backward if eager_fast_path(dout, gate) else torch.ops.colo.swiglu_backward
+    dgate, dup = backward(dout, gate, up, ctx.backend)
     return dgate, dup, None
 
 
 _swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+_SwiGLUEager = eager_function("_SwiGLUEager", _swiglu_forward, _setup_context, _backward)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -165,4 +177,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     backend = resolve_backend("swiglu", gate, up, backend=backend)
     if backend == "triton":
         check_triton_dtypes("swiglu", gate=gate)
+    if eager_fast_path(gate, up):
+        return _SwiGLUEager.call(gate, up, backend)
     return torch.ops.colo.swiglu(gate, up, backend)
