@@ -1,0 +1,159 @@
+"""``diffusion.denoiser: dit``: colo's diffusion transformer in the diffusion recipe.
+
+The trainer trains it (2 processes, ZeRO-2, flow matching, with the caption mask), a stopped run resumes bit for bit,
+the export is a ``PixArtAlphaPipeline`` whose transformer gives colo's output on the same inputs and which samples;
+the config refuses the other denoiser's fields; the GPU preset builds PixArt-alpha's size on the meta device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from colo.apps.diffusion.testing import LR, components
+from colo.comm.testing import run_distributed
+
+pytest.importorskip("diffusers")
+
+
+def _dit_config(output_dir: str, total_steps: int):
+    from colo.apps.diffusion.testing import tiny_run_config
+
+    return tiny_run_config(
+        output_dir,
+        denoiser="dit",
+        objective="flow_matching",
+        prediction_type="epsilon",
+        flow_shift=1.0,
+        schedule={"total_steps": total_steps, "warmup_steps": 0, "min_lr": LR},  # constant LR: 2 + 2 steps = 4
+        checkpoint_every=2,
+    )
+
+
+def _train(output_dir: str, total_steps: int):
+    """Every rank: the run's `TrainResult`, its gathered EMA (rank 0), the batch keys and the description."""
+    from colo.apps.train import Trainer
+
+    trainer = Trainer(_dit_config(output_dir, total_steps))
+    result = trainer.fit()
+    ema = trainer.task.ema.full(to_rank=0)
+    keys = sorted(trainer.task.step_batch(trainer.ctx, 0))
+    return result, ema, keys, trainer.task.describe(trainer.ctx)
+
+
+def test_the_trainer_trains_resumes_and_exports_the_dit(tmp_path):
+    """4 steps in one run equal 2 steps, then a run resuming there for 2 more: losses and EMA bit for bit (fp32, the
+    same layout). The export loads as a PixArtAlphaPipeline whose transformer, holding the EMA weights, equals colo's
+    DiffusionTransformer with them on the same inputs, and samples end to end."""
+    from diffusers import DiffusionPipeline
+
+    from colo.apps.diffusion.export import export_diffusers
+    from colo.apps.diffusion.sampling import sample_images
+    from colo.apps.models.dit import DiffusionTransformer
+    from colo.tensor.checkpoint import load_checkpoint
+
+    whole = run_distributed(_train, str(tmp_path / "whole"), 4, world_size=2, timeout=240)
+    first = run_distributed(_train, str(tmp_path / "cut"), 2, world_size=2, timeout=240)
+    resumed = run_distributed(_train, str(tmp_path / "cut"), 4, world_size=2, timeout=240)
+    whole_result, whole_ema, keys, described = whole[0]
+    assert "encoder_attention_mask" in keys and "model: DiT (2 x 32, 2 heads, patch 2, 16 tokens)" in described[0]
+    assert len(whole_result.losses) == 4 and all(torch.isfinite(torch.tensor(list(whole_result.losses.values()))))
+    assert first[0][0].losses == {step: whole_result.losses[step] for step in (1, 2)}
+    assert resumed[0][0].start_step == 2
+    assert resumed[0][0].losses == {step: whole_result.losses[step] for step in (3, 4)}  # bit for bit
+    assert whole_ema and all(name.startswith("transformer.") for name in whole_ema)
+    for name, value in whole_ema.items():
+        assert torch.equal(resumed[0][1][name], value), name
+
+    checkpoint = str(tmp_path / "whole" / "checkpoints" / "step-00000004")
+    out = str(tmp_path / "export")
+    assert export_diffusers(checkpoint, out) == [out]
+    pipeline = DiffusionPipeline.from_pretrained(out)
+    assert type(pipeline).__name__ == "PixArtAlphaPipeline"
+    assert pipeline.scheduler.config.prediction_type == "flow_prediction" and pipeline.scheduler.config.flow_shift == 1
+    config = _dit_config(str(tmp_path / "whole"), 4).diffusion.dit_config_object()
+    ours = DiffusionTransformer(config)
+    state = {"ema/transformer." + name: torch.empty_like(value) for name, value in ours.state_dict().items()}
+    load_checkpoint(os.path.join(tmp_path, "whole", "checkpoints", "ema", "step-00000004"), state, strict=False)
+    ours.load_state_dict({name.removeprefix("ema/transformer."): value for name, value in state.items()})
+    generator = torch.Generator().manual_seed(0)
+    latents, caption = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 16, 16, generator=generator)
+    mask, timesteps = torch.tensor([[1] * 5 + [0] * 11, [1] * 16]), torch.tensor([999.0, 250.0])
+    with torch.no_grad():
+        exported = pipeline.transformer(
+            latents, encoder_hidden_states=caption, timestep=timesteps, encoder_attention_mask=mask, return_dict=False
+        )[0]
+        torch.testing.assert_close(ours(latents, caption, timesteps, encoder_attention_mask=mask), exported)
+    pipeline.set_progress_bar_config(disable=True)
+    images = sample_images(pipeline, ["a red circle on white"], seeds=[0, 1], steps=2, guidance_scale=3.0, size=16)
+    assert images.shape == (2, 3, 16, 16) and 0 <= images.min() and images.max() <= 1
+
+
+def test_the_dit_batch_carries_the_caption_mask():
+    """With ``caption_mask`` the builder returns the tokenizer's mask and the text states of the encoder called with
+    it (as PixArt's pipeline calls it); CLIP's causal attention makes the kept tokens' states those without it."""
+    from colo.apps.diffusion import FlowMatchingBatchBuilder, FlowMatchingObjective
+    from colo.apps.diffusion.testing import step_images
+
+    _, tokenizer, text_encoder, vae, _ = components()
+    objective = FlowMatchingObjective(condition_dropout=0.0)
+    images = step_images(0)
+    batches = [
+        FlowMatchingBatchBuilder(objective, tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, caption_mask=mask)(
+            step=0, captions=images["caption"], pixel_values=images["pixel_values"], rows=slice(0, 4), global_rows=4
+        )
+        for mask in (False, True)
+    ]  # fmt: skip
+    assert "encoder_attention_mask" not in batches[0]
+    mask = batches[1]["encoder_attention_mask"]
+    words = [len(caption.split()) for caption in images["caption"]]
+    assert mask.sum(dim=1).tolist() == [count + 2 for count in words]  # BOS, one token a word, EOS
+    kept = mask.bool()
+    torch.testing.assert_close(
+        batches[1]["encoder_hidden_states"][kept], batches[0]["encoder_hidden_states"][kept], rtol=1e-5, atol=1e-6
+    )
+    for key in ("noisy_latents", "timesteps", "target", "loss_weights"):
+        assert torch.equal(batches[0][key], batches[1][key]), key
+
+
+def test_the_config_refuses_the_other_denoisers_fields():
+    from colo.apps.train.config import RunConfig
+
+    def section(**fields):
+        return RunConfig(data={"task": "diffusion"}, diffusion=fields).diffusion
+
+    with pytest.raises(ValueError, match="diffusion.unet_channels=.* does not apply to diffusion.denoiser='dit'"):
+        section(denoiser="dit", unet_channels=[16, 32])
+    with pytest.raises(ValueError, match="diffusion.dit_layers=8 does not apply to diffusion.denoiser='unet'"):
+        section(dit_layers=8)
+    with pytest.raises(ValueError, match=r"diffusion.dit_config names \['depth'\], which are not DiTConfig fields"):
+        section(denoiser="dit", dit_config={"depth": 28})
+    with pytest.raises(ValueError, match="diffusion.dit_\\* sizes: DiTConfig.patch_size=3 must divide sample_size"):
+        section(denoiser="dit", dit_patch_size=3)
+    with pytest.raises(ValueError, match="has no LoRA path yet"):
+        RunConfig(data={"task": "diffusion"}, diffusion={"denoiser": "dit"}, lora={"enabled": True})
+    dit = section(denoiser="dit", text_hidden_size=48).dit_config_object()
+    assert (dit.sample_size, dit.in_channels, dit.caption_channels, dit.hidden_size) == (8, 4, 48, 128)
+
+
+def test_the_pixart_preset_builds_a_pixart_alpha_sized_dit_for_8_gpus():
+    """``pixart-dit``: PixArt-alpha XL/2's transformer (28 blocks of 1152, 16 heads, patch 2, adaLN-single) on SD-1.5's
+    VAE latents (64 x 64 at 512 px) and CLIP-L captions (768 wide), built on the meta device: ~607M parameters."""
+    from colo.apps.diffusion.models import build_dit
+    from colo.apps.train import load_config
+
+    config = load_config(preset="pixart-dit")
+    section = config.diffusion
+    assert (config.plugin.name, config.plugin.stage, config.plugin.precision) == ("zero", 2, "bf16")
+    assert config.data.global_batch_size % (8 * config.schedule.num_microbatches) == 0
+    assert section.denoiser == "dit" and section.objective == "flow_matching" and section.gradient_checkpointing
+    dit = section.dit_config_object()
+    assert (dit.num_layers, dit.hidden_size, dit.num_attention_heads, dit.patch_size) == (28, 1152, 16, 2)
+    assert (dit.sample_size, dit.caption_channels) == (64, 768)
+    with torch.device("meta"):
+        model = build_dit(dit)
+    count = sum(p.numel() for p in model.parameters())
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert 600e6 < count < 615e6, count
