@@ -159,14 +159,15 @@ class DiTAttention(nn.Module):
     """Multi-head attention with biased q / k / v / out projections (diffusers' ``Attention`` names: ``to_q``,
     ``to_k``, ``to_v``, ``to_out.0``); self-attention, or cross-attention when called with ``context``.
 
-    Attributes:
-        num_heads (int): heads this module computes (a tensor-parallel plan rewrites it to this rank's count).
+    The number of heads is read from the projections' width (``width // head_dim``), so a tensor-parallel plan that
+    splits ``to_q`` / ``to_k`` / ``to_v`` by output features (whole heads per rank) and ``to_out.0`` by input
+    features needs no attribute rewritten.
     """
 
     def __init__(self, config: DiTConfig, *, context_dim: int | None = None):
         super().__init__()
         width = config.hidden_size
-        self.num_heads, self.head_dim = config.num_attention_heads, config.attention_head_dim
+        self.head_dim = config.attention_head_dim
         self.to_q = nn.Linear(width, width)
         self.to_k = nn.Linear(context_dim or width, width)
         self.to_v = nn.Linear(context_dim or width, width)
@@ -176,12 +177,12 @@ class DiTAttention(nn.Module):
     def forward(self, x, context=None, *, document_ids: DocumentMask | None = None) -> torch.Tensor:
         context = x if context is None else context
         q, k, v = self.to_q(x), self.to_k(context), self.to_v(context)
-        batch = q.shape[0]
-        q = q.reshape(batch, q.shape[1], self.num_heads, self.head_dim)
-        k = k.reshape(batch, k.shape[1], self.num_heads, self.head_dim)
-        v = v.reshape(batch, v.shape[1], self.num_heads, self.head_dim)
+        batch, head_dim = q.shape[0], self.head_dim
+        q = q.reshape(batch, q.shape[1], -1, head_dim)
+        k = k.reshape(batch, k.shape[1], -1, head_dim)
+        v = v.reshape(batch, v.shape[1], -1, head_dim)
         out = self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)
-        return self.to_out[0](out.reshape(batch, out.shape[1], self.num_heads * self.head_dim))
+        return self.to_out[0](out.reshape(batch, out.shape[1], -1))
 
 
 class GELUProjection(nn.Module):
