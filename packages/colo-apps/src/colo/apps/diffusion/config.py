@@ -91,7 +91,8 @@ class DiffusionSection(BaseModel):
         default="ddpm",
         description="ddpm: DDPMScheduler noising with prediction_type / snr_gamma / noise_offset "
         "(train_text_to_image.py); flow_matching: SD3's rectified flow (train_dreambooth_sd3.py) with "
-        "timestep_sampling / loss_weighting / flow_shift, sampled with Euler steps (no diffusers export yet).",
+        "timestep_sampling / loss_weighting / flow_shift; a UNet's grids sample with Euler steps (no diffusers "
+        "export), a DiT's with the flow DPM-Solver++ of its PixArtAlphaPipeline export.",
     )
     prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The DDPM target.")
     snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off; DDPM).")
