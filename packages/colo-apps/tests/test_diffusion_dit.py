@@ -18,11 +18,13 @@ from colo.comm.testing import run_distributed
 pytest.importorskip("diffusers")
 
 
-def _dit_config(output_dir: str, total_steps: int):
+def _dit_config(output_dir: str, total_steps: int, plugin: dict | None = None, **diffusion):
     from colo.apps.diffusion.testing import tiny_run_config
 
     return tiny_run_config(
         output_dir,
+        plugin=plugin,
+        **diffusion,
         denoiser="dit",
         objective="flow_matching",
         prediction_type="epsilon",
@@ -32,11 +34,11 @@ def _dit_config(output_dir: str, total_steps: int):
     )
 
 
-def _train(output_dir: str, total_steps: int):
+def _train(output_dir: str, total_steps: int, plugin: dict | None = None, **diffusion):
     """Every rank: the run's `TrainResult`, its gathered EMA (rank 0), the batch keys and the description."""
     from colo.apps.train import Trainer
 
-    trainer = Trainer(_dit_config(output_dir, total_steps))
+    trainer = Trainer(_dit_config(output_dir, total_steps, plugin, **diffusion))
     result = trainer.fit()
     ema = trainer.task.ema.full(to_rank=0)
     keys = sorted(trainer.task.step_batch(trainer.ctx, 0))
@@ -45,8 +47,9 @@ def _train(output_dir: str, total_steps: int):
 
 def test_the_trainer_trains_resumes_and_exports_the_dit(tmp_path):
     """4 steps in one run equal 2 steps, then a run resuming there for 2 more: losses and EMA bit for bit (fp32, the
-    same layout). The export loads as a PixArtAlphaPipeline whose transformer, holding the EMA weights, equals colo's
-    DiffusionTransformer with them on the same inputs, and samples end to end."""
+    same layout); a bf16 ZeRO-2 run with gradient checkpointing follows the fp32 losses (rel 1e-2). The export loads
+    as a PixArtAlphaPipeline whose transformer, holding the EMA weights, equals colo's DiffusionTransformer with them
+    on the same inputs, and samples end to end."""
     from diffusers import DiffusionPipeline
 
     from colo.apps.diffusion.export import export_diffusers
@@ -66,6 +69,10 @@ def test_the_trainer_trains_resumes_and_exports_the_dit(tmp_path):
     assert whole_ema and all(name.startswith("transformer.") for name in whole_ema)
     for name, value in whole_ema.items():
         assert torch.equal(resumed[0][1][name], value), name
+    # bf16 compute under ZeRO-2 with the blocks checkpointed: the same batches, losses within bf16 rounding
+    bf16 = {"name": "zero", "stage": 2, "precision": "bf16"}
+    half = run_distributed(_train, str(tmp_path / "bf16"), 2, bf16, gradient_checkpointing=True, world_size=2)
+    assert half[0][0].losses == pytest.approx({step: whole_result.losses[step] for step in (1, 2)}, rel=1e-2)
 
     checkpoint = str(tmp_path / "whole" / "checkpoints" / "step-00000004")
     out = str(tmp_path / "export")

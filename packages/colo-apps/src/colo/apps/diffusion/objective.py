@@ -79,8 +79,9 @@ class DenoiserLoss(torch.nn.Module):
         compute_dtype: the dtype the latents and text states enter the denoiser in: the plugin's compute dtype under
             bf16 / fp16 (``plugin.compute_dtype``). ZeRO and Gemini keep their compute weights in it and do not cast
             a batch's floating inputs, so the fp32 batch would meet them in the timestep embedding's linear and the
-            first convolution (a dtype error); DDP's autocast casts anyway. ``None``: as given (fp32 runs). The loss
-            is taken in fp32 either way.
+            first convolution (a dtype error); DDP's autocast casts anyway. While the weights are still fp32 outside
+            autocast (the Booster's one execution-order forward before it shards them) the inputs stay fp32.
+            ``None``: as given (fp32 runs). The loss is taken in fp32 either way.
     """
 
     def __init__(
@@ -99,6 +100,17 @@ class DenoiserLoss(torch.nn.Module):
             self.transformer = transformer
         self.compute_dtype = compute_dtype
 
+    def _input_dtype(self, noisy_latents: torch.Tensor) -> torch.dtype | None:
+        """``compute_dtype``, except where the denoiser's weights are still fp32 outside autocast: the forward the
+        Booster runs once on the unboosted model (``example_batch``, to pack ZeRO / Gemini chunks in execution
+        order), which would otherwise meet bf16 inputs with fp32 weights."""
+        if self.compute_dtype is None or torch.is_autocast_enabled(noisy_latents.device.type):
+            return self.compute_dtype
+        weight = next(self.denoiser.parameters(), None)
+        if weight is not None and weight.dtype == torch.float32:
+            return None
+        return self.compute_dtype
+
     @property
     def denoiser_name(self) -> str:
         """``"unet"`` or ``"transformer"``: the denoiser's attribute, the prefix of its parameter names."""
@@ -112,9 +124,10 @@ class DenoiserLoss(torch.nn.Module):
     def forward(
         self, noisy_latents, timesteps, encoder_hidden_states, target, loss_weights, encoder_attention_mask=None
     ):
-        if self.compute_dtype is not None:
-            noisy_latents = noisy_latents.to(self.compute_dtype)
-            encoder_hidden_states = encoder_hidden_states.to(self.compute_dtype)
+        dtype = self._input_dtype(noisy_latents)
+        if dtype is not None:
+            noisy_latents = noisy_latents.to(dtype)
+            encoder_hidden_states = encoder_hidden_states.to(dtype)
         if self.denoiser_name == "transformer":
             pred = self.transformer(
                 noisy_latents, encoder_hidden_states, timesteps, encoder_attention_mask=encoder_attention_mask
