@@ -108,3 +108,29 @@ def test_pixart_alpha_presets_on_meta(name):
     count = sum(p.numel() for p in ours.parameters())
     assert config.hidden_size == 1152 and config.num_layers == 28
     assert 590e6 < count < 620e6, count
+
+
+def test_dit_on_the_triton_kernels_equals_pixart_transformer():
+    """The kernels' Triton path (flash attention with the caption's document mask, non-causal, queries and keys of
+    different lengths; LayerNorm), run by Triton's interpreter on CPU, gives diffusers' output and input gradient."""
+    from colo.kernels import triton_available, use_backend
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    config = DiTConfig(
+        num_attention_heads=2, attention_head_dim=16, num_layers=1, sample_size=4, patch_size=1,
+        cross_attention_dim=32, caption_channels=8,
+    )  # fmt: skip
+    reference, ours = _pair(config)
+    latents, caption = torch.randn(2, 4, 4, 4), torch.randn(2, 5, 8)
+    timesteps, mask = torch.tensor([3.0, 700.0]), torch.tensor([[1, 1, 1, 0, 0], [1] * 5])
+    inputs = [latents.clone().requires_grad_(), latents.clone().requires_grad_()]
+    expected = reference(
+        inputs[0], encoder_hidden_states=caption, timestep=timesteps, encoder_attention_mask=mask, return_dict=False
+    )[0]
+    with use_backend("triton"):
+        got = ours(inputs[1], caption, timesteps, encoder_attention_mask=mask)
+        got.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(inputs[1].grad, inputs[0].grad, rtol=1e-5, atol=1e-5)
