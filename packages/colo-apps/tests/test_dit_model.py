@@ -36,6 +36,7 @@ def test_dit_equals_pixart_transformer(micro_conditions):
     )
     reference, ours = _pair(config)
     assert set(ours.state_dict()) == set(reference.state_dict())
+    assert DiTConfig.from_diffusers(dict(reference.config)) == config  # and back from diffusers' saved config
     generator = torch.Generator().manual_seed(1)
     latents = torch.randn(3, 4, 8, 6, generator=generator)
     caption = torch.randn(3, 7, 20, generator=generator)
