@@ -2,6 +2,9 @@
 whose foreground (the centre quarter of the image, where every procedural shape lies) has the prompted hue.
 
     python scripts/score_diffusion_hues.py PIPELINE_DIR [--samples 32] [--steps 10] [--guidance 3.0] [--grid out.png]
+
+PIPELINE_DIR is a `colo convert --to diffusers` export: a StableDiffusionPipeline (UNet runs) or a PixArtAlphaPipeline
+(``diffusion.denoiser: dit`` runs), sampled with the scheduler it holds (DPM-Solver++).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def main() -> None:
 
     pipeline = DiffusionPipeline.from_pretrained(args.pipeline)
     pipeline.set_progress_bar_config(disable=True)
-    size = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    denoiser = pipeline.unet if hasattr(pipeline, "unet") else pipeline.transformer  # SD or PixArt (a DiT run)
+    size = denoiser.config.sample_size * pipeline.vae_scale_factor
     scores, grid = {}, []
     for prompt in PROMPTS:
         images = sample_images(

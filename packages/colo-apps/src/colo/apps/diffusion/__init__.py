@@ -1,8 +1,10 @@
 """colo.apps.diffusion: text-to-image denoiser training under colo's plugins (diffusers in the ``diffusion`` extra).
 
-Only the denoiser (a diffusers ``UNet2DConditionModel`` inside `DenoiserLoss`) is boosted; the frozen CLIP text
-encoder and ``AutoencoderKL`` run beside it on every rank (`DiffusionBatchBuilder`), or the VAE encodes the images
-once into a `LatentCache`; `add_unet_lora` trains peft LoRA adapters on the UNet's attention instead of the UNet.
+Only the denoiser (a diffusers ``UNet2DConditionModel``, or colo's diffusion transformer
+`colo.apps.models.dit.DiffusionTransformer` with ``diffusion.denoiser: dit``, inside `DenoiserLoss`) is boosted; the
+frozen CLIP text encoder and ``AutoencoderKL`` run beside it on every rank (`DiffusionBatchBuilder`), or the VAE
+encodes the images once into a `LatentCache`; `add_unet_lora` trains peft LoRA adapters on the UNet's attention
+instead of the UNet.
 `FlowMatchingObjective` / `FlowMatchingBatchBuilder` / `euler_flow_sample` are SD3's flow-matching objective and
 Euler sampler (``diffusion.objective: flow_matching``).
 ``data.task: diffusion`` runs on the one training loop (`colo.apps.train.Trainer`) as

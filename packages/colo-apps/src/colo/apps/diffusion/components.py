@@ -10,7 +10,7 @@ import os
 import torch.distributed as dist
 
 from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary
-from .models import build_text_encoder, build_unet, build_vae, require_diffusers, save_caption_tokenizer
+from .models import build_dit, build_text_encoder, build_unet, build_vae, require_diffusers, save_caption_tokenizer
 
 
 def build_dataset(section):
@@ -35,6 +35,20 @@ def load_vae(config):
     else:
         vae = build_vae(section.model_config_object(), seed=config.seed + 2)
     return vae.requires_grad_(False).eval()
+
+
+def initial_denoiser(config):
+    """The denoiser before training: `initial_unet`, or with ``diffusion.denoiser: dit`` colo's diffusion transformer
+    built from the dit_* sizes (seeded), its blocks checkpointed when ``diffusion.gradient_checkpointing``."""
+    section = config.diffusion
+    if section.denoiser == "unet":
+        return initial_unet(config)
+    model = build_dit(section.dit_config_object(), seed=config.seed + 3)
+    if section.gradient_checkpointing:
+        from ..checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, mode="full", blocks=["transformer_blocks"])
+    return model
 
 
 def initial_unet(config):
@@ -100,8 +114,16 @@ def check_text_side(tokenizer, text_encoder, section) -> None:
 
 
 def check_cross_attention(unet, text_encoder) -> None:
-    """The UNet attends to the text encoder's hidden states: their widths must agree."""
-    width, expected = text_encoder.config.hidden_size, unet.config.cross_attention_dim
+    """The denoiser (UNet or DiT) attends to the text encoder's hidden states: their widths must agree."""
+    width = text_encoder.config.hidden_size
+    if hasattr(unet.config, "text_width"):  # colo's DiT
+        if width != unet.config.text_width:
+            raise ValueError(
+                f"the text encoder's hidden_size is {width} but the DiT reads {unet.config.text_width}-wide captions; "
+                "set diffusion.text_hidden_size (or diffusion.dit_config.caption_channels) to the encoder's width"
+            )
+        return
+    expected = unet.config.cross_attention_dim
     if width != expected:
         raise ValueError(
             f"the text encoder's hidden_size is {width} but the UNet's cross_attention_dim is {expected}; set "

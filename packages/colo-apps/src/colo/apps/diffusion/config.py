@@ -10,13 +10,35 @@ DDPM_FIELDS = ("prediction_type", "snr_gamma", "noise_offset")
 """Fields of the ``diffusion`` section that only ``objective: ddpm`` reads."""
 FLOW_MATCHING_FIELDS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "loss_weighting", "flow_shift")
 """Fields of the ``diffusion`` section that only ``objective: flow_matching`` reads."""
+UNET_FIELDS = ("unet_channels", "unet_layers_per_block", "attention_head_dim", "unet_config", "unet_from")
+"""Fields of the ``diffusion`` section that only ``denoiser: unet`` reads."""
+DIT_FIELDS = ("dit_layers", "dit_heads", "dit_head_dim", "dit_patch_size", "dit_config")
+"""Fields of the ``diffusion`` section that only ``denoiser: dit`` reads."""
 
 
 class DiffusionSection(BaseModel):
-    """Text-to-image denoiser training (colo.apps.diffusion): the UNet / CLIP / VAE sizes, the objective, the EMA,
-    the captioned images and the sample grids written at every eval."""
+    """Text-to-image denoiser training (colo.apps.diffusion): the denoiser (UNet or DiT) / CLIP / VAE sizes, the
+    objective, the EMA, the captioned images and the sample grids written at every eval."""
 
     model_config = ConfigDict(extra="forbid")
+
+    denoiser: Literal["unet", "dit"] = Field(
+        default="unet",
+        description="unet: diffusers' UNet2DConditionModel (the unet_* fields); dit: colo's PixArt-alpha-style "
+        "diffusion transformer (colo.apps.models.dit, the dit_* fields; weights named as diffusers' "
+        "PixArtTransformer2DModel), trained with the caption's attention mask and exported as a PixArtAlphaPipeline.",
+    )
+    dit_layers: int = Field(default=4, ge=1, description="DiT: transformer blocks.")
+    dit_heads: int = Field(default=4, ge=1, description="DiT: attention heads.")
+    dit_head_dim: int = Field(
+        default=32, ge=1, description="DiT: channels per head (hidden = heads x head_dim; Triton: 16/32/64/128)."
+    )
+    dit_patch_size: int = Field(default=2, ge=1, description="DiT: side of a latent patch (one token).")
+    dit_config: dict[str, Any] = Field(
+        default={},
+        description="DiTConfig fields (PixArtTransformer2DModel config names) that replace the ones built from the "
+        "sizes above and the VAE / text encoder, e.g. use_additional_conditions, interpolation_scale, sample_size.",
+    )
 
     image_size: int = Field(default=16, ge=8, description="Side of the square training images (pixels).")
     unet_channels: list[int] = Field(default=[32, 64], description="The UNet's block_out_channels.")
@@ -62,13 +84,15 @@ class DiffusionSection(BaseModel):
     gradient_checkpointing: bool = Field(
         default=False,
         description="Recompute the UNet's blocks in backward instead of keeping their activations (diffusers' "
-        "enable_gradient_checkpointing): less memory, ~1 more forward per step; the same losses.",
+        "enable_gradient_checkpointing; the DiT's transformer blocks: colo.apps.apply_activation_checkpointing, "
+        "full): less memory, ~1 more forward per step; the same losses.",
     )
     objective: Literal["ddpm", "flow_matching"] = Field(
         default="ddpm",
         description="ddpm: DDPMScheduler noising with prediction_type / snr_gamma / noise_offset "
         "(train_text_to_image.py); flow_matching: SD3's rectified flow (train_dreambooth_sd3.py) with "
-        "timestep_sampling / loss_weighting / flow_shift, sampled with Euler steps (no diffusers export yet).",
+        "timestep_sampling / loss_weighting / flow_shift; a UNet's grids sample with Euler steps (no diffusers "
+        "export), a DiT's with the flow DPM-Solver++ of its PixArtAlphaPipeline export.",
     )
     prediction_type: Literal["epsilon", "v_prediction"] = Field(default="epsilon", description="The DDPM target.")
     snr_gamma: float | None = Field(default=None, gt=0, description="Min-SNR-gamma weighting (None: off; DDPM).")
@@ -121,7 +145,44 @@ class DiffusionSection(BaseModel):
                     f"diffusion.{name}={value!r} does not apply to diffusion.objective={self.objective!r}; set it to "
                     f"{default!r} or choose the other objective"
                 )
+        for name in UNET_FIELDS if self.denoiser == "dit" else DIT_FIELDS:
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if value != default:
+                raise ValueError(
+                    f"diffusion.{name}={value!r} does not apply to diffusion.denoiser={self.denoiser!r}; set it to "
+                    f"{default!r} or choose the other denoiser"
+                )
+        if self.denoiser == "dit":
+            self.dit_config_object()  # validates the sizes and dit_config
         return self
+
+    def dit_config_object(self):
+        """The `colo.apps.models.dit.DiTConfig` of ``denoiser: dit``: the dit_* sizes, the latent's side and channels
+        (``sample_size``, ``in_channels``), the text encoder's width (``caption_channels``, projected to the hidden
+        size), then ``dit_config``'s fields."""
+        from ..models.dit import DiTConfig
+
+        model = self.model_config_object()
+        fields = {
+            "num_attention_heads": self.dit_heads,
+            "attention_head_dim": self.dit_head_dim,
+            "num_layers": self.dit_layers,
+            "patch_size": self.dit_patch_size,
+            "sample_size": model.latent_size,
+            "in_channels": model.latent_channels,
+            "caption_channels": self.text_hidden_size,
+            "cross_attention_dim": self.dit_heads * self.dit_head_dim,
+        }
+        unknown = sorted(set(self.dit_config) - set(DiTConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(
+                f"diffusion.dit_config names {unknown}, which are not DiTConfig fields; use "
+                f"{sorted(DiTConfig.__dataclass_fields__)}"
+            )
+        try:
+            return DiTConfig(**{**fields, **self.dit_config})
+        except ValueError as error:
+            raise ValueError(f"diffusion.dit_* sizes: {error}") from None
 
     def model_config_object(self):
         from .models import DiffusionModelConfig

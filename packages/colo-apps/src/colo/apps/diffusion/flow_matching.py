@@ -169,7 +169,7 @@ class FlowMatchingBatchBuilder(DiffusionBatchBuilder):
 
     Args:
         objective: the `FlowMatchingObjective`.
-        tokenizer, text_encoder, vae, seed, scaling_factor: as `DiffusionBatchBuilder`'s.
+        tokenizer, text_encoder, vae, seed, scaling_factor, caption_mask: as `DiffusionBatchBuilder`'s.
         shift_factor: the latents' shift (``None``: the VAE config's ``shift_factor``, 0 where it has none).
     """
 
@@ -183,9 +183,16 @@ class FlowMatchingBatchBuilder(DiffusionBatchBuilder):
         seed: int = 0,
         scaling_factor: float | None = None,
         shift_factor: float | None = None,
+        caption_mask: bool = False,
     ) -> None:
         super().__init__(
-            objective, tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, seed=seed, scaling_factor=scaling_factor
+            objective,
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=vae,
+            seed=seed,
+            scaling_factor=scaling_factor,
+            caption_mask=caption_mask,
         )
         if shift_factor is None:
             shift_factor = getattr(vae.config, "shift_factor", None) if vae is not None else None
@@ -214,7 +221,7 @@ class FlowMatchingBatchBuilder(DiffusionBatchBuilder):
         latents = (latent_mean + latent_std * sample.to(device) - self.shift_factor) * self.scaling_factor
         batch = flow_matching_inputs(objective, self.scheduler, latents, noise.to(device), u)
         del batch["sigmas"]
-        batch["encoder_hidden_states"] = self.encode_text(captions).to(device)
+        batch.update(self.text_inputs(captions, device))
         return batch
 
 

@@ -140,6 +140,18 @@ def build_unet(config: DiffusionModelConfig, *, seed: int = 0) -> torch.nn.Modul
         return diffusers.UNet2DConditionModel(**config.unet_config())
 
 
+def build_dit(config, *, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised `colo.apps.models.dit.DiffusionTransformer` of the `DiTConfig` ``config`` (PixArt's
+    initialization, the same on every rank for the same ``seed``)."""
+    from ..models.dit import DiffusionTransformer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DiffusionTransformer(config)
+        model.initialize_weights()
+    return model
+
+
 def build_vae(config: DiffusionModelConfig, *, seed: int = 0) -> torch.nn.Module:
     """A freshly initialised `AutoencoderKL` (train it, or load one, before using it as the frozen encoder)."""
     diffusers = require_diffusers()
@@ -227,9 +239,11 @@ def build_text_encoder(config: DiffusionModelConfig, tokenizer, *, seed: int = 0
     return model.eval()
 
 
-def tokenize_captions(tokenizer, captions: list[str]) -> torch.Tensor:
-    """Token ids padded to the tokenizer's maximum; a caption longer than it is an error (not silently cut)."""
-    ids = tokenizer(list(captions), padding="max_length", truncation=False, return_tensors=None)["input_ids"]
+def tokenize_captions(tokenizer, captions: list[str], *, return_mask: bool = False):
+    """Token ids padded to the tokenizer's maximum; a caption longer than it is an error (not silently cut). With
+    ``return_mask``: ``(ids, mask)``, the mask 1 on the caption's tokens (BOS/EOS included), 0 on the padding."""
+    encoded = tokenizer(list(captions), padding="max_length", truncation=False, return_tensors=None)
+    ids = encoded["input_ids"]
     limit = tokenizer.model_max_length
     for caption, row in zip(captions, ids):
         if len(row) > limit:
@@ -237,4 +251,6 @@ def tokenize_captions(tokenizer, captions: list[str]) -> torch.Tensor:
                 f"caption {caption!r} is {len(row)} tokens with BOS/EOS, more than the text encoder's maximum "
                 f"{limit}; shorten it or raise model.max_caption_tokens"
             )
+    if return_mask:
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(encoded["attention_mask"], dtype=torch.long)
     return torch.tensor(ids, dtype=torch.long)

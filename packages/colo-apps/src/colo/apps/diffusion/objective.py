@@ -66,30 +66,79 @@ class DiffusionObjective:
 
 
 class DenoiserLoss(torch.nn.Module):
-    """The boosted module: ``unet`` and the weighted MSE of its prediction.
+    """The boosted module: the denoiser (``unet``, or colo's diffusion transformer as ``transformer``) and the
+    weighted MSE of its prediction.
 
     ``forward`` returns ``mean_i(w_i * mean(|pred_i - target_i|^2))``: per-sample MSE times its Min-SNR weight (1
-    without it), averaged over the batch, which equals `train_text_to_image.py`'s loss in both branches.
+    without it), averaged over the batch, which equals `train_text_to_image.py`'s loss in both branches. The
+    denoiser's parameters are named ``unet.*`` or ``transformer.*`` (the folder of the exported pipeline).
 
     Args:
-        unet: the denoiser.
-        compute_dtype: the dtype the latents and text states enter the UNet in: the plugin's compute dtype under
+        unet: a diffusers ``UNet2DConditionModel`` (or another module with its call signature).
+        transformer: a `colo.apps.models.dit.DiffusionTransformer` instead of ``unet``.
+        compute_dtype: the dtype the latents and text states enter the denoiser in: the plugin's compute dtype under
             bf16 / fp16 (``plugin.compute_dtype``). ZeRO and Gemini keep their compute weights in it and do not cast
             a batch's floating inputs, so the fp32 batch would meet them in the timestep embedding's linear and the
-            first convolution (a dtype error); DDP's autocast casts anyway. ``None``: as given (fp32 runs). The loss
-            is taken in fp32 either way.
+            first convolution (a dtype error); DDP's autocast casts anyway. While the weights are still fp32 outside
+            autocast (the Booster's one execution-order forward before it shards them) the inputs stay fp32.
+            ``None``: as given (fp32 runs). The loss is taken in fp32 either way.
     """
 
-    def __init__(self, unet: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        unet: torch.nn.Module | None = None,
+        *,
+        transformer: torch.nn.Module | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.unet = unet
+        if (unet is None) == (transformer is None):
+            raise ValueError("DenoiserLoss takes exactly one denoiser: unet=... or transformer=...")
+        if unet is not None:
+            self.unet = unet
+        else:
+            self.transformer = transformer
         self.compute_dtype = compute_dtype
 
-    def forward(self, noisy_latents, timesteps, encoder_hidden_states, target, loss_weights):
-        if self.compute_dtype is not None:
-            noisy_latents = noisy_latents.to(self.compute_dtype)
-            encoder_hidden_states = encoder_hidden_states.to(self.compute_dtype)
-        pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+    def _input_dtype(self, noisy_latents: torch.Tensor) -> torch.dtype | None:
+        """``compute_dtype``, except where the denoiser's weights are still fp32 outside autocast: the forward the
+        Booster runs once on the unboosted model (``example_batch``, to pack ZeRO / Gemini chunks in execution
+        order), which would otherwise meet bf16 inputs with fp32 weights."""
+        if self.compute_dtype is None or torch.is_autocast_enabled(noisy_latents.device.type):
+            return self.compute_dtype
+        weight = next(self.denoiser.parameters(), None)
+        if weight is not None and weight.dtype == torch.float32:
+            return None
+        return self.compute_dtype
+
+    @property
+    def denoiser_name(self) -> str:
+        """``"unet"`` or ``"transformer"``: the denoiser's attribute, the prefix of its parameter names."""
+        return "unet" if "unet" in self._modules else "transformer"
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The UNet or the transformer."""
+        return self._modules[self.denoiser_name]
+
+    def forward(
+        self, noisy_latents, timesteps, encoder_hidden_states, target, loss_weights, encoder_attention_mask=None
+    ):
+        dtype = self._input_dtype(noisy_latents)
+        if dtype is not None:
+            noisy_latents = noisy_latents.to(dtype)
+            encoder_hidden_states = encoder_hidden_states.to(dtype)
+        if self.denoiser_name == "transformer":
+            pred = self.transformer(
+                noisy_latents, encoder_hidden_states, timesteps, encoder_attention_mask=encoder_attention_mask
+            )
+        elif encoder_attention_mask is None:
+            pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        else:
+            pred = self.unet(
+                noisy_latents, timesteps, encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
+                return_dict=False,
+            )[0]  # fmt: skip
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return (per_sample * loss_weights).mean()
 
@@ -113,6 +162,8 @@ class DiffusionBatchBuilder:
         vae: the frozen `AutoencoderKL` (``None`` with cached latents).
         seed: the run's seed.
         scaling_factor: the latents' scale (``None``: the VAE's; needed without one, e.g. the `LatentCache`'s).
+        caption_mask: also return the captions' ``encoder_attention_mask`` (1 = token, 0 = padding; the text
+            encoder gets it too), as PixArt trains and samples; the UNet recipe attends to the padding.
     """
 
     def __init__(
@@ -124,8 +175,10 @@ class DiffusionBatchBuilder:
         vae=None,
         seed: int = 0,
         scaling_factor: float | None = None,
+        caption_mask: bool = False,
     ) -> None:
         self.objective = objective
+        self.caption_mask = caption_mask
         self.scheduler = objective.scheduler()
         self.tokenizer, self.text_encoder, self.vae = tokenizer, text_encoder, vae
         if scaling_factor is None:
@@ -171,6 +224,17 @@ class DiffusionBatchBuilder:
         return self.text_encoder(ids, return_dict=False)[0].float()
 
     @torch.no_grad()
+    def text_inputs(self, captions: list[str], device) -> dict[str, torch.Tensor]:
+        """``encoder_hidden_states`` of the captions and, with ``caption_mask``, their ``encoder_attention_mask``
+        (the encoder then reads the mask too, as PixArt's pipeline calls it)."""
+        if not self.caption_mask:
+            return {"encoder_hidden_states": self.encode_text(captions).to(device)}
+        ids, mask = tokenize_captions(self.tokenizer, captions, return_mask=True)
+        encoder_device = self.text_encoder.device
+        states = self.text_encoder(ids.to(encoder_device), attention_mask=mask.to(encoder_device), return_dict=False)
+        return {"encoder_hidden_states": states[0].float().to(device), "encoder_attention_mask": mask.to(device)}
+
+    @torch.no_grad()
     def __call__(
         self,
         *,
@@ -211,7 +275,7 @@ class DiffusionBatchBuilder:
         return {
             "noisy_latents": noisy,
             "timesteps": timesteps,
-            "encoder_hidden_states": self.encode_text(captions).to(device),
+            **self.text_inputs(captions, device),
             "target": target,
             "loss_weights": weights.float(),
         }

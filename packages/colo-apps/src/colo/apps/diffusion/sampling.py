@@ -1,6 +1,7 @@
-"""Sampling: a diffusers ``StableDiffusionPipeline`` around the run's models (a few-step DPM-Solver++), Euler
-flow sampling of a flow-matching UNet, sample grids as PNG, and the pipeline directory `colo convert --to diffusers`
-writes."""
+"""Sampling: a diffusers ``StableDiffusionPipeline`` around the run's UNet (a few-step DPM-Solver++), a
+``PixArtAlphaPipeline`` around the run's diffusion transformer (DPM-Solver++ on the DDPM schedule, or on the flow
+sigmas for flow matching), Euler flow sampling of a flow-matching UNet, sample grids as PNG, and the pipeline
+directories `colo convert --to diffusers` writes."""
 
 from __future__ import annotations
 
@@ -27,6 +28,67 @@ def build_pipeline(*, unet, vae, text_encoder, tokenizer, objective, num_train_t
     )
 
 
+def flow_dpm_solver(objective):
+    """The DPM-Solver++ (2nd order) that samples a flow-matching denoiser in a pipeline built for DPM-Solver
+    (``PixArtAlphaPipeline``), as diffusers' Sana pipelines do: ``prediction_type="flow_prediction"`` (``x_0 = x_t -
+    sigma * v``), ``use_flow_sigmas`` with the objective's static shift, timesteps ``sigma * num_train_timesteps`` (the
+    conditioning the denoiser was trained on). Its first-order step is exactly the Euler flow step.
+
+    diffusers' ``FlowMatchEulerDiscreteScheduler`` does not fit that pipeline: it has no ``init_noise_sigma`` or
+    ``scale_model_input``, which the pipeline calls.
+    """
+    if objective.use_dynamic_shifting:
+        raise ValueError(
+            "a PixArtAlphaPipeline samples with a static flow shift; use_dynamic_shifting (Flux's resolution-dependent "
+            "mu) has no DPMSolverMultistepScheduler equivalent"
+        )
+    diffusers = require_diffusers()
+    return diffusers.DPMSolverMultistepScheduler(
+        num_train_timesteps=objective.num_train_timesteps,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=objective.shift,
+    )
+
+
+def pixart_transformer(config, state: dict | None = None):
+    """diffusers' ``PixArtTransformer2DModel`` of the `colo.apps.models.dit.DiTConfig` ``config``, holding ``state``
+    (colo's `DiffusionTransformer` state dict, loaded strictly: the names and shapes are the same) when given."""
+    diffusers = require_diffusers()
+    model = diffusers.PixArtTransformer2DModel(**config.diffusers_config())
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def pixart_pipeline(*, transformer, vae, text_encoder, tokenizer, objective):
+    """A ``PixArtAlphaPipeline`` around the run's diffusers transformer, VAE, CLIP text encoder and tokenizer, with
+    DPM-Solver++ on the DDPM schedule (`DiffusionObjective`) or on the flow sigmas (`flow_dpm_solver`). Call it
+    through `sample_images` (or with `pipeline_call_arguments`): PixArt's defaults assume T5's 120 tokens and its
+    trained resolutions."""
+    diffusers = require_diffusers()
+    if hasattr(objective, "timestep_density"):  # FlowMatchingObjective
+        scheduler = flow_dpm_solver(objective)
+    else:
+        scheduler = diffusers.DPMSolverMultistepScheduler.from_config(objective.scheduler().config)
+    return diffusers.PixArtAlphaPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+
+
+def pipeline_call_arguments(pipeline) -> dict:
+    """Arguments a ``PixArtAlphaPipeline`` over the run's models needs (none for other pipelines): captions padded
+    to the tokenizer's length (PixArt's default is T5's 120), no resolution binning (PixArt's bins are its trained
+    1024 / 512 / 256 px sizes), no caption cleaning (the captions are the training captions)."""
+    if type(pipeline).__name__ not in ("PixArtAlphaPipeline", "PixArtSigmaPipeline"):
+        return {}
+    return {
+        "max_sequence_length": pipeline.tokenizer.model_max_length,
+        "use_resolution_binning": False,
+        "clean_caption": False,
+    }
+
+
 @torch.no_grad()
 def sample_images(
     pipeline, prompts: list[str], *, seeds: list[int], steps: int, guidance_scale: float, size: int
@@ -43,6 +105,7 @@ def sample_images(
             height=size,
             width=size,
             output_type="pt",
+            **pipeline_call_arguments(pipeline),
         )
         images.append(out.images.float().cpu())
     return torch.cat(images)

@@ -26,6 +26,15 @@ _RULES = (
         ),
         summary="model.init_from set (the UNet starts from diffusion.unet_from)",
     ),
+    TaskRule(
+        "lora.enabled",
+        lambda c: c.lora.enabled and c.diffusion.denoiser == "dit",
+        lambda c: (
+            "lora.enabled adapts the UNet's attention; diffusion.denoiser='dit' has no LoRA path yet: set "
+            "lora.enabled=false or diffusion.denoiser='unet'"
+        ),
+        summary="lora.enabled with diffusion.denoiser dit (LoRA adapts the UNet only)",
+    ),
 )
 
 

@@ -20,7 +20,14 @@ from colo.comm import barrier
 
 from ..train.state import committed_checkpoints, prune_checkpoints
 from ..train.task import TaskContext, TrainTask
-from .components import build_dataset, check_cross_attention, frozen_components, initial_unet, load_vae
+from .components import (
+    build_dataset,
+    check_cross_attention,
+    frozen_components,
+    initial_denoiser,
+    initial_unet,
+    load_vae,
+)
 from .data import collate
 from .ema import EMA_DIR, ShardedEMA, ema_checkpoint
 from .flow_matching import FlowMatchingBatchBuilder
@@ -57,6 +64,34 @@ class UNetDepth:
         return 0
 
 
+class DiTDepth:
+    """The depth of a `DenoiserLoss` parameter of colo's diffusion transformer for layer-wise LR decay: 0 for the
+    patch embedding, adaLN-single and the caption projection, ``i + 1`` for ``transformer_blocks.i``, and
+    ``num_layers + 1`` (the full LR) for the output's ``scale_shift_table`` and ``proj_out``.
+
+    Args:
+        transformer: a `colo.apps.models.dit.DiffusionTransformer`.
+    """
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.num_layers = len(transformer.transformer_blocks)
+
+    def __call__(self, name: str) -> int:
+        block, _, rest = name.removeprefix("transformer.").partition(".")
+        if block == "transformer_blocks":
+            return 1 + int(rest.split(".", 1)[0])
+        if block in ("scale_shift_table", "proj_out"):
+            return self.num_layers + 1
+        return 0
+
+
+def denoiser_depth(model: DenoiserLoss):
+    """`UNetDepth` or `DiTDepth` of the boosted module's denoiser."""
+    if model.denoiser_name == "transformer":
+        return DiTDepth(model.transformer)
+    return UNetDepth(model.unet)
+
+
 class DiffusionTask(TrainTask):
     """Trains the denoiser of ``config`` (``data.task: diffusion``); see the module docstring.
 
@@ -89,16 +124,19 @@ class DiffusionTask(TrainTask):
         if self.builder is None:
             self._check_batch(ctx)  # before the VAE pre-training and the first collective
             self._build_frozen(ctx)
-        unet = initial_unet(config)
-        check_cross_attention(unet, self.text_encoder)
-        unet.to(ctx.device)
+        denoiser = initial_denoiser(config)
+        check_cross_attention(denoiser, self.text_encoder)
+        denoiser.to(ctx.device)
         if config.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank (boost also broadcasts rank 0's)
-            add_unet_lora(unet, **lora_settings(config.lora))
-        self._num_parameters = sum(p.numel() for p in unet.parameters())
-        self._num_trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+            add_unet_lora(denoiser, **lora_settings(config.lora))
+        self._num_parameters = sum(p.numel() for p in denoiser.parameters())
+        self._num_trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
         compute = ctx.plugin.compute_dtype
-        return DenoiserLoss(unet, compute_dtype=compute if compute != torch.float32 else None)
+        compute = compute if compute != torch.float32 else None
+        if self.section.denoiser == "dit":
+            return DenoiserLoss(transformer=denoiser, compute_dtype=compute)
+        return DenoiserLoss(denoiser, compute_dtype=compute)
 
     def _check_batch(self, ctx: TaskContext) -> None:
         data_ranks = ctx.plugin.mesh_shape(ctx.world_size).get("dp", 1)
@@ -130,17 +168,18 @@ class DiffusionTask(TrainTask):
             vae=self.vae,
             seed=config.seed,
             scaling_factor=self.latents.scaling_factor if self.latents is not None else None,
+            caption_mask=self.section.denoiser == "dit",
         )
 
     def num_layers(self, model: DenoiserLoss) -> int:
-        return UNetDepth(model.unet).num_layers
+        return denoiser_depth(model).num_layers
 
     def build_optimizer(self, ctx: TaskContext, model: DenoiserLoss) -> torch.optim.Optimizer:
         """The run's AdamW (`colo.apps.train.optim.build_optimizer`: ``optimizer.fused``, decay / no-decay groups,
-        layer-wise LR decay over the UNet's blocks by `UNetDepth`)."""
+        layer-wise LR decay over the UNet's blocks by `UNetDepth`, the DiT's by `DiTDepth`)."""
         from ..train.optim import build_optimizer
 
-        depth = UNetDepth(model.unet)
+        depth = denoiser_depth(model)
         return build_optimizer(
             model, self.config.optimizer, num_layers=depth.num_layers, depth=depth, device=ctx.device
         )
@@ -163,7 +202,13 @@ class DiffusionTask(TrainTask):
 
     def describe(self, ctx: TaskContext) -> list[str]:
         config, section = self.config, self.section
-        unet = section.unet_from or f"channels {section.unet_channels}"
+        unet = "UNet (" + (section.unet_from or f"channels {section.unet_channels}") + ")"
+        if section.denoiser == "dit":
+            dit = section.dit_config_object()
+            unet = (
+                f"DiT ({dit.num_layers} x {dit.hidden_size}, {dit.num_attention_heads} heads, patch {dit.patch_size}, "
+                f"{(dit.sample_size // dit.patch_size) ** 2} tokens)"
+            )
         lora = f", LoRA r={config.lora.r}" if config.lora.enabled else ""
         cached = ", latents cached" if self.latents is not None else ""
         snr = f", Min-SNR {section.snr_gamma:g}" if section.snr_gamma else ""
@@ -175,7 +220,7 @@ class DiffusionTask(TrainTask):
                 f"shift {section.flow_shift:g})"
             )
         return [
-            f"model: UNet ({unet}), {self._num_parameters / 1e6:.3f}M parameters ({self._num_trainable / 1e6:.3f}M "
+            f"model: {unet}, {self._num_parameters / 1e6:.3f}M parameters ({self._num_trainable / 1e6:.3f}M "
             f"trainable{lora}) | data: {len(self.dataset)} images of {section.image_size} px, "
             f"{config.data.global_batch_size} per step{cached}",
             f"objective: {objective}{snr} | {ema}",
@@ -259,6 +304,9 @@ class DiffusionTask(TrainTask):
         if ctx.rank != 0:
             return None
         config, section = self.config, self.section
+        seeds = list(range(section.samples_per_prompt))
+        if section.denoiser == "dit":
+            return self._save_grid(ctx, step, self._sample_dit(ctx, averaged, seeds), columns=len(seeds))
         unet = initial_unet(config)  # a LoRA run's frozen base is still this one
         if config.lora.enabled:
             add_unet_lora(unet, **lora_settings(config.lora))
@@ -267,7 +315,6 @@ class DiffusionTask(TrainTask):
         if missing:
             raise KeyError(f"the averaged weights name parameters the UNet does not have: {sorted(missing)[:3]}")
         unet.load_state_dict(state, strict=not config.lora.enabled)
-        seeds = list(range(section.samples_per_prompt))
         if section.objective == "flow_matching":
             images = sample_flow_images(
                 unet=unet.eval().to(ctx.device),
@@ -299,6 +346,30 @@ class DiffusionTask(TrainTask):
             size=section.image_size,
         )
         return self._save_grid(ctx, step, images, columns=len(seeds))
+
+    def _sample_dit(self, ctx: TaskContext, averaged: dict, seeds: list[int]) -> torch.Tensor:
+        """The grid's images from the averaged DiT weights: diffusers' ``PixArtTransformer2DModel`` holding them, in
+        the ``PixArtAlphaPipeline`` the export writes (`pixart_pipeline`), so the grid shows what the export samples."""
+        from .sampling import pixart_pipeline, pixart_transformer, sample_images
+
+        section = self.section
+        state = {name.removeprefix("transformer."): value for name, value in averaged.items()}
+        pipeline = pixart_pipeline(
+            transformer=pixart_transformer(section.dit_config_object(), state).to(ctx.device),
+            vae=self.vae if self.vae is not None else load_vae(self.config).to(ctx.device),
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            objective=self.objective,
+        )
+        pipeline.set_progress_bar_config(disable=True)
+        return sample_images(
+            pipeline,
+            section.sample_prompts,
+            seeds=seeds,
+            steps=section.sample_steps,
+            guidance_scale=section.guidance_scale,
+            size=section.image_size,
+        )
 
     def _save_grid(self, ctx: TaskContext, step: int, images: torch.Tensor, *, columns: int) -> str:
         """Rank 0: ``output_dir/samples/step-N.png`` of ``images`` (and the grid to TensorBoard); its path."""

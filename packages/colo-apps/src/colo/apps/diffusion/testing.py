@@ -6,6 +6,8 @@ import os
 import tempfile
 
 GLOBAL_BATCH, LR, SEED = 4, 1e-3, 0
+TINY_DIT = {"dit_layers": 2, "dit_heads": 2, "dit_head_dim": 16, "dit_patch_size": 2}
+"""The DiT sizes of `tiny_run_config` with ``denoiser="dit"``: 2 blocks of 32 wide, 16 tokens of the 8 x 8 latent."""
 
 
 def tiny_config():
@@ -61,7 +63,8 @@ def tiny_run_config(
     **diffusion,
 ):
     """The run config of a tiny 2-process ZeRO-2 ``data.task: diffusion`` run of 3 steps (no VAE pre-training, no
-    evals, a checkpoint every ``checkpoint_every`` steps); ``diffusion`` fields override the section's, ``lora`` fills
+    evals, a checkpoint every ``checkpoint_every`` steps; ``denoiser="dit"``: the `TINY_DIT` sizes instead of the
+    UNet's); ``diffusion`` fields override the section's, ``lora`` fills
     the lora section, ``plugin`` replaces the plugin section, ``schedule`` fields override the schedule's."""
     from colo.apps.train.config import RunConfig
 
@@ -76,7 +79,7 @@ def tiny_run_config(
         logging={"every_steps": 1, "tensorboard": False, "progress_bar": False},
         lora=lora or {},
         diffusion={
-            "unet_channels": [8, 16],
+            **(TINY_DIT if diffusion.get("denoiser") == "dit" else {"unet_channels": [8, 16]}),
             "norm_num_groups": 4,
             "text_hidden_size": 16,
             "text_layers": 1,

@@ -35,6 +35,40 @@ RUN_PRESETS: dict[str, dict] = {
             "guidance_scale": 3.0,
         },
     },
+    # The same images, VAE and CLIP with colo's diffusion transformer (PixArt-alpha-style, colo.apps.models.dit:
+    # 4 blocks of 128 wide, 4 heads of 32, 1 x 1 patches of the 8 x 8 latent: 64 tokens, 1.2M parameters) trained with
+    # flow matching (logit-normal timesteps, no shift at this size); exported as a PixArtAlphaPipeline. 2 x 2 patches
+    # (16 tokens) train ~2.5x faster but score lower (see the README).
+    "tiny-dit": {
+        "name": "tiny-dit",
+        "output_dir": "runs/tiny-dit",
+        "seed": 0,
+        "plugin": {"name": "ddp", "precision": "fp32"},
+        "optimizer": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+        "schedule": {"total_steps": 2500, "warmup_steps": 50, "min_lr": 1e-4},
+        "data": {"task": "diffusion", "global_batch_size": 32},
+        "checkpoint": {"every_steps": 500, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 20},
+        "eval": {"every_steps": 500},
+        "diffusion": {
+            "denoiser": "dit",
+            "dit_layers": 4,
+            "dit_heads": 4,
+            "dit_head_dim": 32,
+            "dit_patch_size": 1,
+            "objective": "flow_matching",
+            "timestep_sampling": "logit_normal",
+            "flow_shift": 1.0,
+            "image_size": 16,
+            "vae_channels": [16, 32],
+            "num_images": 2048,
+            "vae_pretrain_steps": 300,
+            "condition_dropout": 0.1,
+            "ema_decay": 0.995,
+            "sample_steps": 10,
+            "guidance_scale": 3.0,
+        },
+    },
     # The CPU demo (`make demo`): 2 processes, DDP, fp32, the byte tokenizer on the standard library's .py files.
     # ~2.2M parameters with the byte vocabulary; 300 steps of 16 x 128 tokens finish in a few minutes on 2 cores.
     "tiny-llama": {
@@ -269,6 +303,56 @@ RUN_PRESETS: dict[str, dict] = {
             "guidance_scale": 7.5,
         },
     },
+    # PixArt-alpha XL/2's transformer (28 blocks of 1152, 16 heads, patch 2, adaLN-single; ~607M parameters with
+    # CLIP-L's 768-wide captions projected in) on SD-1.5's VAE latents at 512 px (64 x 64 x 4: 1024 tokens), flow
+    # matching with logit-normal timesteps and a shift of 2 (SD3's resolution rule: sqrt(512^2 / 256^2)), DiT's
+    # optimizer (AdamW 1e-4, no weight decay), 8 GPUs, ZeRO-2, bf16, the blocks checkpointed. Head size 72 is not one
+    # colo's Triton attention takes: attention runs the torch reference there (18 heads of 64 would run the kernel).
+    "pixart-dit": {
+        "name": "pixart-dit",
+        "output_dir": "runs/pixart-dit",
+        "seed": 0,
+        "plugin": {"name": "zero", "stage": 2, "precision": "bf16", "max_grad_norm": 1.0},
+        "optimizer": {"lr": 1e-4, "betas": [0.9, 0.999], "weight_decay": 0.0},
+        "schedule": {"total_steps": 400_000, "warmup_steps": 1000, "min_lr": 1e-4, "num_microbatches": 2},
+        "data": {"task": "diffusion", "global_batch_size": 256},
+        "checkpoint": {"every_steps": 2000, "keep_last": 3, "resume": "auto"},
+        "logging": {"every_steps": 50},
+        "eval": {"every_steps": 5000},
+        "diffusion": {
+            "denoiser": "dit",
+            "dit_layers": 28,
+            "dit_heads": 16,
+            "dit_head_dim": 72,
+            "dit_patch_size": 2,
+            "image_size": 512,
+            "image_dir": "data/text-to-image",
+            "resize": 512,
+            "text_encoder_from": "pretrained/stable-diffusion-v1-5/text_encoder",
+            "tokenizer_from": "pretrained/stable-diffusion-v1-5/tokenizer",
+            "vae_from": "pretrained/stable-diffusion-v1-5/vae",
+            "vae_channels": [128, 256, 512, 512],
+            "norm_num_groups": 32,
+            "text_hidden_size": 768,
+            "text_layers": 12,
+            "text_heads": 12,
+            "max_caption_tokens": 77,
+            "gradient_checkpointing": True,
+            "objective": "flow_matching",
+            "timestep_sampling": "logit_normal",
+            "flow_shift": 2.0,
+            "condition_dropout": 0.1,
+            "ema_decay": 0.9999,
+            "sample_prompts": [
+                "a photograph of an astronaut riding a horse",
+                "a red sports car parked on a city street at night",
+                "a bowl of fruit on a wooden table, oil painting",
+                "a snowy mountain lake at sunrise",
+            ],
+            "sample_steps": 20,
+            "guidance_scale": 4.5,
+        },
+    },
     # TinyLlama-1.1B's shape on 8 GPUs: tp2 x dp4, ZeRO-1, bf16; 2M tokens per step.
     "llama-1b": {
         "name": "llama-1b",
@@ -336,7 +420,9 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "tiny-grpo": "CPU: GRPO on integer-addition prompts with an exact-answer reward, after an SFT warm-up",
     "tiny-ppo": "CPU: PPO with a critic (GAE, adaptive KL) on tiny-grpo's addition prompts",
     "tiny-diffusion": "CPU: text-to-image diffusion (tiny VAE + UNet + CLIP) on generated coloured shapes",
+    "tiny-dit": "CPU: the same shapes with a PixArt-style diffusion transformer and flow matching; PixArt export",
     "sd15-diffusion": "8 GPUs: Stable Diffusion 1.5's UNet on local images and captions, ZeRO-2 bf16",
+    "pixart-dit": "8 GPUs: a PixArt-alpha-sized diffusion transformer (~607M) with flow matching, ZeRO-2 bf16",
     "llama-1b": "8 GPUs: TinyLlama-1.1B's shape, tp2 x dp4, ZeRO-1, bf16, 2M tokens per step",
     "llama-7b": "32 GPUs: Llama-2-7B, tp8 x dp4 with sequence parallelism, ZeRO-1, bf16, 4M tokens per step",
     "llama-70b": "256 GPUs: Llama-2-70B, tp8 x pp8 (interleaved 1F1B) x dp4, ZeRO-1, bf16, 4M tokens per step",
