@@ -16,7 +16,7 @@ gradient. Generation runs on whole rows on every sp rank (sp shards no weight), 
    attention runs on pieces (ring: blockwise online softmax), and the data-parallel mean of per-rank gradients sums in
    another order. The policy forward's only all-gather over sp is the ``2 x R x length`` per-token values (a forward
    that gathered logits would move ``R x length x vocab``).
-2. The trainer: ``data.task: grpo`` under ``plugin.name: hybrid, sp: 2`` (ring; 1 SFT + 2 GRPO steps) logs the same
+2. The trainer: ``data.task: grpo`` under ``plugin.name: hybrid, sp: 2`` (ring; 2 SFT + 2 GRPO steps) logs the same
    per-step losses, gradient norms and GRPO metrics as the single-process DDP run, with a log-prob mismatch below 1e-5.
 """
 
@@ -123,3 +123,67 @@ def test_grpo_steps_under_sp2_x_dp2_match_one_process(sp_mode):
     settings = {"sp": 2, "sp_mode": sp_mode, "dp": 2, "zero_stage": 2}
     results = run_distributed(_sp_case, settings, world_size=4, timeout=180)
     _check_sp_case(results, chunks=4 if sp_mode == "ring" else 2)
+
+
+# --- 2. the trainer ------------------------------------------------------------------------------------------------
+
+
+def varied_reward(prompts, completions, **_) -> list[float]:
+    """A reward that varies within a group from the first GRPO step on: the share of digits in the completion."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def _trainer_config(output_dir: str, **changes) -> dict:
+    from colo.apps.train import load_config
+
+    overrides = [
+        f"output_dir={output_dir}",
+        "grpo.synthetic_prompts=48",
+        "grpo.group_size=4",
+        "grpo.sft_steps=2",
+        "data.global_batch_size=2",
+        "schedule.total_steps=4",
+        "schedule.warmup_steps=1",
+        "eval.every_steps=100",
+        "eval.num_sequences=8",
+        "logging.every_steps=1",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "sample.max_new_tokens=0",
+        "checkpoint.every_steps=100",
+        f"grpo.reward_functions=[{__name__}:varied_reward]",
+        *[f"{key}={value}" for key, value in changes.items()],
+    ]
+    return load_config(preset="tiny-grpo", overrides=overrides).model_dump(mode="json")
+
+
+def _train(config: dict) -> dict:
+    from colo.apps.train import train, validate_config
+
+    return {"losses": train(validate_config(config)).losses}
+
+
+def _metrics(output_dir) -> dict[int, dict]:
+    import json
+
+    with open(output_dir / "metrics.jsonl") as lines:
+        return {record["step"]: record for record in map(json.loads, lines) if "loss" in record}
+
+
+def test_grpo_run_under_hybrid_sp2_ring_matches_ddp(tmp_path):
+    ddp_dir, sp_dir = tmp_path / "ddp", tmp_path / "sp2"
+    ddp = run_distributed(_train, _trainer_config(str(ddp_dir)), world_size=1, timeout=180)[0]["losses"]
+    hybrid = {"plugin.name": "hybrid", "plugin.sp": 2, "plugin.sp_mode": "ring", "plugin.zero_stage": 1}
+    sp2 = run_distributed(_train, _trainer_config(str(sp_dir), **hybrid), world_size=2, timeout=180)
+    assert sp2[0]["losses"] == sp2[1]["losses"]
+    assert sorted(ddp) == sorted(sp2[0]["losses"]) == [1, 2, 3, 4]
+    expected, actual = _metrics(ddp_dir), _metrics(sp_dir)
+    for step in (1, 2, 3, 4):  # SFT steps (rows of 11 tokens padded to 12 for the 4 zigzag chunks), then 2 GRPO steps
+        assert sp2[0]["losses"][step] == pytest.approx(ddp[step], rel=1e-5, abs=1e-7), step
+        names = ["grad_norm"] + (["grpo/entropy", "grpo/kl", "grpo/reward_mean"] if step > 2 else [])
+        for name in names:
+            assert actual[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-7), (step, name)
+    for step in (3, 4):
+        assert actual[step]["grad_norm"] > 0.1 and actual[step]["grpo/reward_std"] > 0  # GRPO steps with a signal
+        assert actual[step]["grpo/logprob_mismatch_max"] < 1e-5  # rollout log-probs == the sp trainer's recompute
+    assert (sp_dir / "checkpoints" / "grpo-reference.safetensors").exists()  # written once, by sp rank 0
