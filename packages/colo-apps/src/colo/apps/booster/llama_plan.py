@@ -94,9 +94,14 @@ def whole_sequence_attention(model: nn.Module) -> Iterator[nn.Module]:
 
 def _splits_itself(batch: Mapping[str, torch.Tensor]) -> bool:
     """A batch of whole rows whose forward cuts the sequence itself: a rollout batch (``response_mask``, no
-    ``labels``: `colo.apps.rlhf.attach_rollout_forward` shards its rows and gathers the per-token log-probs). Its
-    loss is every sequence-parallel rank's whole loss: weight 1, the gather's backward sums the ranks' gradients."""
-    return "response_mask" in batch and "labels" not in batch
+    ``labels``: `colo.apps.rlhf.attach_rollout_forward`) or a preference batch (``(pairs, 2, seq)`` ``input_ids``:
+    `colo.apps.rlhf.attach_pair_forward`), whose forwards shard the rows and gather per-token values over sp
+    (`colo.apps.rlhf.sequence_logps`). Its loss is every sequence-parallel rank's whole loss: weight 1, the gather's
+    backward sums the ranks' gradients."""
+    if "response_mask" in batch and "labels" not in batch:
+        return True
+    ids = batch.get("input_ids")
+    return isinstance(ids, torch.Tensor) and ids.dim() == 3
 
 
 class LlamaPlan(ModelPlan):

@@ -48,6 +48,30 @@ def _pad_rows(
     return ids, position_ids, document_ids
 
 
+def _local_hidden(model: Llama, split: SequenceSplit, input_ids, position_ids, document_ids):
+    """``(hidden, held, padded)``: the final hidden states of this rank's piece of the rows (padded to the layout's
+    chunks), the positions of the row it holds, and the padded length."""
+    rows, length = input_ids.shape
+    num_shards, rank, layout = split.group.size, split.group.rank, split.layout
+    padded = padded_seq_len(length, num_shards, layout)
+    ids, positions, documents = _pad_rows(input_ids, position_ids, document_ids, padded - length)
+    if positions is None:
+        positions = torch.arange(padded, device=ids.device).expand(rows, -1)
+    held = shard_positions(padded, num_shards, rank, layout).to(ids.device)
+    hidden = model.hidden_states(
+        shard_sequence(ids, num_shards=num_shards, rank=rank, layout=layout),
+        shard_sequence(positions, num_shards=num_shards, rank=rank, layout=layout),
+        document_ids=documents,
+    )
+    return hidden, held, padded
+
+
+def _gather_rows(local: torch.Tensor, split: SequenceSplit, padded: int) -> torch.Tensor:
+    """``(..., rows, padded)`` whole rows from every rank's ``(..., rows, padded / sp)`` piece; the backward sums the
+    ranks' gradients (module docstring)."""
+    return gather_sequence(local, group=split.group, layout=split.layout, seq_len=padded, dim=-1, sum_grad=True)
+
+
 def split_token_logps(
     model: Llama,
     split: SequenceSplit,
@@ -91,18 +115,7 @@ def split_token_logps(
             raise ValueError(f"split_token_logps: last={last} leaves no next token in rows of {length}")
     if not 0 <= first <= last <= length:
         raise ValueError(f"split_token_logps: positions {first} .. {last} are not within rows of {length}")
-    group, layout = split.group, split.layout
-    num_shards, rank = group.size, group.rank
-    padded = padded_seq_len(length, num_shards, layout)
-    ids, positions, documents = _pad_rows(input_ids, position_ids, document_ids, padded - length)
-    if positions is None:
-        positions = torch.arange(padded, device=ids.device).expand(rows, -1)
-    held = shard_positions(padded, num_shards, rank, layout).to(ids.device)  # this rank's positions in the row
-    hidden = model.hidden_states(
-        shard_sequence(ids, num_shards=num_shards, rank=rank, layout=layout),
-        shard_sequence(positions, num_shards=num_shards, rank=rank, layout=layout),
-        document_ids=documents,
-    )
+    hidden, held, padded = _local_hidden(model, split, input_ids, position_ids, document_ids)
     scoring = ((held >= first) & (held < last)).nonzero().flatten()
     logps, entropies = llama_token_logps(
         model,
@@ -112,8 +125,19 @@ def split_token_logps(
         entropy=entropy,
     )
     values = [logps] if entropies is None else [logps, entropies.detach()]
-    local = torch.zeros(len(values), rows, held.numel(), dtype=torch.float32, device=ids.device)
+    local = torch.zeros(len(values), rows, held.numel(), dtype=torch.float32, device=input_ids.device)
     local = local.index_copy(2, scoring, torch.stack(values))
-    whole = gather_sequence(local, group=group, layout=layout, seq_len=padded, dim=2, sum_grad=True)
-    whole = whole[:, :, first:last]
+    whole = _gather_rows(local, split, padded)[:, :, first:last]
     return whole[0], (whole[1] if entropies is not None else None)
+
+
+def split_head_outputs(model: Llama, split: SequenceSplit, input_ids: torch.Tensor) -> torch.Tensor:
+    """``(rows, length)`` float32: a one-output ``lm_head``'s value at every position of whole rows (a reward model,
+    `colo.apps.rlhf.modeling.make_reward_model`), each rank computing its piece's and the values gathered over the
+    ``sp`` group as `split_token_logps` gathers log-probs (the same on every rank; the backward sums the ranks'
+    gradients)."""
+    hidden, _, padded = _local_hidden(model, split, input_ids, None, None)
+    local = model.lm_head(hidden)
+    if local.shape[-1] != 1:
+        raise ValueError(f"split_head_outputs: lm_head gives {local.shape[-1]} outputs a position, a reward head 1")
+    return _gather_rows(local[..., 0].float(), split, padded)[:, : input_ids.shape[1]]

@@ -17,9 +17,9 @@ from .preference_config import PreferenceSection
 _DPO_ONLY = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
 
 
-def _hybrid_beyond_tp(config) -> bool:
+def _hybrid_beyond_tp_sp(config) -> bool:
     plugin = config.plugin
-    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp > 1 or bool(plugin.sp_mode))
+    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp_mode == "megatron")
 
 
 def _same_path(first: str, second: str) -> bool:
@@ -76,13 +76,14 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
         ),
         TaskRule(
             "plugin",
-            _hybrid_beyond_tp,
+            _hybrid_beyond_tp_sp,
             lambda c: (
-                f"data.task={task!r} under plugin.name='hybrid' supports tp and dp (pp=1, sp=1, sp_mode=None): a "
-                "pipeline and sequence shards do not give per-sequence log-probs or rewards yet; drop pp / sp, or use "
-                "plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
+                f"data.task={task!r} under plugin.name='hybrid' supports tp, dp and sp (Ulysses or ring attention; "
+                "pp=1, sp_mode not 'megatron'): a pipeline and Megatron-SP's hidden-state shards do not give "
+                "per-sequence log-probs or rewards yet; drop pp / sp_mode='megatron', or use plugin.name='ddp', "
+                "'zero' (stage 1-3) or 'gemini'"
             ),
-            summary="plugin.name='hybrid' with pp > 1, sp > 1 or an sp_mode",
+            summary="plugin.name='hybrid' with pp > 1 or sp_mode 'megatron'",
         ),
         TaskRule(
             "plugin.loss_weighting",
