@@ -161,12 +161,13 @@ def _single_process(dp: int) -> dict:
         criterion.prepare(global_counts(mask, max_new_tokens=5), num_microbatches=1, num_data_ranks=1)
         loss = sum(criterion(model(**b), b) for b in batches)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         steps.append(
             {
                 "loss": loss.item(),
+                "grad_norm": float(grad_norm),
                 "rollouts": [(r.input_ids, r.logprobs) for r in rollouts],
                 "metrics": criterion.take_metrics(),
             }

@@ -1,9 +1,11 @@
-"""Reward-model and DPO training under DDP dp2, ZeRO-2 dp2, ZeRO-3 dp2, Gemini dp2 and HybridParallel tp2 (colo's
-native Llama, whose DPO log-probs under tp2 come from vocabulary-parallel logits without gathering them; and DPO on
-a ``transformers`` Llama under tp2, whose plan gathers the logits) match the single-process run over 5 AdamW
-steps: the loss of every step and every parameter at the end. Each rank runs its data-parallel share of the pairs
-(chosen and rejected of a pair always together); the DPO reference log-probs are precomputed through the boosted
-model (every rank an equal share, all-gathered) and must equal the single-process ones.
+"""Reward-model and DPO training under DDP dp2, ZeRO-2 dp2, ZeRO-3 dp2, Gemini dp2, HybridParallel tp2 (colo's native
+Llama, whose DPO log-probs under tp2 come from vocabulary-parallel logits without gathering them; and DPO on a
+``transformers`` Llama under tp2, whose plan gathers the logits) and HybridParallel sp2 (Ulysses, ring: each rank
+scores its piece of the rows, the per-token values gathered over sp, `colo.apps.rlhf.sequence_logps`) match the
+single-process run over 5 AdamW steps: the loss of every step and every parameter at the end. Each rank runs its
+data-parallel share of the pairs (chosen and rejected of a pair always together); the DPO reference log-probs are
+precomputed through the boosted model (every rank an equal share, all-gathered) and must equal the single-process
+ones.
 
 Tolerances (fp32): losses rtol 1e-5; parameters rtol 1e-5 / atol 1e-4. Not bit-identical: the data-parallel mean
 of per-rank means and ZeRO's reduce-scatter sum gradients in another order than one process, and AdamW turns the
@@ -85,15 +87,16 @@ def single_process(task, make):
         table = precompute_reference_logps(model, dataset, batch_size=PAIRS)
         dataset = WithReferenceLogps(dataset, table)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(STEPS):
         batch = batch_of(dataset, step)
         loss = criterion(model(**batch), batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    single_process.grad_norms = grad_norms  # (read by the sequence-parallel runs)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, table
 
 
@@ -121,11 +124,25 @@ def _train(task, runs):
             torch.testing.assert_close(table, expected_table, rtol=1e-6, atol=1e-5)
             dataset = WithReferenceLogps(dataset, table)
         share = PAIRS // dp
-        losses = [
-            booster.train_step(batch_of(dataset, step, slice(rank * share, (rank + 1) * share))).loss
+        outcomes = [
+            booster.train_step(batch_of(dataset, step, slice(rank * share, (rank + 1) * share)))
             for step in range(STEPS)
         ]
+        losses = [outcome.loss for outcome in outcomes]
         mismatches = []
+        if settings.get("sp", 1) > 1:
+            # every sp rank scores its piece of the rows; one all-gather over sp of a float per position (a gather of
+            # the logits would move vocab times more), whose backward sums the ranks' gradients: the gradient norm
+            # before clipping is the single process's (AdamW alone would hide a uniformly scaled gradient). rtol 1e-3:
+            # step 1 agrees to 2e-6, later steps drift (ring's reward model 1.1e-4 by step 4) as the parameters do
+            norms = [float(outcome.grad_norm) for outcome in outcomes]
+            if norms != pytest.approx(single_process.grad_norms, rel=1e-3):
+                mismatches.append(f"{label}: grad norms {norms} vs {single_process.grad_norms}")
+            with CommTracker() as tracker:
+                booster.engine.forward(batch_of(dataset, 0, slice(rank * share, (rank + 1) * share)))
+            rows, width = 2 * share, 16  # chosen and rejected of each pair, at most seq_len positions
+            if tracker.calls("all_gather", axis="sp") != 1 or tracker.bytes("all_gather", axis="sp") > rows * width * 2:
+                mismatches.append(f"{label}: the pair forward's sp traffic: {tracker.summary()}")
         if task == "dpo" and kind == "native" and settings.get("tp", 1) > 1:
             # the policy's log-probs come from the vocabulary-parallel logit columns: no logits are gathered
             with CommTracker() as tracker:
@@ -192,6 +209,21 @@ def test_native_llama_under_tp2_matches_one_process(task):
         losses, expected_losses, num_params, mismatches = rank_results["tp2"]
         torch.testing.assert_close(losses, expected_losses, rtol=rtol, atol=0)
         assert num_params > 0 and not mismatches, mismatches[:3]
+
+
+@pytest.mark.parametrize("task", ["rm", "dpo"])
+def test_native_llama_under_sp2_ulysses_and_ring_matches_one_process(task):
+    # the rows come whole to the pair forward, which cuts them (ring: zigzag) and gathers the per-token log-probs
+    # (DPO) or the reward head's values (rm) over sp; sequence lengths of 7-16 tokens are padded to the chunks
+    runs = [
+        ("sp2-ulysses", "hybrid", {"sp": 2, "sp_mode": "ulysses", "zero_stage": 1}, "native"),
+        ("sp2-ring", "hybrid", {"sp": 2, "sp_mode": "ring", "zero_stage": 2}, "native"),
+    ]
+    rtol = 5e-5 if task == "rm" else 1e-5  # as under tp2: AdamW amplifies the reward model's summation-order rounding
+    for rank_results in run_distributed(_train, task, runs, world_size=2, timeout=120):
+        for label, (losses, expected_losses, num_params, mismatches) in rank_results.items():
+            torch.testing.assert_close(losses, expected_losses, rtol=rtol, atol=0, msg=label)
+            assert num_params > 0 and not mismatches, mismatches[:3]
 
 
 def test_hf_llama_dpo_under_tp2_matches_one_process():

@@ -300,3 +300,33 @@ def test_ring_attention_rejects_bad_input_before_communicating():
         assert "seq_len=9" in errors[1]
         assert "layout='diagonal'" in errors[2]
         assert "must agree on batch, local sequence" in errors[3]
+
+
+def _gather_gradients(layout: str) -> list[str]:
+    """gather_sequence's two backwards against autograd of one process over every rank's loss: ``sum_grad`` sums
+    the ranks' gradients of the whole sequence (each rank's loss a term of a sum over the group), the default keeps
+    this rank's part of its own."""
+    mesh = Mesh(sp=torch.distributed.get_world_size())
+    group, n, rank = mesh.group("sp"), mesh.size("sp"), mesh.rank("sp")
+    seq_len = 11  # padded to 12 (zigzag: 4 chunks of 3) or 12 (contiguous: 2 of 6)
+    generator = torch.Generator().manual_seed(5)
+    whole = torch.randn(3, seq_len, generator=generator)
+    weights = torch.randn(n, 3, seq_len, generator=generator)  # rank r's loss: sum(weights[r] * gathered)
+    mismatches = []
+    for sum_grad in (False, True):
+        local = shard_sequence(whole, num_shards=n, rank=rank, layout=layout).requires_grad_(True)
+        gathered = gather_sequence(local, group=group, layout=layout, seq_len=seq_len, sum_grad=sum_grad)
+        if not torch.equal(gathered.detach(), whole):
+            mismatches.append(f"sum_grad={sum_grad}: the gathered sequence differs")
+        (weights[rank] * gathered).sum().backward()
+        grad = weights.sum(0) if sum_grad else weights[rank]
+        expected = shard_sequence(grad, num_shards=n, rank=rank, layout=layout)
+        if not torch.allclose(local.grad, expected, rtol=1e-6, atol=1e-6):
+            mismatches.append(f"sum_grad={sum_grad}: gradient {local.grad} vs {expected}")
+    return mismatches
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_gather_sequence_backward_keeps_or_sums_the_ranks_gradients(layout):
+    for rank, mismatches in enumerate(run_distributed(_gather_gradients, layout, world_size=2)):
+        assert mismatches == [], f"rank {rank}: {mismatches}"

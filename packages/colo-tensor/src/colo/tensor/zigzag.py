@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from colo.comm import Group
 
-from .comm_ops import all_gather_split
+from .comm_ops import all_gather_reduce_scatter, all_gather_split
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 """The supported sequence layouts."""
@@ -121,12 +121,22 @@ def natural_order(seq_len: int, num_shards: int, layout: str) -> torch.Tensor:
 
 
 def gather_sequence(
-    x: torch.Tensor, *, group: Group, layout: str = "zigzag", seq_len: int | None = None, dim: int = 1
+    x: torch.Tensor,
+    *,
+    group: Group,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+    dim: int = 1,
+    sum_grad: bool = False,
 ) -> torch.Tensor:
     """The full sequence from every rank's piece: all-gather along ``dim``, back into order, padding dropped.
 
-    The gradient of the result is taken to be replicated (every rank computes the same thing from it): the
-    backward keeps this rank's positions, without communication (`all_gather_split`).
+    By default the gradient of the result is taken to be replicated (every rank computes the same thing from it):
+    the backward keeps this rank's positions, without communication (`all_gather_split`). With ``sum_grad`` the
+    backward sums the ranks' gradients of the result and keeps this rank's positions (a reduce-scatter,
+    `all_gather_reduce_scatter`): the adjoint when each rank's loss of the result is one term of a sum or mean over
+    the group, e.g. a loss every sequence-parallel rank computes whole while data parallelism averages the
+    gradients over those ranks.
 
     Args:
         x: this rank's piece (as `shard_sequence` gives it), the same extent along ``dim`` on every rank.
@@ -134,6 +144,7 @@ def gather_sequence(
         layout: ``"contiguous"`` or ``"zigzag"``. Default ``"zigzag"``.
         seq_len: real tokens in the global sequence; ``None``: all of it (no padding).
         dim: the sequence dimension. Default ``1``.
+        sum_grad: reduce-scatter (sum) the gradient instead of keeping this rank's part of it. Default ``False``.
 
     Returns:
         ``x`` with ``dim`` holding the ``seq_len`` positions in order.
@@ -149,7 +160,7 @@ def gather_sequence(
             f"{seq_len} (that needs {padded_seq_len(seq_len, n, layout) // n} positions a piece); pass the seq_len "
             "the pieces were made from"
         )
-    full = all_gather_split(x, group=group, dim=dim)
+    full = all_gather_reduce_scatter(x, group=group, dim=dim) if sum_grad else all_gather_split(x, group=group, dim=dim)
     if layout == "zigzag":
         full = full.index_select(dim, natural_order(seq_len, n, layout).to(full.device))
     return full.narrow(dim, 0, seq_len) if seq_len != total else full

@@ -3,18 +3,20 @@ attention over ``sp`` on the attention cores, pipeline stages by `llama_pipeline
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from colo.comm import Mesh
+from colo.comm import Group, Mesh
 from colo.kernels import document_ids_from_position_ids
 from colo.tensor import RingAttention, UlyssesAttention, parallelize, shard_positions, shard_sequence
 from colo.tensor.ulysses import check_ulysses_heads
 
-from ..models.llama import Llama, llama_pipeline_stages, parallelize_llama
+from ..models.llama import AttentionCore, Llama, llama_pipeline_stages, parallelize_llama
 from ..models.llama.loss import IGNORE_INDEX, causal_lm_loss, sharded_causal_lm_loss, shift_labels
 from ..models.llama.parallelize import check_tp_size
 from .parallel_dims import LayoutError
@@ -40,6 +42,66 @@ def set_materialize_fn(model: nn.Module, init_fn) -> nn.Module:
 def materialize_fn_of(model: nn.Module):
     """The ``init_fn`` `set_materialize_fn` gave ``model``, or ``None``."""
     return model.__dict__.get(_INITIALIZER)
+
+
+class SequenceSplit(NamedTuple):
+    """How a sequence-parallel Llama (Ulysses or ring attention over ``sp``) holds its sequences: each rank of
+    ``group`` a piece of every row, in ``layout`` (`colo.tensor.shard_sequence`)."""
+
+    group: Group
+    layout: str
+
+
+_SEQUENCE_SPLIT = "_colo_sequence_split"
+
+
+def sequence_split_of(model: nn.Module) -> SequenceSplit | None:
+    """The `SequenceSplit` the plan gave ``model`` (`LlamaPlan.apply_sp`), or ``None`` when it runs on whole rows."""
+    return model.__dict__.get(_SEQUENCE_SPLIT)
+
+
+def sequence_multiple(plugin) -> int:
+    """What a row's length must be a multiple of under ``plugin``'s sequence split: ``sp`` (Ulysses), ``2 * sp``
+    (ring, zigzag), else 1."""
+    if getattr(plugin, "sp", 1) <= 1:
+        return 1
+    return plugin.sp * (2 if LlamaPlan.sequence_layout(plugin) == "zigzag" else 1)
+
+
+@contextlib.contextmanager
+def whole_sequence_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the context a sequence-parallel Llama runs on whole rows on each rank: every attention core is a plain
+    `AttentionCore` (the Ulysses core without its all-to-all hooks, ring attention's replaced) and the model derives
+    document ids from positions again; both are put back on exit. Sequence parallelism does not shard weights, so
+    this is the whole model (e.g. generation, whose KV cache holds whole rows). A model without a split is left
+    alone."""
+    if sequence_split_of(model) is None:
+        yield model
+        return
+    cores = {name: layer.self_attn.core for name, layer in model.layers.items()}
+    derive = model.document_ids_from_positions
+    try:
+        for name, layer in model.layers.items():
+            core = cores[name]
+            layer.self_attn.core = AttentionCore(causal=core.causal, scale=core.scale)
+        model.document_ids_from_positions = True
+        yield model
+    finally:
+        for name, layer in model.layers.items():
+            layer.self_attn.core = cores[name]
+        model.document_ids_from_positions = derive
+
+
+def _splits_itself(batch: Mapping[str, torch.Tensor]) -> bool:
+    """A batch of whole rows whose forward cuts the sequence itself: a rollout batch (``response_mask``, no
+    ``labels``: `colo.apps.rlhf.attach_rollout_forward`) or a preference batch (``(pairs, 2, seq)`` ``input_ids``:
+    `colo.apps.rlhf.attach_pair_forward`), whose forwards shard the rows and gather per-token values over sp
+    (`colo.apps.rlhf.sequence_logps`). Its loss is every sequence-parallel rank's whole loss: weight 1, the gather's
+    backward sums the ranks' gradients."""
+    if "response_mask" in batch and "labels" not in batch:
+        return True
+    ids = batch.get("input_ids")
+    return isinstance(ids, torch.Tensor) and ids.dim() == 3
 
 
 class LlamaPlan(ModelPlan):
@@ -110,6 +172,7 @@ class LlamaPlan(ModelPlan):
         if hasattr(model, "objective"):  # a pipeline's last stage computes its loss outside the objective
             model.objective.labels_shifted = True
         model.document_ids_from_positions = False
+        model.__dict__[_SEQUENCE_SPLIT] = SequenceSplit(mesh.group("sp"), layout)  # not a submodule or state
 
     @staticmethod
     def check_sequence_length(seq_len: int, plugin) -> None:
@@ -130,6 +193,8 @@ class LlamaPlan(ModelPlan):
                 )
 
     def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        if plugin.sp > 1 and _splits_itself(batch):
+            return batch, 1.0
         if "input_ids" in batch:
             self.check_sequence_length(batch["input_ids"].shape[1], plugin)
         if plugin.sp == 1:

@@ -19,6 +19,12 @@ How the trained weights reach the rollout layout, by plugin:
 - **LoRA** (frozen base weights, trainable adapters): in place, nothing moves; gathered, the frozen chunks' copy is
   kept between rollouts (``keep_frozen=True``) and only the trainable (adapter) chunks are gathered again.
 
+Under sequence parallelism (``HybridParallel`` with ``sp`` > 1, Ulysses or ring attention) every rank holds the whole
+weights (sp shards no weight), so generation runs on whole rows on every rank: the attention cores are plain local
+ones while it runs (`colo.apps.booster.llama_plan.whole_sequence_attention`), and each step's tokens are broadcast
+from the first rank of the ``sp`` group (after the ``tp`` group's), so the ranks that share samples continue the same
+sequences. Each sp rank generates every row of its data-parallel rank (the decode work is repeated, not split).
+
 Pipeline parallelism (``pp`` > 1) is not supported: its stages would have to pass activations at every decode step.
 """
 
@@ -34,6 +40,7 @@ from torch import nn
 
 from colo.comm.regions import region
 
+from ..booster.llama_plan import whole_sequence_attention
 from .engine import TokenSync, generate
 from .params import SamplingParams
 from .rollout import Rollout
@@ -126,6 +133,7 @@ class RolloutEngine:
         self.booster, self.model = booster, model
         self.keep_frozen, self.on_sync_step = keep_frozen, on_sync_step
         self.tp_group = mesh.group("tp") if "tp" in mesh.shape and mesh.size("tp") > 1 else None
+        self.sp_group = mesh.group("sp") if "sp" in mesh.shape and mesh.size("sp") > 1 else None
         self.last_report: RolloutReport | None = None
         self._frozen_copies: dict[int, torch.Tensor] = {}
 
@@ -158,7 +166,7 @@ class RolloutEngine:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         stats: dict = {}
-        with region("colo.rollout"), self._rollout_layout() as (module, sync):
+        with region("colo.rollout"), self._rollout_layout() as (module, sync), whole_sequence_attention(module):
             if cuda:
                 torch.cuda.synchronize(device)
             synced = time.perf_counter()
@@ -265,15 +273,17 @@ class RolloutEngine:
         return contextlib.nullcontext()
 
     def _token_sync(self) -> TokenSync | None:
-        """Under tensor parallelism: every rank of the group takes its first rank's tokens and log-probs."""
-        group = self.tp_group
-        if group is None:
+        """Under tensor and sequence parallelism: every rank of the ``tp`` group, then of the ``sp`` group, takes its
+        first rank's tokens and log-probs (the ranks that share samples continue the same sequences)."""
+        groups = [group for group in (self.tp_group, self.sp_group) if group is not None]
+        if not groups:
             return None
         from colo.comm import broadcast
 
         def sync(pairs: torch.Tensor) -> torch.Tensor:
             pairs = pairs.contiguous()
-            broadcast(pairs, src=0, group=group)
+            for group in groups:
+                broadcast(pairs, src=0, group=group)
             return pairs
 
         return sync

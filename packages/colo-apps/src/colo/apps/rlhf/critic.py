@@ -35,7 +35,7 @@ from torch import nn
 
 from colo.tensor import gather, layout_of
 
-from ..booster.llama_plan import materialize_fn_of, set_materialize_fn
+from ..booster.llama_plan import materialize_fn_of, sequence_split_of, set_materialize_fn
 from ..booster.plans import find_plan
 from ..models.llama import Llama
 from .modeling import make_reward_model
@@ -236,6 +236,11 @@ def attach_ppo_forward(
                 # as data parallelism needs every trained parameter to get one
                 output.loss = output.loss + 0.0 * self.value_head.weight.sum()
             return output
+        if native and sequence_split_of(self) is not None:  # whole rows would reach the sequence-parallel cores
+            raise ValueError(
+                "attach_ppo_forward: PPO does not run under sequence parallelism (HybridParallel sp > 1) yet: its "
+                "values are not split along the sequence; use sp=1 (GRPO, DPO and reward models run under sp)"
+            )
         inputs = {name: kwargs[name] for name in _MODEL_INPUTS if kwargs.get(name) is not None}
         length = response_mask.shape[1]
         prompt = input_ids.shape[1] - length

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..booster.llama_plan import sequence_split_of
 from ..generation.rollout import (
     can_share_prompts,
     hf_shared_prompt_logits,
@@ -43,6 +44,7 @@ from .policy_loss import (
     aggregate_loss,
     clipped_policy_loss,
 )
+from .sequence_logps import split_token_logps
 from .token_logps import llama_token_logps, token_logps
 
 _MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
@@ -57,7 +59,9 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
 
     Args:
         model (nn.Module): colo's `Llama` (under tensor parallelism its log-probs and entropies come from this rank's
-            vocabulary columns, never gathered: `colo.apps.rlhf.token_logps`) or a ``transformers`` causal LM.
+            vocabulary columns, never gathered: `colo.apps.rlhf.token_logps`; under Ulysses or ring attention the
+            rows come whole, each rank computes its piece's and the ``(R, T)`` values are gathered over sp:
+            `colo.apps.rlhf.sequence_logps`) or a ``transformers`` causal LM.
         temperature (float): the sampling temperature the log-probs are taken at (0, greedy, is taken as 1).
         share_prompts (bool): run each distinct prompt of the batch once and the responses of its rows over its
             keys and values (`colo.apps.generation.rollout.hf_shared_prompt_logits`, `native_shared_prompt_hidden`)
@@ -87,6 +91,20 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
             )
         if native:  # under tensor parallelism from this rank's vocabulary columns (token_logps)
             inputs.pop("attention_mask", None)
+            split = sequence_split_of(self)
+            if split is not None:  # Ulysses / ring: this rank's piece of each row, the values gathered over sp
+                logps, entropy = split_token_logps(
+                    self,
+                    split,
+                    input_ids,
+                    first=prompt - 1,
+                    last=input_ids.shape[1] - 1,
+                    position_ids=inputs.get("position_ids"),
+                    document_ids=inputs.get("document_ids"),
+                    temperature=temperature,
+                    entropy=True,
+                )
+                return {"logps": logps, "entropy": entropy}
             shared = None
             if share_prompts and "document_ids" in inputs and "position_ids" in inputs and can_share_prompts(self):
                 shared = shared_prompt_rows(input_ids, inputs["document_ids"], prompt)

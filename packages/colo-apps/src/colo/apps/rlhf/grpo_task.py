@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from ..booster.llama_plan import sequence_multiple
 from ..booster.microbatch import split_batch
 from ..data import IGNORE_INDEX
 from ..generation import SamplingParams, rollout_model_inputs
@@ -278,6 +279,8 @@ class GRPOTask(LanguageModelTask):
         if "answer" not in records[0]:
             raise ValueError("grpo.sft_steps > 0 trains on the prompts' 'answer' column, which these records lack")
         width = self.settings.max_prompt_len + self.settings.max_new_tokens
+        multiple = sequence_multiple(trainer.booster.plugin)  # sequence parallelism splits the rows into chunks
+        width = -(-width // multiple) * multiple
         pad, eos = self.tokenizer.pad_id, self.tokenizer.eos_id
         input_ids = torch.full((len(records), width), pad, dtype=torch.long)
         labels = torch.full((len(records), width), IGNORE_INDEX, dtype=torch.long)
@@ -452,7 +455,8 @@ class GRPOTask(LanguageModelTask):
         self.reference = self._build_reference(trainer, state)
         self.reference_step = step
         if self.config.checkpoint.enabled:
-            if trainer.sample_group.rank == 0:  # rank 0, or under tensor parallelism each tp rank its shards
+            # rank 0, or under tensor parallelism each tp rank its shards (sp ranks hold the same: the first writes)
+            if trainer.sample_group.rank == 0 and _axis_rank(trainer, "sp") == 0:
                 from safetensors.torch import save_file
 
                 os.makedirs(self.config.checkpoint_dir, exist_ok=True)
@@ -490,6 +494,12 @@ def _reference_path(trainer) -> str:
     if "tp" in mesh.shape and mesh.size("tp") > 1:
         return path.replace(".safetensors", f"-tp{mesh.rank('tp')}-of-{mesh.size('tp')}.safetensors")
     return path
+
+
+def _axis_rank(trainer, axis: str) -> int:
+    """This rank's coordinate on the booster mesh's ``axis`` (0 when the mesh has no such axis)."""
+    mesh = trainer.booster.mesh
+    return mesh.rank(axis) if axis in mesh.shape else 0
 
 
 def _forever(sampler):

@@ -8,6 +8,8 @@ batch's ``(pairs, 2, seq)`` tensors, runs chosen and rejected rows in one forwar
 - ``head="logps"`` (DPO family): ``{"logps": (pairs, 2) sums of log pi over the response tokens, "num_tokens":
   (pairs, 2)}``, from the model's logits (a ``transformers`` causal LM) or, for colo's `Llama`, its ``lm_head``'s
   (under tensor parallelism this rank's vocabulary columns, never gathered), through `colo.apps.rlhf.token_logps`;
+  under Ulysses or ring attention (``sp > 1``) the rows come whole and each rank scores its piece of them, the
+  per-token values gathered over sp (`colo.apps.rlhf.sequence_logps`);
 - ``head="reward"`` (reward model): ``{"rewards": (pairs, 2)}``, the scalar head read at the rightmost token that is
   not ``pad_id``, the rule ``transformers``' ``LlamaForSequenceClassification`` applies (so an exported model scores
   the same).
@@ -26,8 +28,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..booster.llama_plan import sequence_split_of
 from ..data import IGNORE_INDEX
 from ..models.llama import Llama
+from ..models.llama.loss import shift_labels
+from .sequence_logps import split_head_outputs, split_token_logps
 from .token_logps import target_logps, vocabulary_split
 
 HEADS = ("logps", "reward")
@@ -94,6 +99,11 @@ def attach_pair_forward(model: nn.Module, *, head: str, pad_id: int) -> nn.Modul
         ids = input_ids.reshape(2 * pairs, seq)[:, :width]
         if native and head == "logps":
             return _native_pair_logps(model, ids, labels, pairs, seq, width)
+        split = sequence_split_of(model) if native else None
+        if split is not None:  # Ulysses / ring: each rank its piece of the rows, the head's values gathered over sp
+            rewards = split_head_outputs(model, split, ids)
+            rows = torch.arange(2 * pairs, device=ids.device)
+            return {"rewards": rewards[rows, last_non_pad_index(ids, pad_id)].reshape(pairs, 2)}
         if native:
             output = original(ids, return_logits=True)
         else:
@@ -122,6 +132,14 @@ def _native_pair_logps(model: Llama, ids, labels, pairs: int, seq: int, width: i
     if labels is None:
         raise ValueError("a DPO batch needs 'labels' (-100 outside the responses)")
     objective = model.objective
+    split = sequence_split_of(model)
+    if split is not None:  # Ulysses / ring: the rows come whole; each rank scores its piece, gathered over sp
+        targets = shift_labels(labels.reshape(2 * pairs, seq)[:, :width], objective.ignore_index)
+        ignored = targets == objective.ignore_index
+        logps, _ = split_token_logps(model, split, ids, first=0, last=width, targets=targets.masked_fill(ignored, 0))
+        logps = logps.masked_fill(ignored, 0.0)
+        counts = (~ignored).sum(-1)
+        return {"logps": logps.sum(-1).reshape(pairs, 2), "num_tokens": counts.reshape(pairs, 2)}
     targets = objective.targets(labels.reshape(2 * pairs, seq)[:, :width])
     group, vocab_size = vocabulary_split(model)
     logits = model.lm_head(model.hidden_states(ids))  # under tp: this rank's vocabulary columns

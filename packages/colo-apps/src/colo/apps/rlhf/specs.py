@@ -17,9 +17,9 @@ from .preference_config import PreferenceSection
 _DPO_ONLY = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
 
 
-def _hybrid_beyond_tp(config) -> bool:
+def _hybrid_beyond_tp_sp(config) -> bool:
     plugin = config.plugin
-    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp > 1 or bool(plugin.sp_mode))
+    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp_mode == "megatron")
 
 
 def _same_path(first: str, second: str) -> bool:
@@ -76,13 +76,14 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
         ),
         TaskRule(
             "plugin",
-            _hybrid_beyond_tp,
+            _hybrid_beyond_tp_sp,
             lambda c: (
-                f"data.task={task!r} under plugin.name='hybrid' supports tp and dp (pp=1, sp=1, sp_mode=None): a "
-                "pipeline and sequence shards do not give per-sequence log-probs or rewards yet; drop pp / sp, or use "
-                "plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
+                f"data.task={task!r} under plugin.name='hybrid' supports tp, dp and sp (Ulysses or ring attention; "
+                "pp=1, sp_mode not 'megatron'): a pipeline and Megatron-SP's hidden-state shards do not give "
+                "per-sequence log-probs or rewards yet; drop pp / sp_mode='megatron', or use plugin.name='ddp', "
+                "'zero' (stage 1-3) or 'gemini'"
             ),
-            summary="plugin.name='hybrid' with pp > 1, sp > 1 or an sp_mode",
+            summary="plugin.name='hybrid' with pp > 1 or sp_mode 'megatron'",
         ),
         TaskRule(
             "plugin.loss_weighting",
@@ -116,10 +117,14 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
 _HYBRID_ROLLOUT = (
     # (field, the value it must have, how to write the fix, why)
     ("plugin.pp", 1, "1", "generation does not run across pipeline stages"),
-    ("plugin.sp", 1, "1", "rollout rows are not split along the sequence"),
-    ("plugin.sp_mode", None, "null", "rollout rows are not split along the sequence"),
     ("plugin.tp_mode", "1d", "'1d'", "the grid layouts have no rollout path"),
     ("lora.enabled", False, "false", "the tp reference is built without adapters"),
+)
+
+_HYBRID_WHOLE_ROWS = (
+    # a task whose update runs on whole rows (PPO: the critic's values are not split along the sequence yet)
+    ("plugin.sp", 1, "1", "rollout rows are not split along the sequence"),
+    ("plugin.sp_mode", None, "null", "rollout rows are not split along the sequence"),
 )
 
 
@@ -132,10 +137,12 @@ def _differs(value, allowed) -> bool:
     return value != allowed or type(value) is not type(allowed)
 
 
-def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ...]:
+def _rollout_rules(task: str, *, plugins: tuple[str, ...], sequence_parallel: bool) -> tuple[TaskRule, ...]:
     """An online-RL task's rules (its section ``task``, a `RolloutSection`): prompts, a layout whose trainer holds
     full-vocabulary or vocabulary-parallel log-probs and whole weights (in place or gathered) for the frozen
-    reference, batches that split into the updates, prompts + completions that fit the model."""
+    reference, batches that split into the updates, prompts + completions that fit the model. With
+    ``sequence_parallel`` the update may split rows over ``sp`` (Ulysses or ring attention: the rollout forward
+    gathers the per-token log-probs, `colo.apps.rlhf.sequence_logps`); Megatron-SP is refused either way."""
 
     def section(c):
         return getattr(c, task)
@@ -148,13 +155,27 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...]) -> tuple[TaskRule, ..
             field,
             lambda c, field=field, allowed=allowed: c.plugin.name == "hybrid" and _differs(_field(c, field), allowed),
             lambda c, field=field, fix=fix, why=why: (
-                f"data.task='{task}' under plugin.name='hybrid' supports tp x dp "
-                f"only: {field}={_field(c, field)!r} is not supported ({why}); set {field}={fix}"
+                f"data.task='{task}' under plugin.name='hybrid' supports tp x dp"
+                f"{' (x sp: Ulysses or ring)' if sequence_parallel else ''} only: {field}={_field(c, field)!r} is "
+                f"not supported ({why}); set {field}={fix}"
             ),
             summary=f"plugin.name='hybrid' with {field} other than {fix} ({why})",
         )
-        for field, allowed, fix, why in _HYBRID_ROLLOUT
+        for field, allowed, fix, why in _HYBRID_ROLLOUT + (() if sequence_parallel else _HYBRID_WHOLE_ROWS)
     )
+    if sequence_parallel:
+        hybrid += (
+            TaskRule(
+                "plugin.sp_mode",
+                lambda c: c.plugin.name == "hybrid" and c.plugin.sp_mode == "megatron",
+                lambda c: (
+                    f"data.task='{task}' under plugin.name='hybrid' does not support plugin.sp_mode='megatron' (it "
+                    "splits the hidden states over tp, which the rollout forward does not gather); set "
+                    "plugin.sp_mode=null, or plugin.sp > 1 with plugin.sp_mode 'ulysses' or 'ring'"
+                ),
+                summary="plugin.name='hybrid' with sp_mode 'megatron' (Ulysses and ring are supported)",
+            ),
+        )
     return (
         *record_data_rules(task, "{prompt, ...} records", "generates from one prompt per row", "every prompt"),
         TaskRule(
@@ -318,7 +339,7 @@ RLHF_TASKS = (
         load=_grpo_task,
         section="grpo",
         section_type=GRPOSection,
-        rules=_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid")),
+        rules=_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
     ),
     TaskSpec(
         name="ppo",
@@ -327,7 +348,10 @@ RLHF_TASKS = (
         load=_ppo_task,
         section="ppo",
         section_type=PPOSection,
-        rules=(*_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid")), *_PPO_RULES),
+        rules=(
+            *_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=False),
+            *_PPO_RULES,
+        ),
         check=critic_plugin_section,
         check_summary=(
             "ppo.critic_plugin",
