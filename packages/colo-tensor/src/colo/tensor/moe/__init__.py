@@ -18,7 +18,7 @@ from .config import MoEConfig
 from .dispatch import AllToAllRows, dispatch_bytes, exchange_counts, expert_parallel
 from .experts import GroupedExperts, SharedExperts
 from .layer import MoEBlock, moe_aux_loss, moe_blocks, router_stats, update_expert_biases
-from .losses import load_balancing_loss, z_loss
+from .losses import AuxLossScaler, attach_aux_loss, load_balancing_loss, z_loss
 from .parallel import (
     check_expert_parallel,
     dense_data_axes,
@@ -31,6 +31,7 @@ from .router import Routing, TopKRouter, recomputing
 
 __all__ = [
     "AllToAllRows",
+    "AuxLossScaler",
     "GroupedExperts",
     "MoEBlock",
     "MoEConfig",
@@ -38,6 +39,7 @@ __all__ = [
     "Routing",
     "SharedExperts",
     "TopKRouter",
+    "attach_aux_loss",
     "capacity_mask",
     "check_expert_parallel",
     "dense_data_axes",

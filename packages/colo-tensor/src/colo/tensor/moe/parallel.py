@@ -11,6 +11,11 @@ split over ``ep`` and replicated over ``dp``. So:
 - the expert bias counts (aux-loss-free balancing) are summed over ``dp x ep``;
 - shared experts (`SharedExperts`) are dense parameters: replicated, their gradients averaged over ``dp x ep``.
 
+With tensor parallelism (``tp``, the innermost mesh axis) the ep groups are the ranks of one tp coordinate: the
+tokens reaching an MoE block are replicated over tp, so every tp rank routes and runs them alike through whole
+experts (the experts are replicated over tp, counted once in the gradient norm). With a pipeline (``pp``) each stage
+splits the experts of its own blocks over the ep group inside the stage, so the all-to-alls never cross a stage.
+
 Group-limited routing (`MoEConfig.num_groups`) splits the experts into contiguous groups as ``shard_experts`` splits
 them over ranks, so with ``num_groups == ep`` group ``g`` is exactly rank ``g``'s experts and ``top_k_groups`` bounds
 the ranks each token's rows are sent to (DeepSeek-V3's node-limited routing, with ep ranks for nodes).
@@ -40,7 +45,10 @@ def check_expert_parallel(
         num_experts (int): experts per MoE block.
         ep (int): the expert-parallel size.
         data_parallel_size (int): all data ranks (``dp * ep``).
-        tp, pp, sp (int): tensor, pipeline and sequence-parallel sizes (expert parallelism composes with none yet).
+        tp, pp, sp (int): tensor, pipeline and sequence-parallel sizes. Expert parallelism composes with ``tp``
+            (the experts whole on every tp rank, which see the same tokens) and ``pp`` (each stage splits its own
+            blocks' experts over its own ep group), not with ``sp`` (the sequence ranks would route different tokens
+            to experts whose gradients nothing sums over sp).
     """
     if ep < 1:
         raise ValueError(f"ep={ep} must be a positive integer (1: experts replicated)")
@@ -55,12 +63,11 @@ def check_expert_parallel(
             f"ep={ep} does not divide the {data_parallel_size} data-parallel ranks: experts are split over a "
             f"sub-axis of data parallelism; choose ep dividing {data_parallel_size}"
         )
-    for name, size in (("tp", tp), ("pp", pp), ("sp", sp)):
-        if ep > 1 and size > 1:
-            raise ValueError(
-                f"expert parallelism (ep={ep}) with {name}={size} is not supported yet; use ep with data "
-                f"parallelism / ZeRO only, or set ep=1"
-            )
+    if ep > 1 and sp > 1:
+        raise ValueError(
+            f"expert parallelism (ep={ep}) with sp={sp} is not supported: sequence-parallel ranks route different "
+            "tokens to the same experts; use sp=1 with ep (tensor and pipeline parallelism compose), or set ep=1"
+        )
 
 
 def dense_data_axes(mesh: Mesh) -> tuple[str, ...]:
