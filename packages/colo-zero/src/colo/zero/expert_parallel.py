@@ -14,7 +14,10 @@ own dense and expert parameters: the dense part sums its norm over the stages it
 squares within the stage (over dp and tp) and then over ``ep`` and the stages together, so a stage without MoE
 blocks (a dense first layer) holds no expert part and adds nothing.
 
-Stage 3 and fp16 loss scaling are not composed with expert parallelism yet (refused with a message).
+At stage 3 each part gathers its own chunks over its own group (dense over ``dp x ep``, experts over ``dp``) with
+its own hooks; the weights autograd saves are stored as positions in either part's chunks (one chain of saved-tensor
+hooks), so both parts free their full copies after use. fp16 loss scaling is not composed with expert parallelism
+yet (refused with a message).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from colo.tensor.moe import dense_data_axes, expert_data_axes, is_expert_param
 
 from .clip import clip_coefficient
 from .config import ZeroConfig
+from .stage3 import SavedChunkView
 from .state import OPTIMIZER_KEY, checkpoint_names_of, load_state, parameter_of
 from .zero_optimizer import ZeroOptimizer
 
@@ -66,6 +70,28 @@ def _subset_optimizer(template: torch.optim.Optimizer, keep: set[int]):
     return build
 
 
+def _chain_saved_tensor_hooks(*, outer, inner) -> None:
+    """Stage 3: both parts' gatherers enter saved-tensor hooks around the model's forward, and only the innermost
+    (``inner``, the expert part's, registered last) sees what autograd saves; let it store a weight lying in the
+    dense part's gathered chunks as ``outer`` would (where it lies, not the buffer), so the dense chunks are freed
+    after forward as without experts, and give such a view back to ``outer`` to rebuild in backward."""
+    pack_inner, unpack_inner = inner.pack_saved, inner.unpack_saved
+    outer_chunks = {id(chunk) for chunk in outer.chunks}
+
+    def pack(tensor: torch.Tensor):
+        saved = pack_inner(tensor)
+        if isinstance(saved, SavedChunkView) or not isinstance(tensor, torch.Tensor) or saved is tensor:
+            return saved
+        return saved if outer.locate_saved(tensor) is None else outer.pack_saved(tensor)
+
+    def unpack(saved):
+        if isinstance(saved, SavedChunkView) and id(saved.chunk) in outer_chunks:
+            return outer.unpack_saved(saved)
+        return unpack_inner(saved)
+
+    inner.pack_saved, inner.unpack_saved = pack, unpack
+
+
 class ExpertParallelZero:
     """ZeRO over a model with expert-parallel MoE blocks (see the module docstring).
 
@@ -73,7 +99,7 @@ class ExpertParallelZero:
         model: the model, its experts already split by `colo.tensor.moe.shard_experts`.
         optimizer: a fresh torch optimizer over all the model's parameters (or ``None``: fused AdamW).
         mesh: a mesh with ``dp`` and ``ep`` axes.
-        stage: ZeRO stage 0, 1 or 2.
+        stage: ZeRO stage 0, 1, 2 or 3.
         checkpoint_names: the names parameters are saved under (`ZeroOptimizer`'s argument), for both parts.
         norm_replicas: parameters another rank counts in the global norm (`ZeroOptimizer`'s argument).
         **config_fields: other `ZeroConfig` fields (``chunk_numel``, ``mixed_precision`` without fp16, ...).
@@ -90,10 +116,8 @@ class ExpertParallelZero:
         norm_replicas=(),
         **config_fields,
     ) -> None:
-        if stage not in (0, 1, 2):
-            raise ValueError(
-                f"ExpertParallelZero: stage={stage}; expert parallelism composes with ZeRO 0, 1, 2 for now"
-            )
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ExpertParallelZero: stage={stage} is not a ZeRO stage; use 0, 1, 2 or 3")
         if "dp" not in mesh.axis_names or "ep" not in mesh.axis_names:
             raise ValueError(
                 f"ExpertParallelZero needs a mesh with 'dp' and 'ep' axes (dp may be 1), got {mesh.axis_names}"
@@ -139,6 +163,8 @@ class ExpertParallelZero:
         self.expert_norm_group = mesh.group("ep", pipeline_axis) if pipeline_axis else self.ep_group
         """Where the expert part's squared norm is summed: ``ep`` (and the pipeline stages)."""
         self.parts = (self.dense,) if self.experts is None else (self.dense, self.experts)
+        if self.experts is not None and self.dense.gatherer is not None:
+            _chain_saved_tensor_hooks(outer=self.dense.gatherer, inner=self.experts.gatherer)
         # one torch optimizer steps both parts' masters: group i holds the masters of both parts' group i
         for index, group in enumerate(optimizer.param_groups):
             group["params"] = [p for part in self.parts for p in part.optimizer.param_groups[index]["params"]]
@@ -230,7 +256,11 @@ class ExpertParallelZero:
             chunks=[chunk for part in self.parts for chunk in part.chunks],
             optimizer=self.optimizer,
             offload=self.dense.offload,
-            gatherer=None,  # stages 0-2 only (ExpertParallel refuses stage 3)
+            gatherer=None
+            if self.dense.gatherer is None
+            else SimpleNamespace(  # stage 3: both parts' gathered copies (their peaks may not coincide: an upper bound)
+                peak_gathered_bytes=sum(part.gatherer.peak_gathered_bytes for part in self.parts)
+            ),
             pool=SimpleNamespace(nbytes=sum(part.pool.nbytes for part in self.parts)),
         )
         return memory_report(both)

@@ -47,8 +47,8 @@ class ExpertParallel(Plugin):
             raise ValueError(f"ExpertParallel.ep={self.ep!r} must be a positive integer (1: experts replicated)")
         if self.stage not in (0, 1, 2):
             raise ValueError(
-                f"ExpertParallel.stage={self.stage!r}: expert parallelism composes with ZeRO stages 0, 1 and 2; "
-                "choose one of those"
+                f"ExpertParallel.stage={self.stage!r}: this plugin runs ZeRO stages 0, 1 and 2; choose one of those, "
+                "or HybridParallel(ep=..., zero_stage=3) for ZeRO-3 (dense parameters over dp x ep, experts over dp)"
             )
         if self.precision == "fp16":
             raise ValueError(

@@ -239,10 +239,11 @@ class HybridParallel(Plugin):
             engine = engine_type(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
             engine.uses_expert_bias = bias
             return engine
-        gatherer = getattr(zero, "gatherer", None)
-        if gatherer is not None and len(part.chunks) > 1:  # the executor calls each model chunk, not the container
-            for chunk in part.chunks:
-                gatherer.add_forward_root(chunk)
+        gatherers = [p.gatherer for p in getattr(zero, "parts", (zero,)) if p.gatherer is not None]
+        if len(part.chunks) > 1:  # the executor calls each model chunk, not the container
+            for gatherer in gatherers:
+                for chunk in part.chunks:
+                    gatherer.add_forward_root(chunk)
         tied_copies = [  # the checkpoint names of this rank's tied copies of another stage's parameters
             saved
             for name, p in target.named_parameters()
