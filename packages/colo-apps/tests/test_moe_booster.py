@@ -282,7 +282,7 @@ def _check_tensor_parallel_experts(model, mesh) -> None:
     qkv = model.layers["1"].self_attn.qkv_proj
     assert any(isinstance(layout_of(p).placements[-1], Shard) for p in qkv.parameters())  # tp is the last axis
     block = model.layers["1"].mlp
-    assert block.experts.w1.shape[0] == 8 // mesh.size("ep")
+    assert block.experts.w1.shape[0] == 8 // (mesh.size("ep") if "ep" in mesh.axis_names else 1)
     for p in (block.experts.w1, block.experts.w2, block.gate.weight, block.shared_experts.up_proj.weight):
         copies = all_gather(p.detach().contiguous()[None], group=mesh.group("tp"), dim=0)
         assert torch.equal(copies[0], copies[1])
@@ -396,12 +396,13 @@ def test_ep2_x_dp2_zero3_matches_the_single_process(tmp_path):
 
 
 def test_ep2_x_tp2_matches_the_single_process(tmp_path):
-    """ep2 x tp2 on 4 ranks (the DeepSeek-style model, ZeRO-1, one microbatch of 2 sequences per data rank): attention and the dense
-    first layer's MLP split over tp, each ep rank's experts whole on both its tp ranks (which route the same tokens;
-    the ep groups are the ranks of one tp coordinate). Measured: parameters within 1.6e-4 of one process, the largest
-    on a shared expert's up projection; dp2 x tp2 without expert parallelism lands 1.7e-4 off on the same weight, so
-    it is tp's split attention products summing in another order, amplified by Adam (hence atol 2e-4 here)."""
+    """ep2 x tp2 on 4 ranks (the DeepSeek-style model, ZeRO-1, one microbatch of 2 sequences per data rank):
+    attention and the dense first layer's MLP split over tp, each ep rank's experts whole on both its tp ranks (which
+    route the same tokens; the ep groups are the ranks of one tp coordinate). Measured: parameters within 9.1e-5 of
+    one process, as close as dp2 x tp2 without expert parallelism is (9.1e-5, on the same norm weight: tp's split
+    products summing in another order). With two microbatches of one sequence the same runs drift to 1.6e-4 / 1.7e-4
+    (on a shared expert's up projection), rounding amplified by Adam alike with and without ep."""
     settings = {"ep": 2, "tp": 2, "zero_stage": 1, "num_microbatches": 1}
     path = os.fspath(tmp_path / "ep2-tp2")
     results = run_distributed(_hybrid_run, "deepseek", settings, path, world_size=4)
-    _check_layout("deepseek", settings, results, path, atol=2e-4)
+    _check_layout("deepseek", settings, results, path)
