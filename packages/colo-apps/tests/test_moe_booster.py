@@ -269,13 +269,19 @@ def _hybrid_run(shape: str, settings: dict, path: str):
     if probe is not None:
         probe.check(zero)
     if settings.get("tp", 1) > 1:
-        _check_tensor_parallel_experts(booster.engine.model, mesh)
+        _check_tensor_parallel_experts(booster.engine.model, mesh, split=settings.get("expert_tensor_parallel", False))
     return losses, biases
 
 
-def _check_tensor_parallel_experts(model, mesh) -> None:
-    """ep x tp: the attention is split over tp, while each ep rank's experts (and the routers and shared experts)
-    are whole and the same on its tp ranks (this ep rank's half of the 8 experts)."""
+def _hybrid_runs(shape: str, cases: list[tuple[dict, str]]):
+    """`_hybrid_run` of each ``(settings, path)`` in turn, in one call of the rank pool."""
+    return [_hybrid_run(shape, settings, path) for settings, path in cases]
+
+
+def _check_tensor_parallel_experts(model, mesh, *, split: bool) -> None:
+    """ep x tp: the attention is split over tp; each ep rank's experts (this ep rank's half of the 8) are whole and
+    the same on its tp ranks, or with ``split`` (expert tensor parallelism) each tp rank holds its half of every
+    expert's intermediate width, its layout saying so; the router and the shared experts are whole either way."""
     from colo.comm import all_gather
     from colo.tensor import Shard, layout_of
 
@@ -283,7 +289,10 @@ def _check_tensor_parallel_experts(model, mesh) -> None:
     assert any(isinstance(layout_of(p).placements[-1], Shard) for p in qkv.parameters())  # tp is the last axis
     block = model.layers["1"].mlp
     assert block.experts.w1.shape[0] == 8 // (mesh.size("ep") if "ep" in mesh.axis_names else 1)
-    for p in (block.experts.w1, block.experts.w2, block.gate.weight, block.shared_experts.up_proj.weight):
+    assert block.experts.w1.shape[1] == 32 // (2 if split else 1)
+    assert isinstance(layout_of(block.experts.w2).placements[-1], Shard) == split
+    replicated = [block.gate.weight, block.shared_experts.up_proj.weight]
+    for p in replicated if split else [*replicated, block.experts.w1, block.experts.w2]:
         copies = all_gather(p.detach().contiguous()[None], group=mesh.group("tp"), dim=0)
         assert torch.equal(copies[0], copies[1])
 
@@ -395,14 +404,21 @@ def test_ep2_x_dp2_zero3_matches_the_single_process(tmp_path):
     _check_layout("deepseek", settings, run_distributed(_hybrid_run, "deepseek", settings, path, world_size=4), path)
 
 
-def test_ep2_x_tp2_matches_the_single_process(tmp_path):
+def test_ep2_x_tp2_matches_the_single_process_with_whole_and_split_experts(tmp_path):
     """ep2 x tp2 on 4 ranks (the DeepSeek-style model, ZeRO-1, one microbatch of 2 sequences per data rank):
-    attention and the dense first layer's MLP split over tp, each ep rank's experts whole on both its tp ranks (which
-    route the same tokens; the ep groups are the ranks of one tp coordinate). Measured: parameters within 9.1e-5 of
-    one process, as close as dp2 x tp2 without expert parallelism is (9.1e-5, on the same norm weight: tp's split
-    products summing in another order). With two microbatches of one sequence the same runs drift to 1.6e-4 / 1.7e-4
-    (on a shared expert's up projection), rounding amplified by Adam alike with and without ep."""
-    settings = {"ep": 2, "tp": 2, "zero_stage": 1, "num_microbatches": 1}
-    path = os.fspath(tmp_path / "ep2-tp2")
-    results = run_distributed(_hybrid_run, "deepseek", settings, path, world_size=4)
-    _check_layout("deepseek", settings, results, path)
+    attention and the dense first layer's MLP split over tp; each ep rank's experts whole on both its tp ranks (which
+    route the same tokens; the ep groups are the ranks of one tp coordinate), then with expert tensor parallelism
+    (each expert's FFN split over tp, its partial outputs summed over tp), both in one pool call. Measured: parameters
+    within 9.1e-5 of one process with whole experts and with split ones, as close as dp2 x tp2 without expert parallelism is (9.1e-5, on the same norm weight:
+    tp's split products summing in another order); with two microbatches of one sequence the same runs drift to
+    1.6e-4 / 1.7e-4 (on a shared expert's up projection), rounding amplified by Adam alike with and without ep."""
+    cases = [
+        ({"ep": 2, "tp": 2, "zero_stage": 1, "num_microbatches": 1}, os.fspath(tmp_path / "ep2-tp2")),
+        (
+            {"ep": 2, "tp": 2, "zero_stage": 1, "num_microbatches": 1, "expert_tensor_parallel": True},
+            os.fspath(tmp_path / "ep2-tp2-etp"),
+        ),
+    ]
+    per_rank = run_distributed(_hybrid_runs, "deepseek", cases, world_size=4)
+    for index, (settings, path) in enumerate(cases):
+        _check_layout("deepseek", settings, [results[index] for results in per_rank], path)

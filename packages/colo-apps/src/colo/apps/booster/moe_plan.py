@@ -2,7 +2,8 @@
 
 - Tensor parallelism (1D ``tp``) splits the attention and the dense MLPs (a dense first layer) as for Llama; an MoE
   block's input is replicated over tp, so its router, shared experts and experts stay whole on every tp rank, which
-  route and compute the same tokens (the experts are split over ``ep`` only, `HybridParallel.ep`).
+  route and compute the same tokens (the experts are split over ``ep`` only, `HybridParallel.ep`), or, with
+  ``expert_tensor_parallel``, each expert's FFN split over tp too (`colo.tensor.moe.split_expert_ffns`).
 - A pipeline cuts the layers as for Llama; each stage's output carries its MoE blocks' aux losses into backward
   (`colo.tensor.moe.attach_aux_loss`, weighted ``1 / num_microbatches`` like the microbatch's loss), so the stage
   that computes the loss needs nothing from the others. The reported loss is the next-token loss of the last stage.
@@ -52,6 +53,14 @@ class MoELlamaPlan(LlamaPlan):
                 f"HybridParallel.precision='fp16' with pp={plugin.pp}: the MoE aux losses enter each stage's backward "
                 "unscaled by the loss scaler; use precision='bf16' or 'fp32'",
                 field="precision",
+            )
+        width = config.expert_intermediate_size
+        if getattr(plugin, "expert_tensor_parallel", False) and width % plugin.tp:
+            raise LayoutError(
+                f"HybridParallel.tp={plugin.tp} with expert_tensor_parallel=True does not divide the experts' "
+                f"intermediate size {width} (model.moe_intermediate_size); choose tp dividing it, or "
+                "expert_tensor_parallel=False",
+                field="tp",
             )
         ep = getattr(plugin, "ep", 1)
         experts = config.num_local_experts

@@ -25,6 +25,7 @@ from .parallel import (
     expert_data_axes,
     is_expert_param,
     shard_experts,
+    split_expert_ffns,
 )
 from .permute import Permutation, capacity_mask, expert_capacity, permute, unpermute
 from .router import Routing, TopKRouter, recomputing
@@ -56,6 +57,7 @@ __all__ = [
     "recomputing",
     "router_stats",
     "shard_experts",
+    "split_expert_ffns",
     "unpermute",
     "update_expert_biases",
     "z_loss",

@@ -28,7 +28,7 @@ from torch import nn
 
 from colo.comm import Mesh
 
-from ..layout import Layout, set_layout
+from ..layout import Layout, layout_of, set_layout
 from ..placement import Shard
 from .layer import MoEBlock, moe_blocks
 
@@ -133,3 +133,45 @@ def _shard_block(block: MoEBlock, *, mesh: Mesh, axis: str, ep: int, rank: int) 
         setattr(experts, name, piece)
     experts.num_experts = local
     experts.grad_scale = 1.0 / ep
+
+
+@torch.no_grad()
+def split_expert_ffns(model: nn.Module, *, mesh: Mesh, axis: str = "tp") -> nn.Module:
+    """Expert tensor parallelism: split every expert's SwiGLU FFN of every `MoEBlock` over the mesh axis ``axis``,
+    in place, as Megatron splits an MLP (Megatron-Core's expert tensor parallelism).
+
+    Rank ``r`` of the axis keeps rows ``r * I / n ..`` of each expert's gate and up projections (``w1``, ``w3``:
+    column-parallel) and the matching columns of its down projection (``w2``: row-parallel), on top of any split over
+    ``ep`` (`shard_experts`); its layout says `Shard` over ``axis`` too, so checkpoints hold the global tensors. The
+    rows reaching the experts must be the same on every rank of the axis (a block's input replicated over tp): the
+    experts then take them through `colo.tensor.comm_ops.CopyAllReduce` and return the partial outputs summed by
+    `colo.tensor.comm_ops.AllReduceCopy`. Call it on the model built identically on every rank.
+
+    Returns:
+        ``model``.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"split_expert_ffns: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    size, rank = mesh.size(axis), mesh.rank(axis)
+    blocks = moe_blocks(model)
+    for name, block in blocks:
+        experts = block.experts
+        if experts.tp_group is not None:
+            raise ValueError(f"split_expert_ffns: the experts of {name!r} are already split over {axis!r}")
+        intermediate = experts.w1.shape[1]
+        if intermediate % size:
+            raise ValueError(
+                f"{axis}={size} does not divide the experts' intermediate size {intermediate} (block {name!r}); "
+                f"choose {axis} dividing it"
+            )
+        width = intermediate // size
+        for param_name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            full = getattr(experts, param_name)
+            layout = layout_of(full)
+            global_shape = layout.global_shape if layout is not None else tuple(full.shape)
+            placements = {} if layout is None else dict(zip(layout.mesh.axis_names, layout.placements))
+            piece = nn.Parameter(full.narrow(dim, rank * width, width).clone(), requires_grad=full.requires_grad)
+            set_layout(piece, Layout(mesh, {**placements, axis: Shard(dim)}, global_shape))
+            setattr(experts, param_name, piece)
+        experts.tp_group = mesh.group(axis)
+    return model

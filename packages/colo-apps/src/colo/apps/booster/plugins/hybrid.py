@@ -13,7 +13,7 @@ from torch import nn
 from colo.comm import Mesh, all_gather_object, init_distributed, world_group
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
 from colo.tensor import layout_of
-from colo.tensor.moe import moe_blocks, shard_experts
+from colo.tensor.moe import moe_blocks, shard_experts, split_expert_ffns
 from colo.tensor.tp_grid import GRID_AXES, TP_MODES, check_tp_size
 from colo.zero import ExpertParallelZero, ZeroOptimizer
 from colo.zero.state import OPTIM_PREFIX, OPTIMIZER_KEY
@@ -86,7 +86,12 @@ class HybridParallel(Plugin):
     ranks (``dp`` counts them all: the mesh is ``(pp, dp / ep, ep, tp)``) and the experts. Dense parameters are
     averaged and sharded over ``dp x ep``, experts over ``dp`` (`colo.zero.ExpertParallelZero`). Composes with
     ``pp`` (each stage's blocks use the ep group inside the stage) and 1D ``tp`` (attention and dense layers split
-    over tp, each ep rank's experts whole on its tp ranks); not with ``sp`` / ``sp_mode`` or fp16."""
+    over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``); not with ``sp``
+    / ``sp_mode`` or fp16."""
+    expert_tensor_parallel: bool = False
+    """With ``tp > 1`` and a mixture-of-experts model: split each expert's FFN over the tp group as well (its gate and
+    up projections by columns, its down projection by rows; Megatron-Core's expert tensor parallelism,
+    `colo.tensor.moe.split_expert_ffns`), instead of keeping the experts whole on every tp rank."""
     sp_mode: str | None = None
     """``None``, ``"megatron"`` (over tp), ``"ulysses"`` or ``"ring"`` (over sp)."""
     zero_stage: int = 1
@@ -213,6 +218,8 @@ class HybridParallel(Plugin):
         attach_lora_layers(lora, mesh=mesh, axis="tp")
         if self.ep > 1 and moe_blocks(target):  # each stage splits its own blocks' experts over its ep group
             shard_experts(target, mesh=mesh)
+        if self.expert_tensor_parallel and moe_blocks(target):  # and each expert's FFN over tp
+            split_expert_ffns(target, mesh=mesh, axis="tp")
         for module in [model] if part is None else part.chunks:
             self.maybe_checkpoint_activations(module)
             self.maybe_compile(module)
@@ -362,6 +369,15 @@ _RULES: tuple[LayoutRule, ...] = (
             "parallelism only); use tp_mode='1d' with ep"
         ),
         summary="`ep` > 1 with a 2D / 2.5D / 3D `tp_mode`",
+    ),
+    LayoutRule(
+        "expert_tensor_parallel",
+        LayoutError,
+        lambda p: p.expert_tensor_parallel and p.tp == 1,
+        lambda p: (
+            "HybridParallel.expert_tensor_parallel=True splits each expert's FFN over the tp group, and tp=1; set tp "
+            "> 1 or leave expert_tensor_parallel=False"
+        ),
     ),
     LayoutRule(
         "precision",
