@@ -273,6 +273,16 @@ def _hybrid_run(shape: str, settings: dict, path: str):
     return losses, biases
 
 
+def _reload(shape: str, settings: dict, path: str, resaved: str) -> None:
+    """Boost ``HybridParallel(**settings)``, load the checkpoint at ``path`` (saved in another layout) and save it
+    again at ``resaved``."""
+    model = _shaped_model(shape)
+    booster = Booster(HybridParallel(**settings, max_grad_norm=MAX_NORM))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    booster.load(path)
+    booster.save(resaved)
+
+
 def _hybrid_runs(shape: str, cases: list[tuple[dict, str]]):
     """`_hybrid_run` of each ``(settings, path)`` in turn, in one call of the rank pool."""
     return [_hybrid_run(shape, settings, path) for settings, path in cases]
@@ -387,11 +397,21 @@ def test_ep2_x_pp2_matches_the_single_process(tmp_path):
     stage 0 holds the dense layer 0 and MoE layer 1, stage 1 MoE layer 2; shared experts, group-limited sigmoid
     routing with the aux-loss-free bias, balance and z-losses): each stage splits its own MoE layers' experts over
     the ep group inside the stage, the stages' aux losses reach backward through their outputs, each stage updates
-    its blocks' biases and the checkpoint holds both stages'. Measured: parameters within 3.7e-5 of one process
-    (with the aux losses left out of the stages' backward they are 5e-2 off)."""
+    its blocks' biases and the checkpoint holds both stages', which another layout loads. Measured: parameters
+    within 3.7e-5 of one process (with the aux losses left out of the stages' backward they are 5e-2 off)."""
     settings = {"ep": 2, "pp": 2, "zero_stage": 2}
     path = os.fspath(tmp_path / "ep2-pp2")
     _check_layout("deepseek", settings, run_distributed(_hybrid_run, "deepseek", settings, path, world_size=4), path)
+    # the checkpoint loads into another layout (ep2 x tp2 with split experts, ZeRO-1): every tensor it saves again,
+    # weights and optimizer states, is equal to the one loaded; the expert biases too
+    resaved = os.fspath(tmp_path / "ep2-tp2")
+    other = {"ep": 2, "tp": 2, "zero_stage": 1, "expert_tensor_parallel": True}
+    run_distributed(_reload, "deepseek", other, path, resaved, world_size=4)
+    original, again = _read_all(path), _read_all(resaved)
+    assert set(again) == set(original) and any(name.startswith("optim/") for name in original)
+    for name, tensor in original.items():
+        assert torch.equal(again[name], tensor), name
+    assert read_index(resaved).metadata["expert_bias"] == read_index(path).metadata["expert_bias"]
 
 
 def test_ep2_x_dp2_zero3_matches_the_single_process(tmp_path):
@@ -409,9 +429,10 @@ def test_ep2_x_tp2_matches_the_single_process_with_whole_and_split_experts(tmp_p
     attention and the dense first layer's MLP split over tp; each ep rank's experts whole on both its tp ranks (which
     route the same tokens; the ep groups are the ranks of one tp coordinate), then with expert tensor parallelism
     (each expert's FFN split over tp, its partial outputs summed over tp), both in one pool call. Measured: parameters
-    within 9.1e-5 of one process with whole experts and with split ones, as close as dp2 x tp2 without expert parallelism is (9.1e-5, on the same norm weight:
-    tp's split products summing in another order); with two microbatches of one sequence the same runs drift to
-    1.6e-4 / 1.7e-4 (on a shared expert's up projection), rounding amplified by Adam alike with and without ep."""
+    within 9.1e-5 of one process with whole experts and with split ones, as close as dp2 x tp2 without expert
+    parallelism is (9.1e-5, on the same norm weight: tp's split products summing in another order); with two
+    microbatches of one sequence whole experts drift to 1.6e-4 and dp2 x tp2 without ep to 1.7e-4 (on a shared
+    expert's up projection): rounding amplified by Adam, alike with and without ep."""
     cases = [
         ({"ep": 2, "tp": 2, "zero_stage": 1, "num_microbatches": 1}, os.fspath(tmp_path / "ep2-tp2")),
         (
