@@ -250,8 +250,10 @@ def _hybrid_run(shape: str, settings: dict, path: str):
     """``LAYOUT_STEPS`` Booster steps of ``HybridParallel(**settings)``: data rank ``d`` of ``n`` takes sequences
     ``d * 4 / n ..`` of the step's 4 (one per microbatch unless ``settings`` say how many microbatches); then a
     checkpoint at ``path``. Returns the losses and the expert biases of this rank's blocks."""
+    import torch.distributed as dist
+
     model = _shaped_model(shape)
-    data_ranks = 4 // settings.get("tp", 1) // settings.get("pp", 1)
+    data_ranks = dist.get_world_size() // settings.get("tp", 1) // settings.get("pp", 1)
     per_rank = 4 // data_ranks
     settings = {"num_microbatches": per_rank, **settings}
     booster = Booster(HybridParallel(**settings, max_grad_norm=MAX_NORM))
@@ -267,7 +269,7 @@ def _hybrid_run(shape: str, settings: dict, path: str):
     booster.save(path)
     biases = {name: block.gate.expert_bias.clone() for name, block in moe_blocks(booster.engine.model)}
     if probe is not None:
-        probe.check(zero)
+        probe.check(zero, mesh)
     if settings.get("tp", 1) > 1:
         _check_tensor_parallel_experts(booster.engine.model, mesh, split=settings.get("expert_tensor_parallel", False))
     return losses, biases
@@ -295,9 +297,10 @@ def _check_tensor_parallel_experts(model, mesh, *, split: bool) -> None:
     from colo.comm import all_gather
     from colo.tensor import Shard, layout_of
 
-    qkv = model.layers["1"].self_attn.qkv_proj
+    layer = next(layer for layer in model.layers.values() if hasattr(layer.mlp, "experts"))  # this stage's first
+    qkv = layer.self_attn.qkv_proj
     assert any(isinstance(layout_of(p).placements[-1], Shard) for p in qkv.parameters())  # tp is the last axis
-    block = model.layers["1"].mlp
+    block = layer.mlp
     assert block.experts.w1.shape[0] == 8 // (mesh.size("ep") if "ep" in mesh.axis_names else 1)
     assert block.experts.w1.shape[1] == 32 // (2 if split else 1)
     assert isinstance(layout_of(block.experts.w2).placements[-1], Shard) == split
@@ -326,10 +329,11 @@ class _Stage3Probe:
 
         gatherer.pack_saved = counting
 
-    def check(self, zero) -> None:
+    def check(self, zero, mesh) -> None:
         assert self.dense_views > 0  # the dense weights autograd saved were stored as positions in their chunks
-        # dense parameters sharded over dp x ep = 4 ranks, experts over dp = 2; between steps nothing is gathered
-        assert zero.dense.group.size == 4 and zero.experts.group.size == 2
+        # dense parameters sharded over dp x ep (4 ranks at dp2 x ep2), experts over dp; between steps nothing is
+        # gathered
+        assert zero.dense.group.size == mesh.size("dp") * mesh.size("ep") and zero.experts.group.size == mesh.size("dp")
         for part in zero.parts:
             for chunk in part.chunks:
                 assert chunk.shard_numel * part.group.size == chunk.numel
@@ -364,13 +368,13 @@ def _hybrid_reference(shape: str, rows: int = 1):
     return totals, next_token, {name: p.detach() for name, p in model.named_parameters()}, biases
 
 
-def _check_layout(shape: str, settings: dict, results, path: str, *, atol: float = 1e-4) -> None:
+def _check_layout(shape: str, settings: dict, results, path: str, *, atol: float = 1e-4, world: int = 4) -> None:
     """Every rank's losses equal the single process (rtol 1e-5), and so does every weight of the checkpoint the run
     saved, read whole in one process (rtol 1e-5 / atol 1e-4: the all-to-all, the chunked reductions over other
     groups and, under tp, the split matrix products sum in another order, which Adam's normalization can amplify for
     tiny gradients); the expert biases exactly (sign updates of integer counts), on every rank and in the
     checkpoint."""
-    data_ranks = 4 // settings.get("tp", 1) // settings.get("pp", 1)
+    data_ranks = world // settings.get("tp", 1) // settings.get("pp", 1)
     rows = 4 // data_ranks // settings.get("num_microbatches", 4 // data_ranks)
     totals, next_token, ref_params, ref_biases = _hybrid_reference(shape, rows)
     expected = next_token if settings.get("pp", 1) > 1 else totals
@@ -414,14 +418,19 @@ def test_ep2_x_pp2_matches_the_single_process(tmp_path):
     assert read_index(resaved).metadata["expert_bias"] == read_index(path).metadata["expert_bias"]
 
 
-def test_ep2_x_dp2_zero3_matches_the_single_process(tmp_path):
-    """ep2 x dp2 ZeRO-3 on 4 ranks (the DeepSeek-style model, one sequence per data rank): dense parameters sharded
-    over the 4 data ranks, experts over the 2 holding the same experts, each part gathering its own chunks; the
-    weights autograd saves are stored as positions in either part's chunks. Measured: parameters within 5.4e-5 of
-    one process."""
-    settings = {"ep": 2, "zero_stage": 3}
-    path = os.fspath(tmp_path / "ep2-dp2-zero3")
-    _check_layout("deepseek", settings, run_distributed(_hybrid_run, "deepseek", settings, path, world_size=4), path)
+def test_ep2_x_dp2_zero3_and_ep2_x_pp2_zero3_match_the_single_process(tmp_path):
+    """ZeRO-3 with expert parallelism on 4 ranks (the DeepSeek-style model), two layouts in one pool call: ep2 x dp2
+    (one sequence per data rank), dense parameters sharded over the 4 data ranks, experts over the 2 holding the
+    same experts, each part gathering its own chunks, the weights autograd saves stored as positions in either
+    part's chunks; and ep2 x pp2 (each stage's chunks gathered once per step and held until its gradients are
+    reduced). Measured: parameters within 5.4e-5 and 3.7e-5 of one process."""
+    cases = [
+        ({"ep": 2, "zero_stage": 3}, os.fspath(tmp_path / "ep2-dp2-zero3")),
+        ({"ep": 2, "pp": 2, "zero_stage": 3}, os.fspath(tmp_path / "ep2-pp2-zero3")),
+    ]
+    per_rank = run_distributed(_hybrid_runs, "deepseek", cases, world_size=4)
+    for index, (settings, path) in enumerate(cases):
+        _check_layout("deepseek", settings, [results[index] for results in per_rank], path)
 
 
 def test_ep2_x_tp2_matches_the_single_process_with_whole_and_split_experts(tmp_path):
