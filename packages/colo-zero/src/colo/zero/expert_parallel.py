@@ -8,7 +8,16 @@ that average is the gradient of the mean loss over every data rank). One torch o
 masters (so LR schedulers built on it keep working), and the gradient norm counts every expert once: the expert
 part of the squared norm is summed over ``ep`` too.
 
-Stage 3 and fp16 loss scaling are not composed with expert parallelism yet (refused with a message).
+With tensor parallelism (``tensor_parallel_axes``) both parts count tp-replicated parameters once, as one
+`ZeroOptimizer` does (the experts are replicated over tp). With a pipeline (``pipeline_axis``) each stage holds its
+own dense and expert parameters: the dense part sums its norm over the stages itself; the expert part sums its
+squares within the stage (over dp and tp) and then over ``ep`` and the stages together, so a stage without MoE
+blocks (a dense first layer) holds no expert part and adds nothing.
+
+At stage 3 each part gathers its own chunks over its own group (dense over ``dp x ep``, experts over ``dp``) with
+its own hooks; the weights autograd saves are stored as positions in either part's chunks (one chain of saved-tensor
+hooks), so both parts free their full copies after use. fp16 loss scaling is not composed with expert parallelism
+yet (refused with a message).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from colo.tensor.moe import dense_data_axes, expert_data_axes, is_expert_param
 
 from .clip import clip_coefficient
 from .config import ZeroConfig
+from .stage3 import SavedChunkView
 from .state import OPTIMIZER_KEY, checkpoint_names_of, load_state, parameter_of
 from .zero_optimizer import ZeroOptimizer
 
@@ -60,6 +70,28 @@ def _subset_optimizer(template: torch.optim.Optimizer, keep: set[int]):
     return build
 
 
+def _chain_saved_tensor_hooks(*, outer, inner) -> None:
+    """Stage 3: both parts' gatherers enter saved-tensor hooks around the model's forward, and only the innermost
+    (``inner``, the expert part's, registered last) sees what autograd saves; let it store a weight lying in the
+    dense part's gathered chunks as ``outer`` would (where it lies, not the buffer), so the dense chunks are freed
+    after forward as without experts, and give such a view back to ``outer`` to rebuild in backward."""
+    pack_inner, unpack_inner = inner.pack_saved, inner.unpack_saved
+    outer_chunks = {id(chunk) for chunk in outer.chunks}
+
+    def pack(tensor: torch.Tensor):
+        saved = pack_inner(tensor)
+        if isinstance(saved, SavedChunkView) or not isinstance(tensor, torch.Tensor) or saved is tensor:
+            return saved
+        return saved if outer.locate_saved(tensor) is None else outer.pack_saved(tensor)
+
+    def unpack(saved):
+        if isinstance(saved, SavedChunkView) and id(saved.chunk) in outer_chunks:
+            return outer.unpack_saved(saved)
+        return unpack_inner(saved)
+
+    inner.pack_saved, inner.unpack_saved = pack, unpack
+
+
 class ExpertParallelZero:
     """ZeRO over a model with expert-parallel MoE blocks (see the module docstring).
 
@@ -67,8 +99,9 @@ class ExpertParallelZero:
         model: the model, its experts already split by `colo.tensor.moe.shard_experts`.
         optimizer: a fresh torch optimizer over all the model's parameters (or ``None``: fused AdamW).
         mesh: a mesh with ``dp`` and ``ep`` axes.
-        stage: ZeRO stage 0, 1 or 2.
+        stage: ZeRO stage 0, 1, 2 or 3.
         checkpoint_names: the names parameters are saved under (`ZeroOptimizer`'s argument), for both parts.
+        norm_replicas: parameters another rank counts in the global norm (`ZeroOptimizer`'s argument).
         **config_fields: other `ZeroConfig` fields (``chunk_numel``, ``mixed_precision`` without fp16, ...).
     """
 
@@ -80,12 +113,11 @@ class ExpertParallelZero:
         mesh: Mesh,
         stage: int = 2,
         checkpoint_names=None,
+        norm_replicas=(),
         **config_fields,
     ) -> None:
-        if stage not in (0, 1, 2):
-            raise ValueError(
-                f"ExpertParallelZero: stage={stage}; expert parallelism composes with ZeRO 0, 1, 2 for now"
-            )
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ExpertParallelZero: stage={stage} is not a ZeRO stage; use 0, 1, 2 or 3")
         if "dp" not in mesh.axis_names or "ep" not in mesh.axis_names:
             raise ValueError(
                 f"ExpertParallelZero needs a mesh with 'dp' and 'ep' axes (dp may be 1), got {mesh.axis_names}"
@@ -103,7 +135,8 @@ class ExpertParallelZero:
         self.ep_group = mesh.group("ep")
         expert_ids = {id(p) for name, p in model.named_parameters() if is_expert_param(name)}
         dense_ids = {id(p) for p in model.parameters()} - expert_ids
-        if not expert_ids:
+        pipeline_axis = config_fields.get("pipeline_axis")
+        if not expert_ids and pipeline_axis is None:
             raise ValueError("ExpertParallelZero: the model has no expert parameters (...experts.w1/w2/w3)")
         self.dense = ZeroOptimizer(
             model,
@@ -112,16 +145,26 @@ class ExpertParallelZero:
             config=ZeroConfig(stage=stage, data_axes=dense_data_axes(mesh), **config_fields),
             checkpoint_names=checkpoint_names,
             param_filter=lambda name: not is_expert_param(name),
+            norm_replicas=norm_replicas,
         )
-        self.experts = ZeroOptimizer(
-            model,
-            _subset_optimizer(optimizer, expert_ids),
-            mesh=mesh,
-            config=ZeroConfig(stage=stage, data_axes=expert_data_axes(mesh), **config_fields),
-            checkpoint_names=checkpoint_names,
-            param_filter=is_expert_param,
-        )
-        self.parts = (self.dense, self.experts)
+        # the expert part's norm stays inside the stage; `grad_norm` sums it over ep and the stages together
+        expert_fields = {**config_fields, "pipeline_axis": None}
+        self.experts: ZeroOptimizer | None = None
+        """The expert parameters' optimizer (``None`` on a pipeline stage without MoE blocks)."""
+        if expert_ids:
+            self.experts = ZeroOptimizer(
+                model,
+                _subset_optimizer(optimizer, expert_ids),
+                mesh=mesh,
+                config=ZeroConfig(stage=stage, data_axes=expert_data_axes(mesh), **expert_fields),
+                checkpoint_names=checkpoint_names,
+                param_filter=is_expert_param,
+            )
+        self.expert_norm_group = mesh.group("ep", pipeline_axis) if pipeline_axis else self.ep_group
+        """Where the expert part's squared norm is summed: ``ep`` (and the pipeline stages)."""
+        self.parts = (self.dense,) if self.experts is None else (self.dense, self.experts)
+        if self.experts is not None and self.dense.gatherer is not None:
+            _chain_saved_tensor_hooks(outer=self.dense.gatherer, inner=self.experts.gatherer)
         # one torch optimizer steps both parts' masters: group i holds the masters of both parts' group i
         for index, group in enumerate(optimizer.param_groups):
             group["params"] = [p for part in self.parts for p in part.optimizer.param_groups[index]["params"]]
@@ -139,13 +182,17 @@ class ExpertParallelZero:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` inside both parts' backward contexts (their gradient hooks)."""
-        dense, experts = self.parts
-        dense.grad_sync.run_backward(_Continue(lambda: experts.grad_sync.run_backward(loss)))
+        if self.experts is None:
+            self.dense.grad_sync.run_backward(loss)
+            return
+        self.dense.grad_sync.run_backward(_Continue(lambda: self.experts.grad_sync.run_backward(loss)))
 
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally in both parts."""
-        with self.dense.no_sync(), self.experts.no_sync():
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.no_sync())
             yield
 
     def reduce_gradients(self) -> bool:
@@ -157,9 +204,10 @@ class ExpertParallelZero:
         if norm_type != 2.0:
             raise ValueError(f"ExpertParallelZero.grad_norm: norm_type={norm_type}; only the 2-norm is supported")
         dense = self.dense.grad_norm()
-        expert_sq = torch.tensor([self.experts.grad_norm() ** 2], dtype=torch.float64)
-        if self.ep_group.size > 1:
-            expert_sq = all_reduce(expert_sq.to(self.dense.device), group=self.ep_group).cpu()
+        local = 0.0 if self.experts is None else self.experts.grad_norm() ** 2
+        expert_sq = torch.tensor([local], dtype=torch.float64)
+        if self.expert_norm_group.size > 1:
+            expert_sq = all_reduce(expert_sq.to(self.dense.device), group=self.expert_norm_group).cpu()
         self.last_grad_norm = math.sqrt(dense**2 + float(expert_sq))
         return self.last_grad_norm
 
@@ -204,19 +252,22 @@ class ExpertParallelZero:
 
         from .memory import memory_report
 
-        dense, experts = self.parts
         both = SimpleNamespace(
-            chunks=[*dense.chunks, *experts.chunks],
+            chunks=[chunk for part in self.parts for chunk in part.chunks],
             optimizer=self.optimizer,
-            offload=dense.offload,
-            gatherer=None,  # stages 0-2 only (ExpertParallel refuses stage 3)
-            pool=SimpleNamespace(nbytes=dense.pool.nbytes + experts.pool.nbytes),
+            offload=self.dense.offload,
+            gatherer=None
+            if self.dense.gatherer is None
+            else SimpleNamespace(  # stage 3: both parts' gathered copies (their peaks may not coincide: an upper bound)
+                peak_gathered_bytes=sum(part.gatherer.peak_gathered_bytes for part in self.parts)
+            ),
+            pool=SimpleNamespace(nbytes=sum(part.pool.nbytes for part in self.parts)),
         )
         return memory_report(both)
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """fp32 masters of every parameter, gathered over the data axes (expert tensors: this rank's experts)."""
-        return {**self.dense.full_params(), **self.experts.full_params()}
+        return {name: value for part in self.parts for name, value in part.full_params().items()}
 
     def checkpoint_state(self):
         """``(tensors, metadata)`` for `colo.tensor.checkpoint.save_checkpoint`, in the format of a single
@@ -224,13 +275,15 @@ class ExpertParallelZero:
         ``ep``, so the checkpoint holds the global ``(E, ...)`` tensors) and one ``"optimizer"`` entry (the shared
         param groups, both parts' scalars). So a checkpoint saved at any ``ep`` loads at any other, or into a plain
         `ZeroOptimizer` in one process."""
-        dense_tensors, dense_meta = self.dense.checkpoint_state()
-        expert_tensors, expert_meta = self.experts.checkpoint_state()
-        metadata = dict(dense_meta)
-        optimizer = dict(dense_meta[OPTIMIZER_KEY])
-        optimizer["scalars"] = {**dense_meta[OPTIMIZER_KEY]["scalars"], **expert_meta[OPTIMIZER_KEY]["scalars"]}
+        tensors, metadata = self.dense.checkpoint_state()
+        metadata = dict(metadata)
+        optimizer = dict(metadata[OPTIMIZER_KEY])
+        if self.experts is not None:
+            expert_tensors, expert_meta = self.experts.checkpoint_state()
+            tensors = {**tensors, **expert_tensors}
+            optimizer["scalars"] = {**optimizer["scalars"], **expert_meta[OPTIMIZER_KEY]["scalars"]}
         metadata[OPTIMIZER_KEY] = optimizer
-        return {**dense_tensors, **expert_tensors}, metadata
+        return tensors, metadata
 
     def save(self, path: str | os.PathLike, *, metadata: dict | None = None, group=None, expected_names=None) -> None:
         """Save parameters and optimizer state of both parts to the new checkpoint directory ``path`` (every rank

@@ -1,26 +1,103 @@
-"""`HybridParallel`'s plan for `MoELlama`: the Llama plan (checkpoint names, data parallelism and ZeRO with the
-experts replicated), refusing tensor, sequence and pipeline parallelism, which do not compose with mixture-of-experts
-blocks yet. Expert parallelism is the `ExpertParallel` plugin."""
+"""`HybridParallel`'s plan for `MoELlama`: the Llama plan with the mixture-of-experts blocks composed in.
+
+- Tensor parallelism (1D ``tp``) splits the attention and the dense MLPs (a dense first layer) as for Llama; an MoE
+  block's input is replicated over tp, so its router, shared experts and experts stay whole on every tp rank, which
+  route and compute the same tokens (the experts are split over ``ep`` only, `HybridParallel.ep`), or, with
+  ``expert_tensor_parallel``, each expert's FFN split over tp too (`colo.tensor.moe.split_expert_ffns`).
+- A pipeline cuts the layers as for Llama; each stage's output carries its MoE blocks' aux losses into backward
+  (`colo.tensor.moe.attach_aux_loss`, weighted ``1 / num_microbatches`` like the microbatch's loss), so the stage
+  that computes the loss needs nothing from the others. The reported loss is the next-token loss of the last stage.
+- Refused: sequence parallelism (sequence-parallel ranks would route different pieces of one sequence), tensor
+  parallelism of multi-head latent attention (no tp plan for its projections), fp16 with a pipeline (the aux
+  losses' gradient is not loss-scaled), and ``ep`` not dividing the experts.
+"""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
-from .llama_plan import LlamaPlan
-from .parallel_dims import UnsupportedLayout
+from colo.comm import Mesh
+from colo.tensor.moe import attach_aux_loss, moe_aux_loss
+
+from ..models.moe_llama.model import init_moe_llama_module
+from .llama_plan import LlamaPlan, materialize_fn_of, set_materialize_fn
+from .parallel_dims import LayoutError, UnsupportedLayout
+from .plans import PipelinePart
 
 
 class MoELlamaPlan(LlamaPlan):
-    """`LlamaPlan` for `MoELlama` with tp = sp = pp = 1 only (see the module docstring)."""
+    """`LlamaPlan` for `MoELlama` with ``ep``, ``tp`` and ``pp`` (see the module docstring)."""
 
     def check(self, model: nn.Module, plugin) -> None:
-        for name in ("tp", "sp", "pp"):
+        config = model.config
+        for name in ("sp",):
             size = getattr(plugin, name, 1)
-            if size > 1:
+            if size > 1 or getattr(plugin, "sp_mode", None) is not None:
                 raise UnsupportedLayout(
-                    f"HybridParallel.{name}={size}: {type(model).__name__} has mixture-of-experts blocks, which do not "
-                    f"compose with tensor, sequence or pipeline parallelism yet; set {name}=1, and use the "
-                    "ExpertParallel plugin (ep > 1) to split the experts",
+                    f"HybridParallel.{name}={size} (sp_mode={plugin.sp_mode!r}): {type(model).__name__} has "
+                    "mixture-of-experts blocks, and sequence-parallel ranks would route different pieces of one "
+                    f"sequence to experts (the per-sequence balance loss needs whole sequences); set {name}=1 and "
+                    "sp_mode=None (tp, pp and ep compose with the experts)",
                     field=name,
                 )
+        if plugin.tp > 1 and config.latent_attention:
+            raise UnsupportedLayout(
+                f"HybridParallel.tp={plugin.tp}: {type(model).__name__} uses multi-head latent attention "
+                "(model.kv_lora_rank), which has no tensor-parallel plan; set tp=1 (ep and pp compose with it)",
+                field="tp",
+            )
+        if plugin.pp > 1 and plugin.precision == "fp16":
+            raise UnsupportedLayout(
+                f"HybridParallel.precision='fp16' with pp={plugin.pp}: the MoE aux losses enter each stage's backward "
+                "unscaled by the loss scaler; use precision='bf16' or 'fp32'",
+                field="precision",
+            )
+        width = config.expert_intermediate_size
+        if getattr(plugin, "expert_tensor_parallel", False) and width % plugin.tp:
+            raise LayoutError(
+                f"HybridParallel.tp={plugin.tp} with expert_tensor_parallel=True does not divide the experts' "
+                f"intermediate size {width} (model.moe_intermediate_size); choose tp dividing it, or "
+                "expert_tensor_parallel=False",
+                field="tp",
+            )
+        ep = getattr(plugin, "ep", 1)
+        experts = config.num_local_experts
+        if experts % ep:
+            choices = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise LayoutError(
+                f"HybridParallel.ep={ep} does not divide num_local_experts={experts}: each ep rank holds "
+                f"num_experts / ep experts; choose ep in {choices}",
+                field="ep",
+            )
         super().check(model, plugin)
+
+    def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
+        self._materialize_as_moe(model, plugin)
+        return super().apply(model, mesh=mesh, plugin=plugin)
+
+    def pipeline(self, model: nn.Module, *, mesh: Mesh, plugin, stage_ids: list[int]) -> PipelinePart:
+        self._materialize_as_moe(model, plugin)
+        part = super().pipeline(model, mesh=mesh, plugin=plugin, stage_ids=stage_ids)
+        hook = functools.partial(_carry_aux_losses, scale=1.0 / plugin.num_microbatches)
+        for chunk in part.chunks:
+            chunk.register_forward_hook(hook)
+        return part
+
+    @staticmethod
+    def _materialize_as_moe(model: nn.Module, plugin) -> None:
+        """A meta-device model materializes with `init_moe_llama_module` (Llama's initializer skips the router and
+        the experts), seeded by the plugin, unless the caller gave an initializer."""
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and materialize_fn_of(model) is None:
+            init = functools.partial(init_moe_llama_module, config=model.config, seed=plugin.seed)
+            set_materialize_fn(model, init)
+
+
+def _carry_aux_losses(stage: nn.Module, args, output, *, scale: float):
+    """Forward hook of a pipeline stage: its output carries the stage's MoE blocks' aux losses into backward."""
+    aux = moe_aux_loss(stage)
+    if isinstance(output, dict):
+        return {**output, "x": attach_aux_loss(output["x"], aux, scale)}
+    return attach_aux_loss(output, aux, scale)

@@ -616,23 +616,26 @@ class BaseRunConfig(_Section):
         return self
 
     def _check_mixture_of_experts(self) -> None:
-        """An MoE preset trains under ``plugin.name: expert`` (ep dividing its experts), pre-training or SFT, without
-        LoRA; the expert plugin needs an MoE preset. (ep dividing the world size is checked when the ranks start.)"""
+        """An MoE preset trains under ``plugin.name: expert`` or ``hybrid`` (ep dividing its experts; ``hybrid``
+        composes ep with tp, pp and ZeRO-3), pre-training or SFT, without LoRA; ``expert``, or ``hybrid`` with
+        ``ep > 1``, needs an MoE preset. (ep dividing the world size is checked when the ranks start.)"""
         model, plugin = self.model, self.plugin
-        if plugin.name == "expert" and not model.is_moe:
+        splits_experts = plugin.name == "expert" or (plugin.name == "hybrid" and plugin.ep > 1)
+        if splits_experts and not model.is_moe:
             what = f"model.init_from={model.init_from!r}" if model.init_from else f"model.preset={model.preset!r}"
+            field = "plugin.name='expert'" if plugin.name == "expert" else f"plugin.ep={plugin.ep}"
             raise ValueError(
-                f"plugin.name='expert' splits the experts of a mixture-of-experts model, and {what} is a dense "
-                f"Llama; set model.preset to one of {sorted(MOE_PRESETS)} (and no model.init_from), or use another "
-                "plugin"
+                f"{field} splits the experts of a mixture-of-experts model, and {what} is a dense Llama; set "
+                f"model.preset to one of {sorted(MOE_PRESETS)} (and no model.init_from), or "
+                + ("use another plugin" if plugin.name == "expert" else "plugin.ep=1")
             )
         if not model.is_moe:
             return
-        if plugin.name != "expert":
+        if plugin.name not in ("expert", "hybrid"):
             raise ValueError(
                 f"model.preset={model.preset!r} is a mixture-of-experts model, which the trainer runs under "
-                f"plugin.name='expert' only (plugin.name={plugin.name!r}); set plugin.name='expert' (plugin.ep=1 keeps "
-                "every expert on every rank)"
+                f"plugin.name='expert' or 'hybrid' (plugin.name={plugin.name!r}); set plugin.name='expert' (ep with "
+                "ZeRO 0-2; plugin.ep=1 keeps every expert on every rank) or 'hybrid' (plugin.ep with tp, pp, ZeRO-3)"
             )
         experts = model.num_local_experts or MOE_PRESETS[model.preset].num_local_experts
         if experts % plugin.ep:

@@ -78,7 +78,7 @@ class LanguageModelTask(TrainTask):
         LoRA adapters when asked; a fresh `MoELlama` for a mixture-of-experts preset."""
         config = self.config
         init_from = config.model.init_from if init_from is None else init_from
-        if isinstance(self.llama_config, MoELlamaConfig):  # (the config allows it only under the expert plugin)
+        if isinstance(self.llama_config, MoELlamaConfig):  # (the config allows it under the expert and hybrid plugins)
             with torch.device(ctx.device):
                 model = MoELlama(self.llama_config)
             model.init_weights(config.seed)

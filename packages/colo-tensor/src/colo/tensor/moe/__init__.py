@@ -18,19 +18,21 @@ from .config import MoEConfig
 from .dispatch import AllToAllRows, dispatch_bytes, exchange_counts, expert_parallel
 from .experts import GroupedExperts, SharedExperts
 from .layer import MoEBlock, moe_aux_loss, moe_blocks, router_stats, update_expert_biases
-from .losses import load_balancing_loss, z_loss
+from .losses import AuxLossScaler, attach_aux_loss, load_balancing_loss, z_loss
 from .parallel import (
     check_expert_parallel,
     dense_data_axes,
     expert_data_axes,
     is_expert_param,
     shard_experts,
+    split_expert_ffns,
 )
 from .permute import Permutation, capacity_mask, expert_capacity, permute, unpermute
 from .router import Routing, TopKRouter, recomputing
 
 __all__ = [
     "AllToAllRows",
+    "AuxLossScaler",
     "GroupedExperts",
     "MoEBlock",
     "MoEConfig",
@@ -38,6 +40,7 @@ __all__ = [
     "Routing",
     "SharedExperts",
     "TopKRouter",
+    "attach_aux_loss",
     "capacity_mask",
     "check_expert_parallel",
     "dense_data_axes",
@@ -54,6 +57,7 @@ __all__ = [
     "recomputing",
     "router_stats",
     "shard_experts",
+    "split_expert_ffns",
     "unpermute",
     "update_expert_biases",
     "z_loss",

@@ -5,7 +5,8 @@ Hugging Face keeps ``w1`` and ``w3`` fused as ``gate_up_proj``). The rows handed
 (`colo.tensor.moe.permute`) with ``counts[e]`` rows for expert ``e``; the ``"grouped"`` implementation runs each
 projection as one ``torch.nn.functional.grouped_mm`` over all experts, the ``"loop"`` reference one matmul per
 expert (also used for dtypes ``grouped_mm`` lacks, such as float64). Under expert parallelism the tensors hold this
-rank's experts only (``num_experts`` is the local count).
+rank's experts only (``num_experts`` is the local count); under expert tensor parallelism (`split_expert_ffns`) each
+expert's intermediate width is this tp rank's share.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm_ops import AllReduceCopy, CopyAllReduce
 from .config import EXPERT_IMPLS
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,17 +53,24 @@ class GroupedExperts(nn.Module):
         """Multiplies the weights' gradients (not the activations'): ``1 / ep`` under expert parallelism, so that
         averaging expert gradients over the ``dp`` ranks holding the same experts gives the gradient of the mean
         loss over all ``dp * ep`` data ranks (each expert saw the tokens of its ``ep`` group)."""
+        self.tp_group = None
+        """The group each expert's FFN is split over (expert tensor parallelism, `split_expert_ffns`), or ``None``."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs for ``x`` (``(N, hidden)``, grouped by expert, ``counts[e]`` rows for expert ``e``)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        split = self.tp_group is not None and self.tp_group.size > 1
+        if split:  # the same rows on every tp rank: their gradient is the sum of the ranks' partial ones
+            x = CopyAllReduce.apply(x, self.tp_group)
         if self.impl == "loop" or x.dtype not in _GROUPED_DTYPES:
-            return _loop(x, counts, w1, w2, w3)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        h = nn.functional.silu(_grouped(x, w1, offsets)) * _grouped(x, w3, offsets)
-        return _grouped(h, w2, offsets)
+            out = _loop(x, counts, w1, w2, w3)
+        else:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            h = nn.functional.silu(_grouped(x, w1, offsets)) * _grouped(x, w3, offsets)
+            out = _grouped(h, w2, offsets)
+        return AllReduceCopy.apply(out, self.tp_group) if split else out
 
 
 def _loop(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:

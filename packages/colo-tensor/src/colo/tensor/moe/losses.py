@@ -61,3 +61,31 @@ def load_balancing_loss(
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """The router z-loss ``mean_t logsumexp(logits_t)^2`` (an fp32 scalar) of ``(T, E)`` logits."""
     return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).square().mean()
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Forward: ``output`` unchanged (``aux_loss`` is only held). Backward: ``output``'s gradient passes through and
+    ``aux_loss`` gets the constant gradient ``scale``, as if ``scale * aux_loss`` had been added to the loss.
+
+    For a pipeline stage, whose output is not the loss: the stage's MoE blocks' aux losses join the backward that
+    reaches the stage's output (Megatron-Core's ``MoEAuxLossAutoScaler`` does this), with ``scale`` the weight the
+    schedule gives each microbatch's loss (``1 / num_microbatches``)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``output`` carrying ``aux_loss`` into its backward with weight ``scale`` (`AuxLossScaler`); ``output`` itself
+    when there is no aux loss or it needs no gradient."""
+    if aux_loss is None or not aux_loss.requires_grad:
+        return output
+    return AuxLossScaler.apply(output, aux_loss, scale)

@@ -11,6 +11,11 @@ split over ``ep`` and replicated over ``dp``. So:
 - the expert bias counts (aux-loss-free balancing) are summed over ``dp x ep``;
 - shared experts (`SharedExperts`) are dense parameters: replicated, their gradients averaged over ``dp x ep``.
 
+With tensor parallelism (``tp``, the innermost mesh axis) the ep groups are the ranks of one tp coordinate: the
+tokens reaching an MoE block are replicated over tp, so every tp rank routes and runs them alike through whole
+experts (the experts are replicated over tp, counted once in the gradient norm). With a pipeline (``pp``) each stage
+splits the experts of its own blocks over the ep group inside the stage, so the all-to-alls never cross a stage.
+
 Group-limited routing (`MoEConfig.num_groups`) splits the experts into contiguous groups as ``shard_experts`` splits
 them over ranks, so with ``num_groups == ep`` group ``g`` is exactly rank ``g``'s experts and ``top_k_groups`` bounds
 the ranks each token's rows are sent to (DeepSeek-V3's node-limited routing, with ep ranks for nodes).
@@ -23,7 +28,7 @@ from torch import nn
 
 from colo.comm import Mesh
 
-from ..layout import Layout, set_layout
+from ..layout import Layout, layout_of, set_layout
 from ..placement import Shard
 from .layer import MoEBlock, moe_blocks
 
@@ -40,7 +45,10 @@ def check_expert_parallel(
         num_experts (int): experts per MoE block.
         ep (int): the expert-parallel size.
         data_parallel_size (int): all data ranks (``dp * ep``).
-        tp, pp, sp (int): tensor, pipeline and sequence-parallel sizes (expert parallelism composes with none yet).
+        tp, pp, sp (int): tensor, pipeline and sequence-parallel sizes. Expert parallelism composes with ``tp``
+            (the experts whole on every tp rank, which see the same tokens) and ``pp`` (each stage splits its own
+            blocks' experts over its own ep group), not with ``sp`` (the sequence ranks would route different tokens
+            to experts whose gradients nothing sums over sp).
     """
     if ep < 1:
         raise ValueError(f"ep={ep} must be a positive integer (1: experts replicated)")
@@ -55,12 +63,11 @@ def check_expert_parallel(
             f"ep={ep} does not divide the {data_parallel_size} data-parallel ranks: experts are split over a "
             f"sub-axis of data parallelism; choose ep dividing {data_parallel_size}"
         )
-    for name, size in (("tp", tp), ("pp", pp), ("sp", sp)):
-        if ep > 1 and size > 1:
-            raise ValueError(
-                f"expert parallelism (ep={ep}) with {name}={size} is not supported yet; use ep with data "
-                f"parallelism / ZeRO only, or set ep=1"
-            )
+    if ep > 1 and sp > 1:
+        raise ValueError(
+            f"expert parallelism (ep={ep}) with sp={sp} is not supported: sequence-parallel ranks route different "
+            "tokens to the same experts; use sp=1 with ep (tensor and pipeline parallelism compose), or set ep=1"
+        )
 
 
 def dense_data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -126,3 +133,45 @@ def _shard_block(block: MoEBlock, *, mesh: Mesh, axis: str, ep: int, rank: int) 
         setattr(experts, name, piece)
     experts.num_experts = local
     experts.grad_scale = 1.0 / ep
+
+
+@torch.no_grad()
+def split_expert_ffns(model: nn.Module, *, mesh: Mesh, axis: str = "tp") -> nn.Module:
+    """Expert tensor parallelism: split every expert's SwiGLU FFN of every `MoEBlock` over the mesh axis ``axis``,
+    in place, as Megatron splits an MLP (Megatron-Core's expert tensor parallelism).
+
+    Rank ``r`` of the axis keeps rows ``r * I / n ..`` of each expert's gate and up projections (``w1``, ``w3``:
+    column-parallel) and the matching columns of its down projection (``w2``: row-parallel), on top of any split over
+    ``ep`` (`shard_experts`); its layout says `Shard` over ``axis`` too, so checkpoints hold the global tensors. The
+    rows reaching the experts must be the same on every rank of the axis (a block's input replicated over tp): the
+    experts then take them through `colo.tensor.comm_ops.CopyAllReduce` and return the partial outputs summed by
+    `colo.tensor.comm_ops.AllReduceCopy`. Call it on the model built identically on every rank.
+
+    Returns:
+        ``model``.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"split_expert_ffns: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    size, rank = mesh.size(axis), mesh.rank(axis)
+    blocks = moe_blocks(model)
+    for name, block in blocks:
+        experts = block.experts
+        if experts.tp_group is not None:
+            raise ValueError(f"split_expert_ffns: the experts of {name!r} are already split over {axis!r}")
+        intermediate = experts.w1.shape[1]
+        if intermediate % size:
+            raise ValueError(
+                f"{axis}={size} does not divide the experts' intermediate size {intermediate} (block {name!r}); "
+                f"choose {axis} dividing it"
+            )
+        width = intermediate // size
+        for param_name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            full = getattr(experts, param_name)
+            layout = layout_of(full)
+            global_shape = layout.global_shape if layout is not None else tuple(full.shape)
+            placements = {} if layout is None else dict(zip(layout.mesh.axis_names, layout.placements))
+            piece = nn.Parameter(full.narrow(dim, rank * width, width).clone(), requires_grad=full.requires_grad)
+            set_layout(piece, Layout(mesh, {**placements, axis: Shard(dim)}, global_shape))
+            setattr(experts, param_name, piece)
+        experts.tp_group = mesh.group(axis)
+    return model

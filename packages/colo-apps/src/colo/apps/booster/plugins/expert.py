@@ -3,8 +3,8 @@
 The world is a ``Mesh(dp=world / ep, ep=ep)``: every rank is a data rank with its own samples; the experts of each
 `colo.tensor.moe.MoEBlock` are split over ``ep`` (`colo.tensor.moe.shard_experts`, tokens reach them by all-to-all)
 and the optimizer is `colo.zero.ExpertParallelZero` (dense gradients averaged over ``dp x ep``, expert gradients over
-``dp``). Tensor, sequence and pipeline parallelism do not compose with expert parallelism yet: `HybridParallel`
-refuses MoE models with ``tp``, ``sp`` or ``pp`` > 1 (`colo.apps.booster.moe_plan`).
+``dp``). To compose experts with tensor or pipeline parallelism use `HybridParallel` with ``ep`` (the same optimizer
+and expert-bias updates; `colo.apps.booster.moe_plan`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colo.comm import Mesh, init_distributed
+from colo.comm import Mesh, all_gather_object, init_distributed
 from colo.tensor.moe import check_expert_parallel, moe_blocks, shard_experts, update_expert_biases
 from colo.zero import ExpertParallelZero, MixedPrecision
 
@@ -47,8 +47,8 @@ class ExpertParallel(Plugin):
             raise ValueError(f"ExpertParallel.ep={self.ep!r} must be a positive integer (1: experts replicated)")
         if self.stage not in (0, 1, 2):
             raise ValueError(
-                f"ExpertParallel.stage={self.stage!r}: expert parallelism composes with ZeRO stages 0, 1 and 2; "
-                "choose one of those"
+                f"ExpertParallel.stage={self.stage!r}: this plugin runs ZeRO stages 0, 1 and 2; choose one of those, "
+                "or HybridParallel(ep=..., zero_stage=3) for ZeRO-3 (dense parameters over dp x ep, experts over dp)"
             )
         if self.precision == "fp16":
             raise ValueError(
@@ -101,34 +101,31 @@ class ExpertParallel(Plugin):
         return ExpertParallelEngine(self, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
 
 
-class ExpertParallelEngine(OptimizerDriver, Engine):
-    """Runs steps for `ExpertParallel`: the Booster's microbatch loop over `ExpertParallelZero`, then the
-    aux-loss-free expert biases' update from the step's token counts summed over every data rank."""
+class ExpertBiases:
+    """Mix in before an engine over a model with MoE blocks: after every optimizer step, the aux-loss-free expert
+    biases' update from the step's token counts summed over the engine's data group (every rank routing its own
+    tokens: ``dp x ep``); the biases (training state outside autograd and the optimizer, the same on every data rank)
+    go into the checkpoint metadata as exact fp32 values, each pipeline stage's blocks gathered over ``pp``."""
 
-    def __init__(self, plugin: ExpertParallel, *, model, optimizer: ExpertParallelZero, mesh, criterion) -> None:
-        # stage 1 accumulates in full buffers and reduces in the last microbatch's backward; 0 and 2 every microbatch
-        super().__init__(
-            plugin,
-            model=model,
-            optimizer=optimizer,
-            mesh=mesh,
-            criterion=criterion,
-            sync_every_microbatch=optimizer.reduces_every_microbatch,
-        )
-        self.uses_expert_bias = any(block.config.expert_bias for _, block in moe_blocks(model))
+    uses_expert_bias: bool = False
+    """Whether the model's MoE blocks route with an expert bias (set by the engine's constructor)."""
 
     def step(self) -> tuple[float | None, bool]:
         norm, skipped = super().step()
         if self.uses_expert_bias:
-            update_expert_biases(self.model, self.mesh.group("dp", "ep"))
+            update_expert_biases(self.model, self.data_group)
         return norm, skipped
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        """The optimizer's state, plus every MoE block's aux-loss-free expert bias (training state outside autograd
-        and the optimizer, the same on every rank) in the metadata as exact fp32 values."""
         tensors, own = super().checkpoint_state()
         if self.uses_expert_bias:
-            own[EXPERT_BIAS_KEY] = {name: block.gate.expert_bias.tolist() for name, block in moe_blocks(self.model)}
+            biases = {name: block.gate.expert_bias.tolist() for name, block in moe_blocks(self.model)}
+            if "pp" in self.mesh.axis_names and self.mesh.size("pp") > 1:  # each stage knows its own blocks
+                merged = {}
+                for stage_biases in all_gather_object(biases, group=self.mesh.group("pp")):
+                    merged.update(stage_biases)
+                biases = merged
+            own[EXPERT_BIAS_KEY] = biases
         return tensors, own
 
     def load(self, path: str) -> dict:
@@ -140,6 +137,28 @@ class ExpertParallelEngine(OptimizerDriver, Engine):
                     raise ValueError(f"{path}: the checkpoint has no expert bias for the MoE block {name!r}")
                 block.gate.expert_bias.copy_(torch.tensor(saved[name], dtype=torch.float32))
         return metadata
+
+
+def uses_expert_bias(model: torch.nn.Module) -> bool:
+    """Whether any MoE block of ``model`` routes with the aux-loss-free expert bias."""
+    return any(block.config.expert_bias for _, block in moe_blocks(model))
+
+
+class ExpertParallelEngine(ExpertBiases, OptimizerDriver, Engine):
+    """Runs steps for `ExpertParallel`: the Booster's microbatch loop over `ExpertParallelZero`, then the
+    aux-loss-free expert biases' update (`ExpertBiases`)."""
+
+    def __init__(self, plugin: ExpertParallel, *, model, optimizer: ExpertParallelZero, mesh, criterion) -> None:
+        # stage 1 accumulates in full buffers and reduces in the last microbatch's backward; 0 and 2 every microbatch
+        super().__init__(
+            plugin,
+            model=model,
+            optimizer=optimizer,
+            mesh=mesh,
+            criterion=criterion,
+            sync_every_microbatch=optimizer.reduces_every_microbatch,
+        )
+        self.uses_expert_bias = uses_expert_bias(model)
 
 
 EXPERT_BIAS_KEY = "expert_bias"

@@ -13,8 +13,9 @@ from torch import nn
 from colo.comm import Mesh, all_gather_object, init_distributed, world_group
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
 from colo.tensor import layout_of
+from colo.tensor.moe import moe_blocks, shard_experts, split_expert_ffns
 from colo.tensor.tp_grid import GRID_AXES, TP_MODES, check_tp_size
-from colo.zero import ZeroOptimizer
+from colo.zero import ExpertParallelZero, ZeroOptimizer
 from colo.zero.state import OPTIM_PREFIX, OPTIMIZER_KEY
 
 from ...lora.tensor_parallel import (
@@ -29,6 +30,7 @@ from ..plans import materialize_device, plan_for
 from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
 from .driver import OptimizerDriver
+from .expert import ExpertBiases, uses_expert_bias
 from .runner import PipelineRunner
 from .zero import ZeroEngine
 
@@ -55,6 +57,12 @@ class HybridParallel(Plugin):
     and gradients as at ZeRO-1, between steps 1/dp of them. The model needs a plan (`colo.apps.booster.plan_for`:
     colo's native Llama and Hugging Face's Llama have one). Every size is checked against the world size and the
     model before any collective runs.
+
+    With ``ep > 1`` (a mixture-of-experts model: `MoELlama`) the data ranks are ``dp x ep`` (mesh
+    ``(pp, dp, ep, tp)``): each stage splits its MoE blocks' experts over its ep group (`colo.tensor.moe.shard_experts`)
+    and the optimizer is `colo.zero.ExpertParallelZero` (dense parameters over ``dp x ep``, experts over ``dp``, both
+    with the tp and pp axes above); the routers' expert biases are updated after every step from the counts of all
+    data ranks (`colo.apps.booster.plugins.expert.ExpertBiases`).
     """
 
     tp: int = 1
@@ -72,6 +80,18 @@ class HybridParallel(Plugin):
     """Pipeline-parallel size (stages of contiguous layers)."""
     sp: int = 1
     """Sequence-parallel size for Ulysses / ring attention (Megatron-SP runs on the tp group instead)."""
+    ep: int = 1
+    """Expert-parallel size for a mixture-of-experts model: each group of ``ep`` data ranks (of one pipeline stage
+    and tp coordinate) splits every MoE block's experts (tokens reach them by all-to-all); it must divide the data
+    ranks (``dp`` counts them all: the mesh is ``(pp, dp / ep, ep, tp)``) and the experts. Dense parameters are
+    averaged and sharded over ``dp x ep``, experts over ``dp`` (`colo.zero.ExpertParallelZero`). Composes with
+    ``pp`` (each stage's blocks use the ep group inside the stage) and 1D ``tp`` (attention and dense layers split
+    over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``); not with ``sp``
+    / ``sp_mode`` or fp16."""
+    expert_tensor_parallel: bool = False
+    """With ``tp > 1`` and a mixture-of-experts model: split each expert's FFN over the tp group as well (its gate and
+    up projections by columns, its down projection by rows; Megatron-Core's expert tensor parallelism,
+    `colo.tensor.moe.split_expert_ffns`), instead of keeping the experts whole on every tp rank."""
     sp_mode: str | None = None
     """``None``, ``"megatron"`` (over tp), ``"ulysses"`` or ``"ring"`` (over sp)."""
     zero_stage: int = 1
@@ -118,6 +138,21 @@ class HybridParallel(Plugin):
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         shape = self.dims.mesh_shape(world_size)
+        if self.ep > 1:  # ep is the inner factor of the data ranks: (pp, dp / ep, ep, sp, tp)
+            if shape["dp"] % self.ep:
+                raise LayoutError(
+                    f"HybridParallel.ep={self.ep} does not divide the {shape['dp']} data-parallel ranks (world "
+                    f"{world_size} / tp={self.tp} x pp={self.pp} x sp={self.sp}): experts are split over a sub-axis of "
+                    f"the data ranks; choose ep dividing {shape['dp']}",
+                    field="ep",
+                )
+            shape = {
+                "pp": shape["pp"],
+                "dp": shape["dp"] // self.ep,
+                "ep": self.ep,
+                "sp": shape["sp"],
+                "tp": shape["tp"],
+            }
         if self.tp_mode != "1d":  # the tp axis becomes the grid's axes, in its place (innermost)
             shape.update(check_tp_size(self.tp_mode, shape.pop("tp"), self.tp_depth))
         return shape
@@ -129,10 +164,11 @@ class HybridParallel(Plugin):
         return ("tp",) if self.tp_mode == "1d" else GRID_AXES[self.tp_mode]
 
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
-        return self.dims.data_axes()
+        return ("dp", "ep") if self.ep > 1 else self.dims.data_axes()
 
     def sample_axes(self, mesh: Mesh) -> tuple[str, ...]:
-        return ("dp",)  # sequence-parallel ranks share their samples, each holding a piece of every sequence
+        # sequence-parallel ranks share their samples, each holding a piece of every sequence; ep ranks are data ranks
+        return ("dp", "ep") if self.ep > 1 else ("dp",)
 
     def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
         if criterion is not None and self.pp > 1:
@@ -180,17 +216,18 @@ class HybridParallel(Plugin):
             part = plan.pipeline(model, mesh=mesh, plugin=self, stage_ids=stage_ids)
             target = part.chunks[0] if len(part.chunks) == 1 else _StageChunks(part.chunks)
         attach_lora_layers(lora, mesh=mesh, axis="tp")
+        if self.ep > 1 and moe_blocks(target):  # each stage splits its own blocks' experts over its ep group
+            shard_experts(target, mesh=mesh)
+        if self.expert_tensor_parallel and moe_blocks(target):  # and each expert's FFN over tp
+            split_expert_ffns(target, mesh=mesh, axis="tp")
         for module in [model] if part is None else part.chunks:
             self.maybe_checkpoint_activations(module)
             self.maybe_compile(module)
         optimizer = _repoint_optimizer(optimizer, target, original_names)
         tied_here = [p for name, p in target.named_parameters() if name in aliases] if part is not None else []
-        zero = ZeroOptimizer(
-            target,
-            optimizer,
+        zero_settings = dict(
             mesh=mesh,
             stage=self.zero_stage,
-            data_axes=self.data_axes(mesh),
             chunk_numel=self.chunk_numel,
             mixed_precision=_mixed_precision(self),
             tensor_parallel_axes=self.tensor_parallel_axes(),
@@ -199,20 +236,33 @@ class HybridParallel(Plugin):
             checkpoint_names=checkpoint_names,
             norm_replicas=tied_here,  # another stage's parameter: its gradient is counted there
         )
+        if self.ep > 1:  # dense parameters over dp x ep, experts over dp
+            zero = ExpertParallelZero(target, optimizer, **zero_settings)
+        else:
+            zero = ZeroOptimizer(target, optimizer, data_axes=self.data_axes(mesh), **zero_settings)
+        bias = uses_expert_bias(model)
         if part is None:
-            return HybridEngine(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
-        if zero.gatherer is not None and len(part.chunks) > 1:  # the executor calls each model chunk, not the container
-            for chunk in part.chunks:
-                zero.gatherer.add_forward_root(chunk)
+            engine_type = MoEHybridEngine if moe_blocks(model) else HybridEngine
+            engine = engine_type(self, plan=plan, model=model, optimizer=zero, mesh=mesh, criterion=criterion)
+            engine.uses_expert_bias = bias
+            return engine
+        gatherers = [p.gatherer for p in getattr(zero, "parts", (zero,)) if p.gatherer is not None]
+        if len(part.chunks) > 1:  # the executor calls each model chunk, not the container
+            for gatherer in gatherers:
+                for chunk in part.chunks:
+                    gatherer.add_forward_root(chunk)
         tied_copies = [  # the checkpoint names of this rank's tied copies of another stage's parameters
             saved
             for name, p in target.named_parameters()
             if name in aliases
             for saved, _, _ in checkpoint_names(name, p)
         ]
-        return PipelineEngine(
+        engine_type = MoEPipelineEngine if moe_blocks(model) else PipelineEngine
+        engine = engine_type(
             self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target, tied_copies=tied_copies
         )
+        engine.uses_expert_bias = bias
+        return engine
 
 
 def _grid_error(plugin: HybridParallel) -> str | None:
@@ -291,6 +341,53 @@ _RULES: tuple[LayoutRule, ...] = (
             "microbatch losses itself); use loss_weighting='microbatch'"
         ),
         summary="`loss_weighting: token` with `pp` > 1",
+    ),
+    LayoutRule(
+        "ep",
+        LayoutError,
+        lambda p: _not_positive(p.ep),
+        lambda p: f"HybridParallel.ep={p.ep!r} must be a positive integer (1: experts replicated)",
+    ),
+    LayoutRule(
+        "ep",
+        UnsupportedLayout,
+        lambda p: not _not_positive(p.ep) and p.ep > 1 and (p.sp > 1 or p.sp_mode is not None),
+        lambda p: (
+            f"HybridParallel.ep={p.ep} with sp={p.sp}, sp_mode={p.sp_mode!r} is not supported: sequence-parallel ranks "
+            "(and Megatron-SP's tp ranks) route different tokens of one sequence to experts whose gradients nothing "
+            "sums over them, and the per-sequence balance loss needs whole sequences; use sp=1 and sp_mode=None with "
+            "ep, or ep=1"
+        ),
+        summary="`ep` > 1 with `sp` > 1 or an `sp_mode`",
+    ),
+    LayoutRule(
+        "ep",
+        UnsupportedLayout,
+        lambda p: not _not_positive(p.ep) and p.ep > 1 and p.tp_mode != "1d",
+        lambda p: (
+            f"HybridParallel.ep={p.ep} with tp_mode={p.tp_mode!r} is not supported (the MoE plan runs 1D tensor "
+            "parallelism only); use tp_mode='1d' with ep"
+        ),
+        summary="`ep` > 1 with a 2D / 2.5D / 3D `tp_mode`",
+    ),
+    LayoutRule(
+        "expert_tensor_parallel",
+        LayoutError,
+        lambda p: p.expert_tensor_parallel and p.tp == 1,
+        lambda p: (
+            "HybridParallel.expert_tensor_parallel=True splits each expert's FFN over the tp group, and tp=1; set tp "
+            "> 1 or leave expert_tensor_parallel=False"
+        ),
+    ),
+    LayoutRule(
+        "precision",
+        UnsupportedLayout,
+        lambda p: not _not_positive(p.ep) and p.ep > 1 and p.precision == "fp16",
+        lambda p: (
+            f"HybridParallel.precision='fp16' with ep={p.ep}: loss scaling is not composed with expert parallelism "
+            "yet; use precision='bf16' or 'fp32'"
+        ),
+        summary="`precision: fp16` with `ep` > 1",
     ),
     LayoutRule(
         "tp_mode",
@@ -543,3 +640,12 @@ class PipelineEngine(OptimizerDriver, Engine):
             if weight in self.tied_copies:
                 tensors[key] = dataclasses.replace(value, replica=True)
         return tensors, own
+
+
+class MoEHybridEngine(ExpertBiases, HybridEngine):
+    """`HybridEngine` for a model with MoE blocks: the expert biases' update after each step (`ExpertBiases`)."""
+
+
+class MoEPipelineEngine(ExpertBiases, PipelineEngine):
+    """`PipelineEngine` for a model with MoE blocks: each stage updates its own blocks' expert biases after each
+    step, and the checkpoint holds every stage's (`ExpertBiases`)."""

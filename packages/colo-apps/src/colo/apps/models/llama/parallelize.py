@@ -219,6 +219,10 @@ def apply_tp(
             del plan["norm"]
     else:
         plan = llama_tp_plan(loss_parallel=loss_parallel)
+    if not any(hasattr(layer.mlp, "gate_proj") for layer in model.layers.values()):
+        # only mixture-of-experts MLPs here (MoELlama, or one of its stages): they stay whole on every tp rank
+        for name in [name for name in plan if name.startswith("layers.*.mlp.")]:
+            del plan[name]
     if embed is None:  # a pipeline stage without the embedding
         del plan["embed_tokens"]
     if lm_head is None:  # a pipeline stage without the head
