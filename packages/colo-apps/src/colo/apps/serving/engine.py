@@ -6,8 +6,8 @@ live in a `PagedKVCache` of fixed-size blocks under a fixed budget (Kwon et al.,
 1. applies the control operations queued since the last step (`add_request`, `abort`, `shutdown`; under tensor
    parallelism rank 0's are broadcast first, so every rank schedules identically);
 2. admits waiting requests, oldest first, while the batch has room and the free list holds blocks for the whole
-   prompt, and prefills them in one forward (right-padded rows, each with its own positions and mask): each gets
-   its first token;
+   prompt, and prefills them in one forward (prompts of different lengths packed into one row of real tokens, each
+   with its own positions, attending within its own row of the cache): each gets its first token;
 3. runs one decode forward over every running request (one token each). A request whose next token needs a new
    block when none is free preempts the newest running request (its blocks are freed and it goes back to the
    front of the queue, to be recomputed from its prompt and the tokens it already has), as vLLM's recompute
