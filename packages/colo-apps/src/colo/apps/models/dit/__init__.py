@@ -3,7 +3,13 @@ only, weights named as diffusers' ``PixArtTransformer2DModel``'s), its initializ
 (`parallelize_dit`) and its Ulysses sequence-parallel plan (`parallelize_dit_sequence`)."""
 
 from .config import PRESETS, DiTConfig, get_preset
-from .model import DiffusionTransformer, caption_document_mask, sincos_positions, timestep_features
+from .model import (
+    DiffusionTransformer,
+    caption_document_mask,
+    frame_positions,
+    sincos_positions,
+    timestep_features,
+)
 from .parallelize import check_dit_tp_size, dit_tp_plan, parallelize_dit
 from .sequence_parallel import check_dit_sp_size, dit_ulysses_plan, parallelize_dit_sequence
 
@@ -16,6 +22,7 @@ __all__ = [
     "check_dit_tp_size",
     "dit_tp_plan",
     "dit_ulysses_plan",
+    "frame_positions",
     "get_preset",
     "parallelize_dit",
     "parallelize_dit_sequence",
