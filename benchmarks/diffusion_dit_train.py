@@ -26,6 +26,9 @@ Rows (``--impls``), each in fresh processes, interleaved over ``--repeats`` with
   ``accelerate.Accelerator(cpu=True)`` in ``MULTI_CPU`` mode (torch DDP underneath). Both sides draw each step's
   random numbers from `colo.apps.diffusion.step_generator` in the same order (posterior sample, flow noise,
   timestep density, for the global batch), so the first losses agree.
+- ``diffusers_ddp_view`` (not in the default rows): ``diffusers_ddp`` with colo DDP's gradient handling
+  (``DistributedDataParallelKwargs(gradient_as_bucket_view=True)``, ``zero_grad(set_to_none=False)``), to separate
+  that from the models' own speed.
 
 Run::
 
@@ -57,6 +60,7 @@ IMPLS = {
     "colo_zero2": "colo Booster(Zero(stage=2)), 2 processes",
     "colo_zero3": "colo Booster(Zero(stage=3)), 2 processes",
     "diffusers_ddp": "diffusers PixArtTransformer2DModel + accelerate (MULTI_CPU, gloo), 2 processes",
+    "diffusers_ddp_view": "the same, DDP gradient_as_bucket_view=True and zero_grad(set_to_none=False) as colo's DDP",
 }
 WORLD = 2
 
@@ -140,7 +144,12 @@ def baseline_rank(args) -> dict:
     from colo.apps.diffusion.models import build_dit
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
+    handlers = []
+    if args.bucket_view:  # the diffusers_ddp_view row: colo DDP's gradient handling on accelerate's side
+        from accelerate import DistributedDataParallelKwargs
+
+        handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer, text_encoder, vae = frozen_components(args)
     dataset = harness.images(harness_args(args))
@@ -188,7 +197,7 @@ def baseline_rank(args) -> dict:
         loss = loss.mean()
         accelerator.backward(loss)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not args.bucket_view)
         return accelerator.gather(loss.detach().reshape(1)).mean().item()
 
     result = harness.timed_loop(harness_args(args), step_fn, accelerator.wait_for_everyone, rss_before)
@@ -210,7 +219,7 @@ def measure_rows(impl: str, args) -> list[dict]:
             "--steps", str(args.steps), "--num-images", str(args.num_images), "--heads", str(args.heads),
             "--head-dim", str(args.head_dim), "--layers", str(args.layers),
             "--out", os.path.join(scratch, f"rank{rank}.json"),
-        ]  # fmt: skip
+        ] + (["--bucket-view"] if impl == "diffusers_ddp_view" else [])  # fmt: skip
 
     return run_rank_processes(impl, WORLD, command, env=harness.RANK_ENV, timeout=args.row_timeout)
 
@@ -237,7 +246,7 @@ def measure(impl: str, args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS)[:4])
     parser.add_argument("--batch", type=int, default=8, help="images per rank per step")
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -251,6 +260,7 @@ def main() -> int:
     parser.add_argument("--note", default="")
     parser.add_argument("--out", default=str(RESULTS / "diffusion_dit_train_cpu.json"))
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bucket-view", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_worker:
         Path(args.out).write_text(json.dumps(baseline_rank(args)))
@@ -285,7 +295,7 @@ def main() -> int:
         summary[impl] = row
     ratios = {}
     base = summary.get("diffusers_ddp", {})
-    for colo in ("colo_ddp", "colo_zero2", "colo_zero3"):
+    for colo in ("colo_ddp", "colo_zero2", "colo_zero3", "diffusers_ddp_view"):
         row = summary.get(colo, {})
         if "steps_per_s" not in row or "steps_per_s" not in base:
             continue
