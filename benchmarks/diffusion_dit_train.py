@@ -266,7 +266,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(baseline_rank(args)))
         return 0
     if args.mmap_threshold:
-        harness.RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        harness.set_mmap_threshold(args.mmap_threshold)  # both sides' ranks, at exec
 
     runs, began = [], time.perf_counter()
     for repeat in range(args.repeats):

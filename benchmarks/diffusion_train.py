@@ -367,6 +367,16 @@ def measure(impl: str, args) -> dict:
     return result
 
 
+def set_mmap_threshold(threshold: int) -> None:
+    """Give every rank of every row glibc's ``MALLOC_MMAP_THRESHOLD_`` at exec. glibc reads it once, when the
+    process starts: the peer rows get it in their command's environment; colo's ranks are spawned by
+    `colo.comm.launch`, which applies its ``env`` inside the already started worker (too late for glibc), so it is
+    set in this driver's environment too, which spawned workers inherit. Before this (until 2026-11-28) only the
+    peer rows ran with the threshold and colo's with glibc's dynamic one: see the README's diffusion section."""
+    RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS))
@@ -400,7 +410,7 @@ def main() -> int:
         return 0
 
     if args.mmap_threshold:
-        RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        set_mmap_threshold(args.mmap_threshold)
     runs = []
     began = time.perf_counter()
     for repeat in range(args.repeats):
