@@ -103,6 +103,13 @@ def _train_sp(latent_shape: tuple[int, ...]):
             expected = reference.get_parameter(name).detach()
             compare(f"param {name} step {step}", param.detach(), expected, PARAM_TOLERANCE)
         losses.append(float(step_losses[1]))
+    try:  # 3 tokens: refused on every rank before any communication
+        added = {key: value[:1] for key, value in kwargs["added_cond_kwargs"].items()}
+        model(torch.randn(1, 4, 2, 6), torch.randn(1, 6, 24), torch.ones(1), added_cond_kwargs=added)
+        mismatches.append("a 3-token latent was not refused under sp=2")
+    except ValueError as error:
+        if "3 tokens" not in str(error) or "sp=2" not in str(error):
+            mismatches.append(f"unexpected error: {error}")
     return mismatches, losses
 
 
