@@ -33,6 +33,12 @@ order rotating each repeat, medians reported:
   mode (gloo, torch DDP underneath), started with the environment torchrun would give them. The one change from
   the script: the latent is ``mean + std * eps`` with ``eps`` drawn for the global batch (what
   ``latent_dist.sample(generator)`` computes, with the draw shared with colo's side so the losses agree).
+- ``colo_ddp_copy`` / ``diffusers_ddp_view``: the two 2-process DDP rows with each other's gradient handling, to
+  explain the gap between them. colo's `DDP` wraps the model in torch's DDP with ``gradient_as_bucket_view=True``
+  and zeroes gradients in place (``set_to_none=False``); accelerate's default is ``gradient_as_bucket_view=False``
+  and ``optimizer.zero_grad()`` sets them to None. ``colo_ddp_copy`` is colo with ``DDP(gradient_as_bucket_view=
+  False)`` (then colo sets gradients to None too); ``diffusers_ddp_view`` is the diffusers loop with
+  ``DistributedDataParallelKwargs(gradient_as_bucket_view=True)`` and ``zero_grad(set_to_none=False)``.
 
 Reported: steps/s and images/s (over all ranks, from the slowest rank's wall time over the timed steps), steps/s from
 the slowest rank's median timed step (robust to a neighbour's bursts on a shared machine), peak RSS (``ru_maxrss``,
@@ -83,6 +89,9 @@ IMPLS = {
     "colo_zero3": ("colo Booster(Zero(stage=3)), 2 processes", 2),
     "colo_gemini": ("colo Booster(Gemini(auto)), 2 processes", 2),
     "diffusers_ddp": ("diffusers loop + accelerate (MULTI_CPU, gloo), 2 processes", 2),
+    # the rows that explain colo_ddp / diffusers_ddp: each side with the other's gradient handling
+    "colo_ddp_copy": ("colo Booster(DDP(gradient_as_bucket_view=False)), 2 processes", 2),
+    "diffusers_ddp_view": ("diffusers + accelerate, DDP gradient_as_bucket_view=True, zero_grad(set_to_none=False)", 2),
 }
 RANK_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -219,6 +228,7 @@ def colo_rank(impl: str, args) -> dict:
         "colo_zero2": lambda: Zero(stage=2),
         "colo_zero3": lambda: Zero(stage=3, chunk_numel=chunk_numel),
         "colo_gemini": lambda: Gemini(placement="auto", device_capacity=args.gemini_budget, chunk_numel=chunk_numel),
+        "colo_ddp_copy": lambda: DDP(gradient_as_bucket_view=False),
     }.get(impl, DDP)()
     booster = Booster(plugin)
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
@@ -264,7 +274,12 @@ def baseline_rank(args) -> dict:
     from colo.apps.diffusion import step_generator
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
+    handlers = []
+    if args.bucket_view:  # the diffusers_ddp_view row: colo DDP's gradient handling on accelerate's side
+        from accelerate import DistributedDataParallelKwargs
+
+        handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer, text_encoder, vae, unet = components(args)
     dataset = images(args)
@@ -298,7 +313,7 @@ def baseline_rank(args) -> dict:
         loss = F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
         accelerator.backward(loss)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not args.bucket_view)
         # the reported loss: the mean over ranks, as train_text_to_image.py gathers it for logging
         return accelerator.gather(loss.detach().reshape(1)).mean().item()
 
@@ -314,7 +329,7 @@ def measure_baseline(impl: str, args) -> list[dict]:
             "--batch", str(args.batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--num-images", str(args.num_images), "--channels", *map(str, args.channels),
             "--out", os.path.join(scratch, f"rank{rank}.json"),
-        ]  # fmt: skip
+        ] + (["--bucket-view"] if impl == "diffusers_ddp_view" else [])  # fmt: skip
 
     return run_rank_processes(impl, IMPLS[impl][1], command, env=RANK_ENV, timeout=args.row_timeout)
 
@@ -352,6 +367,16 @@ def measure(impl: str, args) -> dict:
     return result
 
 
+def set_mmap_threshold(threshold: int) -> None:
+    """Give every rank of every row glibc's ``MALLOC_MMAP_THRESHOLD_`` at exec. glibc reads it once, when the
+    process starts: the peer rows get it in their command's environment; colo's ranks are spawned by
+    `colo.comm.launch`, which applies its ``env`` inside the already started worker (too late for glibc), so it is
+    set in this driver's environment too, which spawned workers inherit. Before this (until 2026-11-28) only the
+    peer rows ran with the threshold and colo's with glibc's dynamic one: see the README's diffusion section."""
+    RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS))
@@ -378,13 +403,14 @@ def main() -> int:
     parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. the machine's load)")
     parser.add_argument("--out", default=str(RESULTS / "diffusion_train_cpu.json"))
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bucket-view", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_worker:
         Path(args.out).write_text(json.dumps(baseline_rank(args)))
         return 0
 
     if args.mmap_threshold:
-        RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        set_mmap_threshold(args.mmap_threshold)
     runs = []
     began = time.perf_counter()
     for repeat in range(args.repeats):
@@ -417,9 +443,15 @@ def main() -> int:
         summary[impl] = row
 
     ratios = {}
-    pairs = [("colo_single", "diffusers_single")] + [
-        (colo, "diffusers_ddp") for colo in ("colo_ddp", "colo_zero2", "colo_zero3", "colo_gemini")
-    ]
+    pairs = (
+        [("colo_single", "diffusers_single")]
+        + [(colo, "diffusers_ddp") for colo in ("colo_ddp", "colo_zero2", "colo_zero3", "colo_gemini", "colo_ddp_copy")]
+        + [
+            ("colo_ddp", "diffusers_ddp_view"),
+            ("colo_ddp_copy", "diffusers_ddp_view"),
+            ("diffusers_ddp_view", "diffusers_ddp"),
+        ]
+    )
     for colo, base in pairs:
         if "error" in summary.get(colo, {"error": 1}) or "error" in summary.get(base, {"error": 1}):
             continue

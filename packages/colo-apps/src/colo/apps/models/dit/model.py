@@ -56,9 +56,23 @@ def sincos_positions(dim: int, height: int, width: int, *, base_size: int, scale
     return torch.cat([one_axis(grid_cols), one_axis(grid_rows)], dim=1).float()
 
 
+def frame_positions(dim: int, frames: int, *, device=None) -> torch.Tensor:
+    """``(frames, dim)`` 1-D sin-cos embeddings of the frame index (``[sin | cos]`` over frequencies
+    ``10000 ** (-i / (dim / 2))``, diffusers' ``get_1d_sincos_pos_embed_from_grid``): the temporal positions a
+    video latent's tokens add to their spatial ones (Open-Sora's spatial-temporal DiT adds them the same way).
+    Frequencies in fp64, the result in fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, device=device, dtype=torch.float64) / (dim / 2.0))
+    angles = torch.outer(torch.arange(frames, device=device, dtype=torch.float64), omega)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping ``patch_size`` patches to tokens (a strided convolution) plus the fixed sin-cos positions
-    (computed for the input's grid, interpolated from ``sample_size`` as diffusers does)."""
+    (computed for the input's grid, interpolated from ``sample_size`` as diffusers does).
+
+    A video latent ``(batch, channels, frames, height, width)`` is patchified frame by frame with the same
+    convolution; its tokens are frame-major (``frames x rows x cols``) and add `frame_positions` of their frame to
+    the spatial positions of their patch."""
 
     def __init__(self, config: DiTConfig):
         super().__init__()
@@ -69,10 +83,18 @@ class PatchEmbed(nn.Module):
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         height, width = latents.shape[-2] // self.patch_size, latents.shape[-1] // self.patch_size
+        frames = latents.shape[2] if latents.dim() == 5 else None
+        if frames is not None:  # (batch, channels, frames, h, w) -> (batch * frames, channels, h, w)
+            latents = latents.transpose(1, 2).flatten(0, 1)
         tokens = self.proj(latents).flatten(2).transpose(1, 2)
         positions = sincos_positions(
             tokens.shape[-1], height, width, base_size=self.base_size, scale=self.scale, device=tokens.device
         )
+        if frames is None:
+            return (tokens + positions.unsqueeze(0)).to(tokens.dtype)
+        temporal = frame_positions(tokens.shape[-1], frames, device=tokens.device)
+        positions = (positions[None] + temporal[:, None]).flatten(0, 1)  # frame-major: (frames * rows * cols, dim)
+        tokens = tokens.reshape(-1, frames * height * width, tokens.shape[-1])
         return (tokens + positions.unsqueeze(0)).to(tokens.dtype)
 
 
@@ -305,7 +327,9 @@ class DiffusionTransformer(nn.Module):
     ) -> torch.Tensor:
         """The prediction for ``hidden_states`` (``(batch, in_channels, height, width)`` latents, sides multiples of
         the patch size) at ``timestep`` (``(batch,)`` or a scalar, on the scheduler's scale), conditioned on
-        ``encoder_hidden_states`` (``(batch, caption_tokens, text_width)``).
+        ``encoder_hidden_states`` (``(batch, caption_tokens, text_width)``). A video latent ``(batch, in_channels,
+        frames, height, width)`` is patchified per frame and every token attends to every frame's tokens (full
+        spatial-temporal attention; frame positions added to the patches', see `PatchEmbed`).
 
         Args:
             encoder_attention_mask: ``(batch, caption_tokens)``, 1 for a caption token, 0 for padding (which must
@@ -314,10 +338,16 @@ class DiffusionTransformer(nn.Module):
                 ``use_additional_conditions``; ignored without.
 
         Returns:
-            ``(batch, out_channels, height, width)``.
+            ``(batch, out_channels, height, width)`` (``(batch, out_channels, frames, height, width)`` for video).
         """
         config = self.config
-        batch, _, height, width = hidden_states.shape
+        if hidden_states.dim() not in (4, 5):
+            raise ValueError(
+                f"hidden_states must be (batch, channels, height, width) latents or (batch, channels, frames, height, "
+                f"width) video latents; got shape {tuple(hidden_states.shape)}"
+            )
+        batch, height, width = hidden_states.shape[0], hidden_states.shape[-2], hidden_states.shape[-1]
+        frames = hidden_states.shape[2] if hidden_states.dim() == 5 else None
         patch = config.patch_size
         if height % patch or width % patch:
             raise ValueError(f"latents of {height} x {width} do not divide into {patch} x {patch} patches")
@@ -339,6 +369,9 @@ class DiffusionTransformer(nn.Module):
         tokens = layer_norm(tokens, None, None, 1e-6) * (1 + scale) + shift
         tokens = self.proj_out(tokens)
         channels, rows, cols = config.output_channels, height // patch, width // patch
+        if frames is not None:
+            out = tokens.reshape(batch, frames, rows, cols, patch, patch, channels)
+            return torch.einsum("nthwpqc->ncthpwq", out).reshape(batch, channels, frames, height, width)
         out = tokens.reshape(batch, rows, cols, patch, patch, channels)
         return torch.einsum("nhwpqc->nchpwq", out).reshape(batch, channels, height, width)
 
