@@ -105,3 +105,23 @@ def _comm_error_type():
 def test_errors_form_a_hierarchy():
     assert _comm_error_type()
     assert issubclass(RankTimeout, RankFailure)
+
+
+def _exec_environment(name: str) -> str | None:
+    """``name`` in the environment this process was started with (``/proc/self/environ``: what exec passed)."""
+    with open("/proc/self/environ", "rb") as file:
+        entries = file.read().split(b"\0")
+    prefix = name.encode() + b"="
+    return next((entry[len(prefix) :].decode() for entry in entries if entry.startswith(prefix)), None)
+
+
+def test_launch_env_is_in_each_ranks_environment_from_exec_on():
+    """``launch(env=...)`` reaches the ranks before their program starts (glibc reads its ``MALLOC_*`` tunables at
+    start, so a variable set later does nothing), and the parent's environment is left as it was."""
+    import os
+
+    if not os.path.exists("/proc/self/environ"):
+        pytest.skip("needs /proc/self/environ (Linux)")
+    name = "COLO_TEST_ENV_AT_EXEC"
+    assert launch(_exec_environment, 2, name, backend="gloo", env={name: "yes"}) == ["yes", "yes"]
+    assert name not in os.environ

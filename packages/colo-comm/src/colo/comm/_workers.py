@@ -6,6 +6,7 @@ Used by `colo.comm.launch` (one function, then the gang is closed) and by the te
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -81,6 +82,22 @@ def _worker_main(
     destroy_distributed()
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``os.environ`` with ``env`` set while the block runs (a spawned process inherits it at exec, so what a
+    program reads at start, e.g. glibc's ``MALLOC_*`` tunables, sees it), restored after."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
@@ -151,7 +168,8 @@ class RankGang:
                 args=(rank, self.world_size, port, self.backend, self.pg_timeout, self.threads, self.env, child_end),
                 name=f"colo-rank-{rank}",
             )
-            proc.start()
+            with _environment(self.env):  # in the new process's environment from exec on (glibc reads some at start)
+                proc.start()
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
