@@ -136,7 +136,6 @@ def colo_rank(impl: str, args) -> dict:
 
 def baseline_rank(args) -> dict:
     """One process of the diffusers row; accelerate reads the torchrun-style environment the driver set."""
-    from accelerate import Accelerator
     from diffusers import FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
@@ -144,12 +143,7 @@ def baseline_rank(args) -> dict:
     from colo.apps.diffusion.models import build_dit
 
     torch.set_num_threads(1)
-    handlers = []
-    if args.bucket_view:  # the diffusers_ddp_view row: colo DDP's gradient handling on accelerate's side
-        from accelerate import DistributedDataParallelKwargs
-
-        handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
-    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
+    accelerator = harness.make_accelerator(args)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer, text_encoder, vae = frozen_components(args)
     dataset = harness.images(harness_args(args))

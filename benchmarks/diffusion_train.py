@@ -265,21 +265,24 @@ def measure_colo(impl: str, args) -> list[dict]:
 # --- diffusers + accelerate: one rank, a fresh interpreter running this file with --baseline-worker ---------------
 
 
+def make_accelerator(args):
+    """accelerate's CPU ``Accelerator`` of a diffusers row (the ``diffusers_ddp_view`` row: with colo DDP's
+    gradient handling, ``gradient_as_bucket_view=True``)."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)] if args.bucket_view else []
+    return Accelerator(cpu=True, kwargs_handlers=handlers)
+
+
 def baseline_rank(args) -> dict:
     """One process of a diffusers row; accelerate reads the torchrun-style environment the driver set."""
     import torch.nn.functional as F
-    from accelerate import Accelerator
     from diffusers import DDPMScheduler
 
     from colo.apps.diffusion import step_generator
 
     torch.set_num_threads(1)
-    handlers = []
-    if args.bucket_view:  # the diffusers_ddp_view row: colo DDP's gradient handling on accelerate's side
-        from accelerate import DistributedDataParallelKwargs
-
-        handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
-    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
+    accelerator = make_accelerator(args)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer, text_encoder, vae, unet = components(args)
     dataset = images(args)

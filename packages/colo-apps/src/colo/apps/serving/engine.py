@@ -599,8 +599,8 @@ class ServingEngine:
         sampled = [row for row, request in enumerate(requests) if request.num_cached >= request.prefill_end]
         if not sampled:
             return
-        ends = list(itertools.accumulate(num_new))  # packed: row i's last token is at ends[i] - 1
-        if packed:
+        if packed:  # row i's last token is at accumulate(num_new)[i] - 1
+            ends = list(itertools.accumulate(num_new))
             last = hidden[0, torch.tensor([ends[row] - 1 for row in sampled], device=hidden.device)]
         else:
             rows_t = torch.tensor(sampled, device=hidden.device)
