@@ -27,7 +27,8 @@ else
     echo "torch==$TORCH_PIN" > "$CONSTRAINTS"
 fi
 
-PIP=("$PY" -m pip --disable-pip-version-check -q)
+# No wheel cache: the floor venv alone is ~5 GB of CUDA wheels, and CI runs on a clean clone with a bounded disk.
+PIP=("$PY" -m pip --disable-pip-version-check --no-cache-dir -q)
 pip_install() {
     # pip's output without this machine's noise about missing local index folders; its failure fails setup
     local log status=0
