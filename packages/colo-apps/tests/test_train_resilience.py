@@ -166,7 +166,7 @@ def test_sigterm_checkpoints_at_an_agreed_step_and_a_two_agent_launch_resumes(re
     process = _launch(
         config, tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", fault="action=sleep,rank=all,seconds=0.2"
     )
-    _wait_for(lambda: "step-00000004" in _checkpoints(output), 90, "step-4 checkpoint", process)
+    _wait_for(lambda: "step-00000004" in _checkpoints(output), LAUNCH_TIMEOUT_S, "step-4 checkpoint", process)
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
     code, log = _finish(process, timeout=60)
@@ -209,7 +209,7 @@ def test_a_hung_rank_is_dumped_and_fails_the_job_within_the_threshold_plus_the_c
         fault="action=hang,rank=1,step=3",
         env={"COLO_COMM_TIMEOUT": str(collective_timeout_s)},
     )
-    _wait_for(lambda: len(_logged(output)) >= 2, 90, "step 2", process)
+    _wait_for(lambda: len(_logged(output)) >= 2, LAUNCH_TIMEOUT_S, "step 2", process)
     hung_at = time.monotonic()
     code, log = _finish(process, timeout=120)
     failed_in = time.monotonic() - hung_at
