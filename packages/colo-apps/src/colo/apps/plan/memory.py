@@ -53,10 +53,22 @@ def moe_layers(config: LlamaConfig, layers) -> int:
     return sum(1 for i in layers if is_moe(config) and config.is_moe_layer(i))
 
 
+def expert_parallel(layout: Layout) -> bool:
+    """Whether the layout's optimizer is `colo.zero.ExpertParallelZero` (dense and expert chunks apart): the
+    ``expert`` plugin at any ``ep``, ``hybrid`` with ``ep > 1``."""
+    return layout.plugin == "expert" or layout.ep > 1
+
+
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
-    """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``: the ``expert``
-    plugin needs a mixture-of-experts model and ``ep`` dividing its experts; an MoE model composes with data
-    parallelism only (`HybridParallel` refuses tp / sp / pp for it)."""
+    """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
+    plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
+    model and must divide its experts; an MoE model refuses sequence parallelism, tensor parallelism of multi-head
+    latent attention, and expert tensor parallelism whose tp does not divide the experts' width."""
+    if layout.ep > 1 and not is_moe(config):
+        raise ValueError(
+            f"Layout.ep={layout.ep} splits the experts of a mixture-of-experts model and this model is a dense Llama; "
+            "set ep=1"
+        )
     if layout.plugin == "expert" and not is_moe(config):
         raise ValueError(
             "Layout.plugin='expert' splits the experts of a mixture-of-experts model and this model is a dense Llama; "
@@ -64,23 +76,26 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         )
     if not is_moe(config):
         return
-    for name, plain in (("n_shared_experts", 0), ("moe_intermediate_size", None), ("kv_lora_rank", None)):
-        if getattr(config, name) != plain:
-            raise ValueError(
-                f"{name}={getattr(config, name)}: colo plan models Mixtral-shaped MoE layers (Llama attention, experts "
-                f"of intermediate_size, no shared experts) and not this DeepSeek-style model yet; plan with {name}="
-                f"{plain} for an estimate"
-            )
     experts = config.num_local_experts
     if experts % layout.ep:
         choices = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ValueError(f"Layout.ep={layout.ep} does not divide num_local_experts={experts}; choose ep in {choices}")
-    for name in ("tp", "pp", "sp"):
-        if getattr(layout, name) > 1:
-            raise ValueError(
-                f"Layout.{name}={getattr(layout, name)}: mixture-of-experts models compose with data and expert "
-                f"parallelism only; set {name}=1 and use plugin='expert' with ep > 1"
-            )
+    if layout.sp > 1 or layout.sp_mode is not None:
+        raise ValueError(
+            f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}): mixture-of-experts models refuse sequence "
+            "parallelism (sequence-parallel ranks would route pieces of one sequence); set sp=1 and sp_mode=None"
+        )
+    if layout.tp > 1 and config.latent_attention:
+        raise ValueError(
+            f"Layout.tp={layout.tp}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}) has no "
+            "tensor-parallel plan; set tp=1 (ep and pp compose with it)"
+        )
+    width = config.expert_intermediate_size
+    if layout.expert_tensor_parallel and width % layout.tp:
+        raise ValueError(
+            f"Layout.tp={layout.tp} with expert_tensor_parallel=True does not divide the experts' width {width} "
+            "(moe_intermediate_size); choose tp dividing it, or expert_tensor_parallel=False"
+        )
 
 
 def _check_tp(config: LlamaConfig, tp: int) -> None:
@@ -128,29 +143,68 @@ def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no
         for i in layers:
             p = f"layers.{i}."
             entries.append(ParamEntry(p + "input_layernorm.weight", h, vector))
-            if tp == 1:
+            if is_moe(config) and config.latent_attention:
+                entries += _latent_attention_parameters(config, p + "self_attn.", vector, matrix)
+            elif tp == 1:
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.weight", (heads + 2 * kv) * hd * h, matrix))
             else:
                 kv_rows = kv * hd if kv % tp else kv // tp * hd  # fewer kv heads than ranks: replicated
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.q_weight", heads // tp * hd * h, matrix))
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.k_weight", kv_rows * h, matrix))
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.v_weight", kv_rows * h, matrix))
-            entries.append(ParamEntry(p + "self_attn.o_proj.weight", heads // tp * hd * h, matrix))
+            if not (is_moe(config) and config.latent_attention):
+                entries.append(ParamEntry(p + "self_attn.o_proj.weight", heads // tp * hd * h, matrix))
             entries.append(ParamEntry(p + "post_attention_layernorm.weight", h, vector))
-            inter = config.intermediate_size // tp
-            if moe_layers(config, [i]):  # MoEBlock: the router, then the experts (w1, w3, w2), ep-sharded
-                experts = config.num_local_experts
-                entries.append(ParamEntry(p + "mlp.gate.weight", experts * h, matrix))
-                local = experts // layout.ep
-                for name in ("w1", "w3", "w2"):
-                    entries.append(ParamEntry(p + f"mlp.experts.{name}", local * inter * h, matrix, expert=True))
+            if moe_layers(config, [i]):
+                entries += _moe_block_parameters(config, layout, p + "mlp.", matrix)
                 continue
+            inter = config.intermediate_size // tp
             for name in ("gate_proj", "up_proj", "down_proj"):
                 entries.append(ParamEntry(p + f"mlp.{name}.weight", inter * h, matrix))
         if last:
             entries.append(ParamEntry("norm.weight", h, vector))
             if not (config.tie_word_embeddings and first):
                 entries.append(ParamEntry("lm_head.weight", config.vocab_size // tp * h, matrix))
+    return entries
+
+
+def _latent_attention_parameters(config, prefix: str, vector: int, matrix: int) -> list[ParamEntry]:
+    """Multi-head latent attention's parameters in registration order (`MultiHeadLatentAttention`): the queries
+    (``q_proj``, or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), the compressed keys and values
+    (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    entries = []
+    if config.q_lora_rank is None:
+        entries.append(ParamEntry(prefix + "q_proj.weight", heads * qk * h, matrix))
+    else:
+        rank = config.q_lora_rank
+        entries.append(ParamEntry(prefix + "q_a_proj.weight", rank * h, matrix))
+        entries.append(ParamEntry(prefix + "q_a_layernorm.weight", rank, vector))
+        entries.append(ParamEntry(prefix + "q_b_proj.weight", heads * qk * rank, matrix))
+    latent = config.kv_lora_rank
+    entries.append(ParamEntry(prefix + "kv_a_proj_with_mqa.weight", (latent + config.qk_rope_head_dim) * h, matrix))
+    entries.append(ParamEntry(prefix + "kv_a_layernorm.weight", latent, vector))
+    expand = heads * (config.qk_nope_head_dim + config.v_head_dim) * latent
+    entries.append(ParamEntry(prefix + "kv_b_proj.weight", expand, matrix))
+    entries.append(ParamEntry(prefix + "o_proj.weight", heads * config.v_head_dim * h, matrix))
+    return entries
+
+
+def _moe_block_parameters(config, layout: Layout, prefix: str, matrix: int) -> list[ParamEntry]:
+    """An `MoEBlock`'s parameters in registration order: the router (whole on every rank), the routed experts
+    (``w1``, ``w3``, ``w2`` of ``num_local_experts / ep`` experts, each of ``moe_intermediate_size``, split over tp
+    with expert tensor parallelism), the shared experts (one SwiGLU MLP, whole on every tp rank)."""
+    h, experts = config.hidden_size, config.num_local_experts
+    width = config.expert_intermediate_size // (layout.tp if layout.expert_tensor_parallel else 1)
+    local = experts // layout.ep
+    entries = [ParamEntry(prefix + "gate.weight", experts * h, matrix)]
+    for name in ("w1", "w3", "w2"):
+        entries.append(ParamEntry(prefix + f"experts.{name}", local * width * h, matrix, expert=True))
+    shared = config.n_shared_experts * config.expert_intermediate_size
+    if shared:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            entries.append(ParamEntry(prefix + f"shared_experts.{name}.weight", shared * h, matrix))
     return entries
 
 
@@ -271,6 +325,7 @@ def static_memory(
     key = (
         config,
         *(getattr(layout, f) for f in ("plugin", "dp", "ep", "tp", "pp", "sp", "stage", "precision", "chunk_numel")),
+        layout.expert_tensor_parallel,
         layout.offload_optimizer,
         layout.num_model_chunks,
         pp_rank,
@@ -314,12 +369,14 @@ def _static_memory(
     stage = layout.stage
     sharded = stage != 0
     gemini = layout.plugin == "gemini"
-    # the parts colo packs apart: the expert plugin's dense parameters sharded over dp x ep and its experts over dp
-    # (rank data_rank // ep there, the mesh being (dp, ep)); every other plugin one part over all its data ranks
-    if layout.plugin == "expert":
+    # the parts colo packs apart (`colo.zero.ExpertParallelZero`: the expert plugin, HybridParallel with ep > 1):
+    # dense parameters sharded over dp x ep and experts over dp (rank data_rank // ep there, the data ranks being
+    # (dp, ep)); a pipeline stage without MoE layers has no expert part; otherwise one part over all the data ranks
+    if expert_parallel(layout):
         dense = [e for e in entries if not e.expert]
         experts = [e for e in entries if e.expert]
-        parts = [(dense, layout.data_ranks, data_rank), (experts, layout.dp, data_rank // layout.ep)]
+        parts = [(dense, layout.data_ranks, data_rank)]
+        parts += [(experts, layout.dp, data_rank // layout.ep)] if experts else []
     else:
         parts = [(entries, layout.data_ranks, data_rank)]
     totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
