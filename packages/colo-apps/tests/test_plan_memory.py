@@ -244,6 +244,9 @@ class _HeldActivations:
             return tensor
 
         gatherer = getattr(optimizer, "gatherer", None)
+        if gatherer is None and getattr(optimizer, "experts", None) is not None:  # ExpertParallelZero: the innermost
+            gatherer = optimizer.experts.gatherer  # hook is the expert part's (chained to the dense part's)
+        chained = None if gatherer is None else vars(gatherer).get("pack_saved")
         if gatherer is not None:  # ZeRO-3 / Gemini: their own pack hook; gathered weights become chunk positions
             inner = gatherer.pack_saved
 
@@ -271,7 +274,9 @@ class _HeldActivations:
                 step(batch)
         finally:
             checkpointing.selective_policy = policy
-            if gatherer is not None:
+            if chained is not None:
+                gatherer.pack_saved = chained
+            elif gatherer is not None:
                 del gatherer.pack_saved
         return self.peak
 

@@ -7,6 +7,8 @@ planner (`test_plan_memory`'s measurement, reused):
 
 - parameters, gradients, masters, optimizer states and padding: `ExpertParallelZero.memory_report()` exactly on every
   rank (dense chunks over dp x ep, expert chunks over dp; a stage's own layers; experts split over tp or not);
+- activations: the peak bytes autograd holds (`test_plan_memory._HeldActivations`) within 2%, the MoE blocks' rows
+  from the step's own routing (a pipeline's last stage holds one microbatch at a time: its peak is the largest);
 - communication: `CommTracker`'s bytes per (collective, axis) exactly, the all-to-alls from the step's own routing.
 """
 
@@ -89,3 +91,31 @@ def test_communication_bytes_equal_comm_tracker(case, measured):
         # the all-to-all (and split experts' all-reduce) bytes follow the step's own routing, every microbatch's
         predicted = step_communication(config, layout, seq, pp_rank=coord.get("pp", 0), routing=routings[1])
         assert {k: v for k, v in predicted.items() if v} == {k: v for k, v in comm.items() if v}, (name, coord)
+
+
+def _activation_peak(config, layout, seq, pp_rank, routing) -> int:
+    """The planner's activation peak given the step's routing: per microbatch its own blocks' rows; microbatches in
+    flight together add up, one at a time (a pipeline's last stage, or no pipeline) the largest counts."""
+    from colo.apps.plan import activation_memory
+
+    one = activation_memory(config, layout, seq, pp_rank=pp_rank)
+    per_microbatch = len(routing) // layout.num_microbatches
+    peaks = [
+        activation_memory(config, layout, seq, pp_rank=pp_rank, routing=routing[i : i + per_microbatch])
+        for i in range(0, len(routing), per_microbatch)
+    ]
+    if one.in_flight == 1:
+        return max(p.peak for p in peaks)
+    return sum(p.per_microbatch for p in peaks[: one.in_flight])
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=[case[0] for case in LAYOUTS])
+def test_activation_bytes_match_saved_tensors(case, measured):
+    name, preset, fields, microbatches = case
+    layout = plan_memory._layout(fields, microbatches, preset)
+    config = plan_memory._config(preset)
+    for rank_results in measured:
+        value, routings, coord = next((r[2], r[6], r[4]) for r in rank_results if r[0] == name)
+        expected = _activation_peak(config, layout, plan_memory.SHAPES[preset][1], coord.get("pp", 0), routings[1])
+        # 2%, as test_plan_memory: small saved tensors outside the layers (the loss's placeholder) are left out
+        assert value == pytest.approx(expected, rel=0.02), (name, coord, value, expected)

@@ -555,6 +555,9 @@ def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: i
     elements += 3 * local * inter  # gate, up, SwiGLU output
     if tp > 1:
         elements += width * h  # FusedQKV's concatenated weight shard
+    if is_moe(config) and config.latent_attention:  # tp = sp = 1 (refused otherwise)
+        elements += _latent_attention_saved_elements(config, tokens) - (width * h if tp > 1 else 0)
+        return elements * ea + (2 * shard + _latent_attention_fp32(config, tokens, batch, seq)) * 4
     if layout.sp_mode == "ulysses":
         heads_sp, kv_sp = heads // sp, max(1, kv // sp)
         elements += tokens * (2 * heads_sp + 2 * kv_sp) * hd  # q, k, v, out after the all-to-all
@@ -565,6 +568,31 @@ def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: i
         elements += local * (heads + kv) * hd + local * heads * hd  # q, k after RoPE, the attention output
         lse = batch * heads * (seq // sp)
     return elements * ea + (2 * shard + lse) * 4
+
+
+def _latent_attention_saved_elements(config, tokens: int) -> int:
+    """Compute-dtype elements multi-head latent attention saves for backward beyond the layer's norm output
+    (`MultiHeadLatentAttention`): the query path's ``q_a_proj`` output and normed latent (with ``q_lora_rank``), the
+    ``kv_a_proj_with_mqa`` output and the normed key/value latent, the padded queries, keys and values and the
+    attention output (colo's kernel, heads zero-padded to its width; wider heads: torch SDPA, modelled as a
+    flash-style kernel keeping them unpadded), and ``o_proj``'s input (the output cut back to ``v_head_dim``)."""
+    heads, rope, v_dim = config.num_attention_heads, config.qk_rope_head_dim, config.v_head_dim
+    qk = config.qk_nope_head_dim + rope
+    width = max(qk, v_dim)
+    padded = next((size for size in (16, 32, 64, 128) if size >= width), None)
+    elements = 2 * tokens * (config.q_lora_rank or 0)
+    elements += tokens * (config.kv_lora_rank + rope) + tokens * config.kv_lora_rank
+    if padded is None:
+        elements += tokens * heads * (2 * qk + 2 * v_dim)
+    else:
+        elements += 4 * tokens * heads * padded
+    return elements + tokens * heads * v_dim
+
+
+def _latent_attention_fp32(config, tokens: int, batch: int, seq: int) -> int:
+    """fp32 elements multi-head latent attention saves: its latents' RMSNorm ``rstd`` and the log-sum-exp."""
+    norms = 2 if config.q_lora_rank is not None else 1
+    return norms * tokens + batch * config.num_attention_heads * seq
 
 
 def head_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, *, first: bool, last: bool) -> int:
@@ -662,12 +690,18 @@ def moe_saved_bytes(
     ``selective``: the router's matmul output (fp32 logits) is kept and the experts' grouped matmuls are recomputed
     (`colo.apps.checkpointing.selective_policy` keeps ``mm`` / ``addmm`` outputs only) in place of the dense MLP's
     three matmul outputs.
+
+    DeepSeek-style blocks: the routed experts have ``moe_intermediate_size`` (split over tp with expert tensor
+    parallelism); the shared experts (one SwiGLU MLP on every token) save their gate and up outputs, the silu and the
+    product, and their input (the norm output, which below fp32 is not the router's fp32 input).
     """
     ea = layout.compute_bytes
-    h, inter = config.hidden_size, config.intermediate_size
+    h, dense = config.hidden_size, config.intermediate_size // layout.tp
+    inter = config.expert_intermediate_size // (layout.tp if layout.expert_tensor_parallel else 1)
+    shared = config.n_shared_experts * config.expert_intermediate_size
     experts, top_k = config.num_local_experts, config.num_experts_per_tok
-    if selective:
-        return tokens * experts * 4 - tokens * (2 * inter + h) * ea
+    if selective:  # the router's logits and the shared experts' three matmul outputs in place of the dense MLP's
+        return tokens * experts * 4 + tokens * (2 * shared + h) * ea * bool(shared) - tokens * (2 * dense + h) * ea
     n = expected_routing_kept(config, tokens) if routing is None else routing[0]
     rows = n if routing is None else n - routing[1] + routing[2]
     total = tokens * h * 4 - tokens * h * ea  # the router's fp32 input in place of the norm output
@@ -680,7 +714,9 @@ def moe_saved_bytes(
     total += tokens * experts * 4 + tokens * 4 + groups * experts * 4  # z-loss logits and lse, balance fraction
     if layout.ep > 1:
         total += 2 * rows * 8
-    return total - 3 * tokens * inter * ea  # the dense MLP's gate, up and SwiGLU output
+    if shared:  # the shared experts: gate and up outputs, silu, product; their input is the norm output below fp32
+        total += 4 * tokens * shared * ea + (tokens * h * ea if ea != 4 else 0)
+    return total - 3 * tokens * dense * ea  # the dense MLP's gate, up and SwiGLU output
 
 
 def expected_routing_kept(config: LlamaConfig, tokens: int) -> float:
