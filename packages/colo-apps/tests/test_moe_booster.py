@@ -237,7 +237,12 @@ DEEPSEEK = {
     "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "score_func": "sigmoid", "expert_bias": True,
     "first_k_dense_replace": 1, "num_hidden_layers": 3,
 }  # fmt: skip
-SHAPES = {"mixtral": CONFIG, "deepseek": DEEPSEEK}
+LATENT = {
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}  # fmt: skip
+"""Multi-head latent attention on tiny-moe's 4 heads (as tiny-deepseek: query latent, decoupled rotary key)."""
+SHAPES = {"mixtral": CONFIG, "deepseek": DEEPSEEK, "deepseek-mla": {**DEEPSEEK, **LATENT}}
 
 
 def _shaped_model(shape: str) -> MoELlama:
@@ -298,8 +303,17 @@ def _check_tensor_parallel_experts(model, mesh, *, split: bool) -> None:
     from colo.tensor import Shard, layout_of
 
     layer = next(layer for layer in model.layers.values() if hasattr(layer.mlp, "experts"))  # this stage's first
-    qkv = layer.self_attn.qkv_proj
-    assert any(isinstance(layout_of(p).placements[-1], Shard) for p in qkv.parameters())  # tp is the last axis
+    attention = layer.self_attn
+    if hasattr(attention, "kv_b_proj"):  # multi-head latent attention: heads split, latents replicated
+        assert attention.num_heads == 4 // mesh.size("tp")
+        for p in (attention.q_b_proj.weight, attention.kv_b_proj.weight, attention.o_proj.weight):
+            assert isinstance(layout_of(p).placements[-1], Shard)
+        for p in (attention.q_a_proj.weight, attention.kv_a_proj_with_mqa.weight, attention.kv_a_layernorm.weight):
+            copies = all_gather(p.detach().contiguous()[None], group=mesh.group("tp"), dim=0)
+            assert torch.equal(copies[0], copies[1])  # equal gradients on both tp ranks kept them equal
+    else:
+        qkv = attention.qkv_proj
+        assert any(isinstance(layout_of(p).placements[-1], Shard) for p in qkv.parameters())  # tp is the last axis
     block = layer.mlp
     assert block.experts.w1.shape[0] == 8 // (mesh.size("ep") if "ep" in mesh.axis_names else 1)
     assert block.experts.w1.shape[1] == 32 // (2 if split else 1)
@@ -452,3 +466,14 @@ def test_ep2_x_tp2_matches_the_single_process_with_whole_and_split_experts(tmp_p
     per_rank = run_distributed(_hybrid_runs, "deepseek", cases, world_size=4)
     for index, (settings, path) in enumerate(cases):
         _check_layout("deepseek", settings, [results[index] for results in per_rank], path)
+
+
+def test_multi_head_latent_attention_under_tp2_matches_the_single_process(tmp_path):
+    """The DeepSeek-style model with multi-head latent attention under tp2 on 2 ranks (ZeRO-1, 4 microbatches of one
+    sequence): the heads' projections (q_b_proj, kv_b_proj by columns, o_proj by rows) split over tp, the latent
+    projections and norms replicated with equal gradients (the rotary key's gradient summed over tp), the MoE blocks
+    whole on both ranks; losses, every saved weight and the expert biases equal one process (`_check_layout`)."""
+    settings = {"tp": 2, "zero_stage": 1}
+    path = os.fspath(tmp_path / "mla-tp2")
+    results = run_distributed(_hybrid_run, "deepseek-mla", settings, path, world_size=2)
+    _check_layout("deepseek-mla", settings, results, path, world=2)
