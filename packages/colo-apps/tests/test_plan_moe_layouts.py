@@ -2,7 +2,7 @@
 
 One 4-rank spawn runs, for each layout, two Booster steps of the DeepSeek-style model (a dense first layer, then MoE
 layers of 16 narrow experts top-4 within one of two groups, a shared expert, sigmoid routing with the bias; with
-multi-head latent attention, or with Llama's attention where tp splits it) and compares the second step with the
+multi-head latent attention, its heads split over tp, or with Llama's attention) and compares the second step with the
 planner (`test_plan_memory`'s measurement, reused):
 
 - parameters, gradients, masters, optimizer states and padding: `ExpertParallelZero.memory_report()` exactly on every
@@ -41,8 +41,8 @@ LAYOUTS = [
         1,
     ),
     (
-        "ep2-tp2-etp-zero2-bf16",
-        "tiny-deepseek-gqa",
+        "ep2-tp2-mla-etp-zero2-bf16",
+        "tiny-deepseek",
         {
             "plugin": "hybrid",
             "ep": 2,

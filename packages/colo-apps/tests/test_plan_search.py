@@ -294,9 +294,9 @@ def test_moe_layouts_are_checked_against_the_model():
         static_memory(get_preset("tiny"), Layout(plugin="expert", dp=1, ep=2, zero_stage=2))
     with pytest.raises(ValueError, match="Layout.sp=2 .*refuse sequence parallelism"):
         static_memory(moe, Layout(plugin="hybrid", sp=2, sp_mode="ulysses", zero_stage=1))
-    deepseek = get_moe_preset("tiny-deepseek")
-    with pytest.raises(ValueError, match="Layout.tp=2: multi-head latent attention .* no tensor-parallel plan"):
-        static_memory(deepseek, Layout(plugin="hybrid", tp=2, ep=2, zero_stage=1))
+    deepseek = get_moe_preset("tiny-deepseek", hidden_size=96, num_attention_heads=6, num_key_value_heads=6)
+    with pytest.raises(ValueError, match=r"tp=4 cannot shard num_attention_heads=6"):
+        static_memory(deepseek, Layout(plugin="hybrid", tp=4, zero_stage=1))
     narrow = get_moe_preset("tiny-moe", intermediate_size=96, moe_intermediate_size=6)
     with pytest.raises(ValueError, match="Layout.tp=4 with expert_tensor_parallel=True does not divide .* width 6"):
         static_memory(narrow, Layout(plugin="hybrid", tp=4, ep=1, zero_stage=1, expert_tensor_parallel=True))

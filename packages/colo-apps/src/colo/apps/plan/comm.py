@@ -34,7 +34,7 @@ from collections import defaultdict
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
-from .memory import expected_routing_kept, expert_parallel, moe_layers, stage_layers, static_memory
+from .memory import expected_routing_kept, expert_parallel, is_moe, moe_layers, stage_layers, static_memory
 
 MESH_ORDER = ("pp", "dp", "ep", "sp", "tp")
 
@@ -164,6 +164,14 @@ def step_communication(
             # full checkpointing reruns each layer's forward in backward: its o_proj all-reduce again, not down_proj's
             # (torch's checkpoint stops recomputing once the saved tensors are back, before the layer's last op)
             calls += recomputed
+            if is_moe(config) and config.latent_attention:
+                # multi-head latent attention: its q/k/v input gradient is not all-reduced; its query latent's
+                # (q_b_proj's input; q_proj's: the tokens), its key/value latent's (kv_b_proj's input) and its rotary
+                # key's are
+                calls -= num_layers
+                query = config.q_lora_rank or h
+                latents = query + config.kv_lora_rank + config.qk_rope_head_dim
+                add("all_reduce", ("tp",), tokens * latents * ec, microbatches * num_layers)
             add("all_reduce", ("tp",), act, microbatches * calls)
         if last and layout.pp == 1:  # vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
             add("all_reduce", ("tp",), tokens * 4, microbatches)

@@ -62,8 +62,8 @@ def expert_parallel(layout: Layout) -> bool:
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
     """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
     plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
-    model and must divide its experts; an MoE model refuses sequence parallelism, tensor parallelism of multi-head
-    latent attention, and expert tensor parallelism whose tp does not divide the experts' width."""
+    model and must divide its experts; an MoE model refuses sequence parallelism, tp not dividing multi-head latent
+    attention's heads, and expert tensor parallelism whose tp does not divide the experts' width."""
     if layout.ep > 1 and not is_moe(config):
         raise ValueError(
             f"Layout.ep={layout.ep} splits the experts of a mixture-of-experts model and this model is a dense Llama; "
@@ -86,10 +86,11 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
             "parallelism (sequence-parallel ranks would route pieces of one sequence); set sp=1 and sp_mode=None"
         )
     if layout.tp > 1 and config.latent_attention:
-        raise ValueError(
-            f"Layout.tp={layout.tp}: multi-head latent attention (kv_lora_rank={config.kv_lora_rank}) has no "
-            "tensor-parallel plan; set tp=1 (ep and pp compose with it)"
-        )
+        from ..models.moe_llama.parallelize import check_latent_attention_tp
+
+        check_latent_attention_tp(config.num_attention_heads, layout.tp)
+        if layout.sp_mode is not None:
+            raise ValueError("Layout.sp_mode: Megatron-SP is not implemented for multi-head latent attention")
     width = config.expert_intermediate_size
     if layout.expert_tensor_parallel and width % layout.tp:
         raise ValueError(
@@ -144,7 +145,7 @@ def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no
             p = f"layers.{i}."
             entries.append(ParamEntry(p + "input_layernorm.weight", h, vector))
             if is_moe(config) and config.latent_attention:
-                entries += _latent_attention_parameters(config, p + "self_attn.", vector, matrix)
+                entries += _latent_attention_parameters(config, p + "self_attn.", vector, matrix, tp)
             elif tp == 1:
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.weight", (heads + 2 * kv) * hd * h, matrix))
             else:
@@ -168,11 +169,12 @@ def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no
     return entries
 
 
-def _latent_attention_parameters(config, prefix: str, vector: int, matrix: int) -> list[ParamEntry]:
+def _latent_attention_parameters(config, prefix: str, vector: int, matrix: int, tp: int) -> list[ParamEntry]:
     """Multi-head latent attention's parameters in registration order (`MultiHeadLatentAttention`): the queries
     (``q_proj``, or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), the compressed keys and values
-    (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``."""
-    h, heads = config.hidden_size, config.num_attention_heads
+    (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``; tp splits the heads (``q_proj`` /
+    ``q_b_proj``, ``kv_b_proj``, ``o_proj``) and replicates the latents (`colo.apps.models.moe_llama.parallelize`)."""
+    h, heads = config.hidden_size, config.num_attention_heads // tp
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     entries = []
     if config.q_lora_rank is None:
@@ -555,9 +557,9 @@ def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: i
     elements += 3 * local * inter  # gate, up, SwiGLU output
     if tp > 1:
         elements += width * h  # FusedQKV's concatenated weight shard
-    if is_moe(config) and config.latent_attention:  # tp = sp = 1 (refused otherwise)
-        elements += _latent_attention_saved_elements(config, tokens) - (width * h if tp > 1 else 0)
-        return elements * ea + (2 * shard + _latent_attention_fp32(config, tokens, batch, seq)) * 4
+    if is_moe(config) and config.latent_attention:  # sp = 1 (refused otherwise)
+        elements += _latent_attention_saved_elements(config, tokens, tp) - (width * h if tp > 1 else 0)
+        return elements * ea + (2 * shard + _latent_attention_fp32(config, tokens, batch, seq, tp)) * 4
     if layout.sp_mode == "ulysses":
         heads_sp, kv_sp = heads // sp, max(1, kv // sp)
         elements += tokens * (2 * heads_sp + 2 * kv_sp) * hd  # q, k, v, out after the all-to-all
@@ -570,13 +572,14 @@ def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: i
     return elements * ea + (2 * shard + lse) * 4
 
 
-def _latent_attention_saved_elements(config, tokens: int) -> int:
+def _latent_attention_saved_elements(config, tokens: int, tp: int = 1) -> int:
     """Compute-dtype elements multi-head latent attention saves for backward beyond the layer's norm output
     (`MultiHeadLatentAttention`): the query path's ``q_a_proj`` output and normed latent (with ``q_lora_rank``), the
     ``kv_a_proj_with_mqa`` output and the normed key/value latent, the padded queries, keys and values and the
     attention output (colo's kernel, heads zero-padded to its width; wider heads: torch SDPA, modelled as a
-    flash-style kernel keeping them unpadded), and ``o_proj``'s input (the output cut back to ``v_head_dim``)."""
-    heads, rope, v_dim = config.num_attention_heads, config.qk_rope_head_dim, config.v_head_dim
+    flash-style kernel keeping them unpadded), and ``o_proj``'s input (the output cut back to ``v_head_dim``). Under
+    tp the latents are whole and the heads this rank's."""
+    heads, rope, v_dim = config.num_attention_heads // tp, config.qk_rope_head_dim, config.v_head_dim
     qk = config.qk_nope_head_dim + rope
     width = max(qk, v_dim)
     padded = next((size for size in (16, 32, 64, 128) if size >= width), None)
@@ -589,10 +592,10 @@ def _latent_attention_saved_elements(config, tokens: int) -> int:
     return elements + tokens * heads * v_dim
 
 
-def _latent_attention_fp32(config, tokens: int, batch: int, seq: int) -> int:
+def _latent_attention_fp32(config, tokens: int, batch: int, seq: int, tp: int = 1) -> int:
     """fp32 elements multi-head latent attention saves: its latents' RMSNorm ``rstd`` and the log-sum-exp."""
     norms = 2 if config.q_lora_rank is not None else 1
-    return norms * tokens + batch * config.num_attention_heads * seq
+    return norms * tokens + batch * config.num_attention_heads // tp * seq
 
 
 def head_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, *, first: bool, last: bool) -> int:

@@ -27,6 +27,7 @@ from .cluster import Cluster
 from .comm import MESH_ORDER, step_communication
 from .layout import Layout
 from .memory import (
+    _latent_attention_parameters,
     expected_routing_kept,
     is_moe,
     layer_saved_bytes,
@@ -109,8 +110,8 @@ def _chunk_compute(
     layers = len(layer_ids)
     tokens = layout.micro_batch_size * seq_len // sp
     latent = is_moe(config) and config.latent_attention
-    if latent:  # multi-head latent attention: its projections (tp = 1)
-        layer_params = config._attention_parameters()
+    if latent:  # multi-head latent attention: its projections (the heads' split over tp, the latents' whole)
+        layer_params = sum(entry.numel for entry in _latent_attention_parameters(config, "", 0, 0, tp))
     else:
         layer_params = (config.num_attention_heads + config.num_key_value_heads) * hd * h * 2 // tp
     layer_params += 3 * h * config.intermediate_size // tp
