@@ -9,7 +9,9 @@ planner (`test_plan_memory`'s measurement, reused):
   rank (dense chunks over dp x ep, expert chunks over dp; a stage's own layers; experts split over tp or not);
 - activations: the peak bytes autograd holds (`test_plan_memory._HeldActivations`) within 2%, the MoE blocks' rows
   from the step's own routing (a pipeline's last stage holds one microbatch at a time: its peak is the largest);
-- communication: `CommTracker`'s bytes per (collective, axis) exactly, the all-to-alls from the step's own routing.
+- communication: `CommTracker`'s bytes per (collective, axis) exactly, the all-to-alls from the step's own routing;
+  the routing itself within `dispatch_bounds` (group-limited to one group = one ep rank: a token's rows all go to
+  one rank).
 """
 
 from __future__ import annotations
@@ -119,3 +121,24 @@ def test_activation_bytes_match_saved_tensors(case, measured):
         expected = _activation_peak(config, layout, plan_memory.SHAPES[preset][1], coord.get("pp", 0), routings[1])
         # 2%, as test_plan_memory: small saved tensors outside the layers (the loss's placeholder) are left out
         assert value == pytest.approx(expected, rel=0.02), (name, coord, value, expected)
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=[case[0] for case in LAYOUTS])
+def test_the_step_routing_lies_within_the_dispatch_bounds(case, measured):
+    """Every block's rows sent and received lie within `dispatch_bounds`; the DeepSeek-style router limits each token
+    to one of two groups, the groups being the ep ranks, so a token reaches one rank: its k rows go there together
+    (rows sent and received come in multiples of k)."""
+    from colo.apps.plan import dispatch_bounds
+
+    name, preset, fields, microbatches = case
+    layout = plan_memory._layout(fields, microbatches, preset)
+    config = plan_memory._config(preset)
+    bounds = dispatch_bounds(config, layout, layout.micro_batch_size * plan_memory.SHAPES[preset][1])
+    assert bounds.max_ranks_per_token == 1  # topk_group=1 of n_group=ep=2
+    top_k = config.num_experts_per_tok
+    for rank_results in measured:
+        routing = next(r[6][1] for r in rank_results if r[0] == name)
+        assert routing
+        for _, sent, received in routing:
+            assert sent <= bounds.max_sent and received <= bounds.max_received
+            assert sent % top_k == 0 and received % top_k == 0, (sent, received)

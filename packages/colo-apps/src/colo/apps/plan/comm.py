@@ -31,6 +31,7 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
@@ -61,6 +62,43 @@ def expected_routing(config: LlamaConfig, layout: Layout, tokens: int) -> tuple[
     kept = expected_routing_kept(config, tokens)
     others = kept * (layout.ep - 1) / layout.ep
     return kept, others, others
+
+
+@dataclass(frozen=True)
+class DispatchBounds:
+    """What one MoE block's dispatch can move on one rank for ``tokens`` tokens (`dispatch_bounds`), in rows (one
+    row is ``hidden_size`` elements in the compute dtype; the combine moves the same rows back)."""
+
+    even_sent: float
+    """Rows sent to the other ep ranks under even routing (`expected_routing`; received alike)."""
+    max_sent: int
+    """At most: every kept assignment to an expert on another rank (``tokens * min(k, E - E / ep)``)."""
+    max_received: int
+    """At most: every other rank's tokens choosing this rank's experts (``(ep - 1) * tokens * min(k, E / ep)``),
+    or the capacity of this rank's experts when that is smaller."""
+    max_ranks_per_token: int
+    """Ranks one token's rows reach: ``min(k, ep)``, or ``topk_group`` with group-limited routing whose groups are
+    the ep ranks (``n_group == ep``: DeepSeek-V3's node-limited routing). colo sends one row per assignment (not one
+    per destination rank), so the limit bounds the ranks, not the rows."""
+
+
+def dispatch_bounds(config: LlamaConfig, layout: Layout, tokens: int) -> DispatchBounds:
+    """Bounds of one MoE block's dispatch on one rank (`DispatchBounds`), for ``tokens`` tokens per ep rank."""
+    from colo.tensor.moe import expert_capacity
+
+    experts, top_k, ep = config.num_local_experts, config.num_experts_per_tok, layout.ep
+    local = experts // ep
+    even = expected_routing(config, layout, tokens)[1]
+    max_sent = tokens * min(top_k, experts - local)
+    max_received = (ep - 1) * tokens * min(top_k, local)
+    if config.capacity_factor is not None:
+        capacity = expert_capacity(tokens, top_k=top_k, num_experts=experts, capacity_factor=config.capacity_factor)
+        max_sent = min(max_sent, capacity * (experts - local))
+        max_received = min(max_received, capacity * local * (ep - 1))
+    ranks = min(top_k, ep)
+    if config.topk_group is not None and config.n_group == ep:
+        ranks = min(ranks, config.topk_group)
+    return DispatchBounds(even, max_sent, max_received, ranks)
 
 
 def step_communication(
