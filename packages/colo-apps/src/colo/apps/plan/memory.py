@@ -15,9 +15,12 @@ Selective checkpointing keeps what `colo.apps.checkpointing.selective_policy` ca
 attention's ``(out, lse)``) plus the block's input; a pipeline's first stage holds the microbatches in flight that
 colo.pipeline's simulator counts, its last stage the logits its cross-entropy saves.
 
-Mixture of experts (`colo.apps.models.moe_llama`): the router and the experts (split over ``ep`` by the ``expert``
-plugin) in registration order; `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``)
-and the experts (sharded over ``dp``) into separate chunks; an MoE layer's saved tensors are `moe_saved_bytes`'s.
+Mixture of experts (`colo.apps.models.moe_llama`): the router, the routed experts (split over ``ep`` by the
+``expert`` plugin or `HybridParallel`'s ``ep``, and over ``tp`` with expert tensor parallelism) and the shared experts
+in registration order, dense first-k layers, multi-head latent attention (its heads split over ``tp``, its latents
+whole); `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``) and the experts (sharded
+over ``dp``) into separate chunks, per pipeline stage; an MoE layer's saved tensors are `moe_saved_bytes`'s, MLA's
+`_latent_attention_saved_elements`'.
 """
 
 from __future__ import annotations
