@@ -158,8 +158,8 @@ def test_hybrid_parallel_refuses_ep_layouts_it_cannot_run_naming_the_field():
     assert error.value.field == "ep"
     with pytest.raises(LayoutError, match="HybridParallel.ep=2 with tp_mode='2d'"):
         HybridParallel(ep=2, tp=4, tp_mode="2d")
-    with pytest.raises(LayoutError, match="HybridParallel.precision='fp16' with ep=2"):
-        HybridParallel(ep=2, precision="fp16")
+    with pytest.raises(LayoutError, match="HybridParallel.precision='fp16' with ep=2 and pp=2"):
+        HybridParallel(ep=2, pp=2, precision="fp16", num_microbatches=2)
     with pytest.raises(LayoutError, match="HybridParallel.ep=0 must be a positive integer"):
         HybridParallel(ep=0)
     assert HybridParallel(ep=2, tp=2, pp=2, num_microbatches=2).mesh_shape(16) == {
@@ -478,3 +478,48 @@ def test_multi_head_latent_attention_under_tp2_matches_the_single_process(tmp_pa
     path = os.fspath(tmp_path / "mla-tp2")
     results = run_distributed(_hybrid_run, "deepseek-mla", settings, path, world_size=2)
     _check_layout("deepseek-mla", settings, results, path, world=2)
+
+
+def _train_fp16(overflow_step: int) -> tuple[list[float], list[bool], list[float], bool]:
+    """ep2 x ZeRO-2 fp16 (the `_boost` run at fp16): at ``overflow_step`` ep rank 1 alone turns its first expert
+    weight's gradient to inf (a tensor hook on the parameter: no dense gradient and no gradient of rank 0 sees it).
+    Returns the losses, the skipped flags, the loss scale after each step, and whether the overflow step left every
+    weight as it was."""
+    model = _model()
+    booster = Booster(ExpertParallel(ep=2, stage=2, precision="fp16", num_microbatches=2, max_grad_norm=MAX_NORM))
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    zero = booster.engine.optimizer
+    zero.loss_scaler.scale = 2.0**8  # no natural overflow at this scale: only the injected inf overflows
+    rank = booster.mesh.rank("ep")
+    poison = {"on": False}
+    if rank == 1:
+        w1 = moe_blocks(booster.unwrap())[0][1].experts.w1
+        w1.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
+    losses, skipped, scales, unchanged = [], [], [], False
+    for step in range(STEPS):
+        poison["on"] = step == overflow_step
+        before = zero.full_params()
+        x = _sequences(step)[2 * rank : 2 * rank + 2]
+        result = booster.train_step({"input_ids": x, "labels": x})
+        losses.append(result.loss)
+        skipped.append(result.skipped)
+        scales.append(zero.loss_scaler.scale)
+        if step == overflow_step:
+            after = zero.full_params()
+            unchanged = all(torch.equal(after[name], value) for name, value in before.items())
+    return losses, skipped, scales, unchanged
+
+
+def test_expert_parallel_fp16_scales_the_loss_over_both_parts_and_skips_an_expert_overflow_everywhere():
+    """fp16 with ep2 (ZeRO-2, 2 microbatches): one loss scaler serves the dense and the expert chunks and checks for
+    inf / nan over every rank. An inf in ep rank 1's expert gradient only (rank 0's experts, and every dense
+    gradient, stay finite) skips the step on both ranks, leaves every weight as it was and halves the scale; the
+    other steps track the fp32 single process (fp16 compute: rtol 2e-2)."""
+    reference = _reference_losses()
+    for losses, skipped, scales, unchanged in run_distributed(_train_fp16, 1, world_size=2):
+        assert skipped == [False, True, False, False] and unchanged
+        assert scales == [2.0**8, 2.0**7, 2.0**7, 2.0**7]
+        # each loss is computed before its step's update: the skipped step 1 did not move the weights, so step 2
+        # sees what step 1 saw and the run is one update behind from there
+        expected = [reference[0], reference[1], reference[1], reference[2]]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=0)
