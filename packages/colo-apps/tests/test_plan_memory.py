@@ -26,7 +26,14 @@ from colo.comm.testing import load_beside, run_distributed
 selective = load_beside(__file__, "_selective_outputs.py", module_name="colo_apps_test_selective_outputs")
 
 SEQ, ROWS = 32, 4
-SHAPES = {"tiny": (ROWS, SEQ), "bench-25m": (2, 8), "tiny-moe": (ROWS, SEQ), "tiny-moe-cf1": (ROWS, SEQ)}
+SHAPES = {
+    "tiny": (ROWS, SEQ),
+    "bench-25m": (2, 8),
+    "tiny-moe": (ROWS, SEQ),
+    "tiny-moe-cf1": (ROWS, SEQ),
+    "tiny-deepseek": (ROWS, SEQ),
+    "tiny-deepseek-gqa": (ROWS, SEQ),
+}
 """(rows per step, tokens per row) per model: bench-25m's steps are kept short (its memory does not depend on them)."""
 
 # (name, preset, plugin fields, Layout fields, microbatches)
@@ -149,29 +156,44 @@ def _config(preset: str):
 
     if preset == "tiny-moe-cf1":  # capacity factor 1: assignments over an expert's even share are dropped
         return get_moe_preset("tiny-moe", capacity_factor=1.0)
+    if preset == "tiny-deepseek-gqa":  # the DeepSeek-style block under Llama's attention (MLA has no tp plan)
+        latent = dict(kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None)
+        return get_moe_preset("tiny-deepseek", num_key_value_heads=2, v_head_dim=None, **latent)
     return get_moe_preset(preset) if preset in MOE_PRESETS else get_preset(preset)
 
 
-def _routing(model, mesh) -> list[tuple[int, int, int]]:
-    """Per MoE block of the last forward: (assignments this rank kept, rows it sent to the other ep ranks, rows it
-    received from them), from every rank's tokens per expert (gathered outside the tracker)."""
+def _routing(counts: list[list[int]], mesh) -> list[tuple[int, int, int]]:
+    """Per MoE block forward (``counts``: this rank's tokens per expert of each, in the order they ran): (assignments
+    this rank kept, rows it sent to the other ep ranks, rows it received from them), from every rank's counts
+    (gathered outside the tracker; the ranks of an ep group run the same blocks in the same order)."""
     import torch.distributed as dist
 
-    from colo.tensor.moe import moe_blocks
-
-    counts = [block.stats["tokens_per_expert"].tolist() for _, block in moe_blocks(model)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, counts)
     ep = mesh.size("ep") if "ep" in mesh.axis_names else 1
     me = mesh.rank("ep") if ep > 1 else 0
-    first = dist.get_rank() - me  # the ep group: neighbouring ranks
+    group = mesh.ranks_along("ep") if ep > 1 else [dist.get_rank()]  # global ranks of the ep group
     result = []
     for layer, mine in enumerate(counts):
         local = len(mine) // ep
         own = slice(me * local, (me + 1) * local)
-        received = sum(sum(everyone[first + r][layer][own]) for r in range(ep) if r != me)
+        received = sum(sum(everyone[group[r]][layer][own]) for r in range(ep) if r != me)
         result.append((sum(mine), sum(mine) - sum(mine[own]), received))
     return result
+
+
+def _record_routing(model) -> tuple[list, list]:
+    """Forward hooks on every MoE block that append its tokens per expert after each forward (not a checkpoint's
+    recomputation); returns (the list they fill, the hook handles)."""
+    from colo.tensor.moe import moe_blocks, recomputing
+
+    counts: list[list[int]] = []
+
+    def hook(block, args, output):
+        if not recomputing():
+            counts.append(block.stats["tokens_per_expert"].tolist())
+
+    return counts, [block.register_forward_hook(hook) for _, block in moe_blocks(model)]
 
 
 class _HeldActivations:
@@ -222,6 +244,9 @@ class _HeldActivations:
             return tensor
 
         gatherer = getattr(optimizer, "gatherer", None)
+        if gatherer is None and getattr(optimizer, "experts", None) is not None:  # ExpertParallelZero: the innermost
+            gatherer = optimizer.experts.gatherer  # hook is the expert part's (chained to the dense part's)
+        chained = None if gatherer is None else vars(gatherer).get("pack_saved")
         if gatherer is not None:  # ZeRO-3 / Gemini: their own pack hook; gathered weights become chunk positions
             inner = gatherer.pack_saved
 
@@ -249,7 +274,9 @@ class _HeldActivations:
                 step(batch)
         finally:
             checkpointing.selective_policy = policy
-            if gatherer is not None:
+            if chained is not None:
+                gatherer.pack_saved = chained
+            elif gatherer is not None:
                 del gatherer.pack_saved
         return self.peak
 
@@ -285,9 +312,12 @@ def _measure(cases):
         # one step measured both ways: what autograd holds (hooks, no communication) and the collectives
         moe = isinstance(config, MoELlamaConfig)
         model_state = [*engine.model.parameters(), *engine.model.buffers()]
+        counts, hooks = _record_routing(engine.model) if moe else ([], [])
         with CommTracker() as tracker:
             measured_activations = _HeldActivations(model_state).run(booster.train_step, batch, engine.optimizer)
-        routing = _routing(engine.model, mesh) if moe and microbatches == 1 else None
+        for handle in hooks:
+            handle.remove()
+        routing = _routing(counts, mesh) if moe else None  # every block forward of every microbatch
         comm: dict = {}
         for record in tracker.records:
             if record.group_size > 1:
@@ -315,7 +345,7 @@ def _measure(cases):
                         storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
             report = {"total": sum(storages.values())}
         coord = {axis: mesh.rank(axis) for axis in mesh.axis_names}
-        routings = (routing, routing)
+        routings = (routing if microbatches == 1 else None, routing)  # (activations: one microbatch, communication)
         results.append((name, report, measured_activations, comm, coord, time.perf_counter() - began, routings))
     return results
 

@@ -224,19 +224,27 @@ def _moe_workload(*, seq: int = 256, batch: int = 16):
 
 def test_moe_search_spans_expert_parallelism_and_equals_brute_force():
     """A mixture-of-experts model is searched under the expert plugin over every ep dividing its experts and the
-    world (ZeRO 0-2), the pruned search equals brute force, and ep shrinks the experts' states per device."""
+    world (ZeRO 0-2) and under HybridParallel with ep > 1 composed with tp (whole or split experts) and pp (ZeRO
+    0-3); the pruned search equals brute force, and ep shrinks the experts' states per device."""
     from colo.apps.plan.search import brute_force, candidate_structures, search
 
     workload, cluster = _moe_workload(), _small_cluster(0.1, devices=4)  # some layouts do not fit
     structures = candidate_structures(workload, cluster)
-    assert {(s.plugin, s.ep, s.dp, s.zero_stage) for s in structures} == {
-        ("expert", ep, 4 // ep, stage) for ep in (1, 2, 4) for stage in (0, 1, 2)
+    expert = {("expert", ep, 4 // ep, 1, 1, False, stage) for ep in (1, 2, 4) for stage in (0, 1, 2)}
+    # (ep, dp, tp, pp) of 4 ranks with ep > 1 (tiny-mixtral: 8 experts, 4 layers, 8 heads); ETP where tp > 1
+    hybrid = {
+        ("hybrid", ep, dp, tp, pp, split, stage)
+        for ep, dp, tp, pp in ((2, 2, 1, 1), (4, 1, 1, 1), (2, 1, 1, 2), (2, 1, 2, 1))
+        for split in ((False, True) if tp > 1 else (False,))
+        for stage in (0, 1, 2, 3)
     }
+    fields = ("plugin", "ep", "dp", "tp", "pp", "expert_tensor_parallel", "zero_stage")
+    assert {tuple(getattr(s, f) for f in fields) for s in structures} == expert | hybrid
     pruned = search(workload, cluster, top=1000)
     everything = brute_force(workload, cluster, top=1000)
     assert [r.layout for r in pruned] == [r.layout for r in everything]
     assert all(r.fits for r in pruned) and len(pruned) > 3
-    states = {s.ep: _states(workload, s) for s in structures if s.zero_stage == 1}
+    states = {s.ep: _states(workload, s) for s in structures if s.zero_stage == 1 and s.plugin == "expert"}
     assert states[4] < states[2] < states[1]
 
 
@@ -273,17 +281,50 @@ def test_moe_layouts_are_checked_against_the_model():
     from colo.apps.models.moe_llama import get_moe_preset
     from colo.apps.plan import Layout, static_memory
 
-    with pytest.raises(ValueError, match="ep=2 needs plugin='expert'"):
+    with pytest.raises(ValueError, match="ep=2 needs plugin='expert' or 'hybrid'"):
         Layout(plugin="zero", ep=2)
-    with pytest.raises(ValueError, match="expert parallelism composes with data parallelism only"):
+    with pytest.raises(ValueError, match="the expert plugin composes experts with data parallelism only"):
         Layout(plugin="expert", tp=2)
+    with pytest.raises(ValueError, match="expert_tensor_parallel=True .* needs plugin='hybrid' and tp > 1"):
+        Layout(plugin="hybrid", dp=2, ep=2, expert_tensor_parallel=True)
     moe = get_moe_preset("tiny-moe")
     with pytest.raises(ValueError, match=r"Layout.ep=3 does not divide num_local_experts=4; choose ep in \[1, 2, 4\]"):
         static_memory(moe, Layout(plugin="expert", dp=1, ep=3, zero_stage=2))
     with pytest.raises(ValueError, match="dense Llama"):
         static_memory(get_preset("tiny"), Layout(plugin="expert", dp=1, ep=2, zero_stage=2))
-    with pytest.raises(ValueError, match="Layout.tp=2: mixture-of-experts models compose with data and expert"):
-        static_memory(moe, Layout(plugin="hybrid", tp=2, zero_stage=1))
+    with pytest.raises(ValueError, match="Layout.sp=2 .*refuse sequence parallelism"):
+        static_memory(moe, Layout(plugin="hybrid", sp=2, sp_mode="ulysses", zero_stage=1))
+    deepseek = get_moe_preset("tiny-deepseek", hidden_size=96, num_attention_heads=6, num_key_value_heads=6)
+    with pytest.raises(ValueError, match=r"tp=4 cannot shard num_attention_heads=6"):
+        static_memory(deepseek, Layout(plugin="hybrid", tp=4, zero_stage=1))
+    narrow = get_moe_preset("tiny-moe", intermediate_size=96, moe_intermediate_size=6)
+    with pytest.raises(ValueError, match="Layout.tp=4 with expert_tensor_parallel=True does not divide .* width 6"):
+        static_memory(narrow, Layout(plugin="hybrid", tp=4, ep=1, zero_stage=1, expert_tensor_parallel=True))
+
+
+def test_rank_parameters_are_the_deepseek_models_parameters():
+    """The planner's parameter list of the DeepSeek-style model (MLA, a dense first layer, shared and routed experts)
+    is the real model's, name by name in registration order, and its pipeline stages and expert-parallel shards
+    partition it (each ep rank holds 1 / ep of every expert tensor, the rest whole)."""
+    import torch
+
+    from colo.apps.models.moe_llama import MoELlama, get_moe_preset
+    from colo.apps.plan import Layout
+    from colo.apps.plan.memory import rank_parameters
+
+    config = get_moe_preset("tiny-deepseek")
+    with torch.device("meta"):
+        model = MoELlama(config)
+    real = [(name, p.numel()) for name, p in model.named_parameters()]
+    planned = rank_parameters(config, Layout(plugin="hybrid", dp=1, zero_stage=1))
+    assert [(e.name, e.numel) for e in planned] == real
+    assert sum(n for _, n in real) == config.num_parameters()
+    layout = Layout(plugin="hybrid", dp=1, ep=2, pp=2, zero_stage=1, num_microbatches=2)
+    stages = [rank_parameters(config, layout, pp_rank=r) for r in range(2)]
+    experts = sum(e.numel for stage in stages for e in stage if e.expert)
+    dense = sum(e.numel for stage in stages for e in stage if not e.expert)
+    assert experts == sum(n for name, n in real if ".experts.w" in name) // 2
+    assert dense == sum(n for name, n in real if ".experts.w" not in name)
 
 
 @pytest.mark.parametrize(

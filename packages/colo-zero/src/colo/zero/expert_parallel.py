@@ -16,8 +16,12 @@ blocks (a dense first layer) holds no expert part and adds nothing.
 
 At stage 3 each part gathers its own chunks over its own group (dense over ``dp x ep``, experts over ``dp``) with
 its own hooks; the weights autograd saves are stored as positions in either part's chunks (one chain of saved-tensor
-hooks), so both parts free their full copies after use. fp16 loss scaling is not composed with expert parallelism
-yet (refused with a message).
+hooks), so both parts free their full copies after use.
+
+fp16: one `DynamicLossScaler` over every rank of the model (``dp x ep`` and the model-parallel axes) serves both
+parts: the loss is scaled once, each part checks its own gradients for inf / nan over that whole group (so every rank
+sees an overflow in any rank's experts), the step is skipped everywhere when either part overflowed, and the scale is
+updated once per step. Not with a pipeline (a stage without MoE blocks has no expert part to join the check).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from colo.comm import Mesh, all_reduce
 from colo.tensor.checkpoint import CheckpointError
 from colo.tensor.moe import dense_data_axes, expert_data_axes, is_expert_param
 
+from .amp import DynamicLossScaler
 from .clip import clip_coefficient
 from .config import ZeroConfig
 from .stage3 import SavedChunkView
@@ -102,7 +107,7 @@ class ExpertParallelZero:
         stage: ZeRO stage 0, 1, 2 or 3.
         checkpoint_names: the names parameters are saved under (`ZeroOptimizer`'s argument), for both parts.
         norm_replicas: parameters another rank counts in the global norm (`ZeroOptimizer`'s argument).
-        **config_fields: other `ZeroConfig` fields (``chunk_numel``, ``mixed_precision`` without fp16, ...).
+        **config_fields: other `ZeroConfig` fields (``chunk_numel``, ``mixed_precision``, ...).
     """
 
     def __init__(
@@ -123,10 +128,18 @@ class ExpertParallelZero:
                 f"ExpertParallelZero needs a mesh with 'dp' and 'ep' axes (dp may be 1), got {mesh.axis_names}"
             )
         mixed = config_fields.get("mixed_precision")
-        if mixed is not None and mixed.param_dtype == torch.float16:
+        pipeline_axis = config_fields.get("pipeline_axis")
+        fp16 = mixed is not None and mixed.param_dtype == torch.float16
+        if fp16 and pipeline_axis is not None:
             raise ValueError(
-                "ExpertParallelZero: fp16 loss scaling is not composed with expert parallelism yet; use bf16"
+                "ExpertParallelZero: fp16 with a pipeline axis is not supported (a stage without MoE blocks has no "
+                "expert part to join the overflow check); use bf16"
             )
+        # fp16: one loss scaler for both parts, over every rank of the model (module docstring)
+        model_parallel = tuple(config_fields.get("tensor_parallel_axes", ()))
+        self.loss_scaler = (
+            DynamicLossScaler(group=mesh.group(*dense_data_axes(mesh), *model_parallel)) if fp16 else None
+        )
         if optimizer is None:
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
         self.mesh = mesh
@@ -135,7 +148,6 @@ class ExpertParallelZero:
         self.ep_group = mesh.group("ep")
         expert_ids = {id(p) for name, p in model.named_parameters() if is_expert_param(name)}
         dense_ids = {id(p) for p in model.parameters()} - expert_ids
-        pipeline_axis = config_fields.get("pipeline_axis")
         if not expert_ids and pipeline_axis is None:
             raise ValueError("ExpertParallelZero: the model has no expert parameters (...experts.w1/w2/w3)")
         self.dense = ZeroOptimizer(
@@ -146,6 +158,7 @@ class ExpertParallelZero:
             checkpoint_names=checkpoint_names,
             param_filter=lambda name: not is_expert_param(name),
             norm_replicas=norm_replicas,
+            loss_scaler=self.loss_scaler,
         )
         # the expert part's norm stays inside the stage; `grad_norm` sums it over ep and the stages together
         expert_fields = {**config_fields, "pipeline_axis": None}
@@ -159,6 +172,7 @@ class ExpertParallelZero:
                 config=ZeroConfig(stage=stage, data_axes=expert_data_axes(mesh), **expert_fields),
                 checkpoint_names=checkpoint_names,
                 param_filter=is_expert_param,
+                loss_scaler=self.loss_scaler,
             )
         self.expert_norm_group = mesh.group("ep", pipeline_axis) if pipeline_axis else self.ep_group
         """Where the expert part's squared norm is summed: ``ep`` (and the pipeline stages)."""
@@ -181,7 +195,10 @@ class ExpertParallelZero:
     # --- the training-loop API (as `ZeroOptimizer`) -----------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` inside both parts' backward contexts (their gradient hooks)."""
+        """``loss.backward()`` (scaled by the loss scaler under fp16) inside both parts' backward contexts (their
+        gradient hooks)."""
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)
         if self.experts is None:
             self.dense.grad_sync.run_backward(loss)
             return
@@ -196,13 +213,21 @@ class ExpertParallelZero:
             yield
 
     def reduce_gradients(self) -> bool:
-        """Reduce both parts' gradients now."""
+        """Reduce both parts' gradients now; returns whether the step will be skipped (an fp16 overflow in either)."""
         return any([part.reduce_gradients() for part in self.parts])
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether this step's gradients overflowed (fp16) in either part."""
+        return any(part.last_step_skipped for part in self.parts)
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
         """The global 2-norm over dense and expert gradients, every parameter element counted once."""
         if norm_type != 2.0:
             raise ValueError(f"ExpertParallelZero.grad_norm: norm_type={norm_type}; only the 2-norm is supported")
+        if self.reduce_gradients():  # an fp16 overflow in either part: both skip, every rank agrees
+            self.last_grad_norm = float("inf")
+            return self.last_grad_norm
         dense = self.dense.grad_norm()
         local = 0.0 if self.experts is None else self.experts.grad_norm() ** 2
         expert_sq = torch.tensor([local], dtype=torch.float64)
@@ -214,6 +239,8 @@ class ExpertParallelZero:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip both parts by the global norm; returns the norm before clipping."""
         total = self.grad_norm(norm_type)
+        if self.last_step_skipped:
+            return total
         coefficient = clip_coefficient(total, max_norm)
         if coefficient < 1.0:
             for part in self.parts:
@@ -222,18 +249,22 @@ class ExpertParallelZero:
         return total
 
     def step(self) -> bool:
-        """Reduce gradients, step every master with the one torch optimizer, refresh the compute copies."""
+        """Reduce gradients, step every master with the one torch optimizer, refresh the compute copies; under fp16
+        skip all of it when either part overflowed, and update the loss scale once. Returns whether it skipped."""
+        skipped = any([part._prepare_grads() for part in self.parts])
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(skipped)
+        if not skipped:
+            self.optimizer.step()
         for part in self.parts:
-            part._prepare_grads()
-        self.optimizer.step()
-        for part in self.parts:
-            part.register_optimizer_state()
-            part.param_sync.refresh(part.trainable_chunks)
+            if not skipped:
+                part.register_optimizer_state()
+                part.param_sync.refresh(part.trainable_chunks)
             for chunk in part.trainable_chunks:
                 chunk.buffer("master").grad = None
             part._grads_prepared = False
             part._grad_shards = []
-        return False
+        return skipped
 
     def zero_grad(self) -> None:
         for part in self.parts:

@@ -7,9 +7,11 @@
 - A pipeline cuts the layers as for Llama; each stage's output carries its MoE blocks' aux losses into backward
   (`colo.tensor.moe.attach_aux_loss`, weighted ``1 / num_microbatches`` like the microbatch's loss), so the stage
   that computes the loss needs nothing from the others. The reported loss is the next-token loss of the last stage.
-- Refused: sequence parallelism (sequence-parallel ranks would route different pieces of one sequence), tensor
-  parallelism of multi-head latent attention (no tp plan for its projections), fp16 with a pipeline (the aux
-  losses' gradient is not loss-scaled), and ``ep`` not dividing the experts.
+- Multi-head latent attention under tp: its heads split, its latents replicated
+  (`colo.apps.models.moe_llama.parallelize`).
+- Refused: sequence parallelism (sequence-parallel ranks would route different pieces of one sequence), a grid
+  ``tp_mode`` with multi-head latent attention, fp16 with a pipeline (the aux losses' gradient is not loss-scaled),
+  and ``ep`` not dividing the experts.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ class MoELlamaPlan(LlamaPlan):
                     "sp_mode=None (tp, pp and ep compose with the experts)",
                     field=name,
                 )
-        if plugin.tp > 1 and config.latent_attention:
+        if plugin.tp > 1 and config.latent_attention and plugin.tp_mode != "1d":
             raise UnsupportedLayout(
-                f"HybridParallel.tp={plugin.tp}: {type(model).__name__} uses multi-head latent attention "
-                "(model.kv_lora_rank), which has no tensor-parallel plan; set tp=1 (ep and pp compose with it)",
-                field="tp",
+                f"HybridParallel.tp_mode={plugin.tp_mode!r}: multi-head latent attention (model.kv_lora_rank) has a "
+                "1D tensor-parallel plan only; use tp_mode='1d'",
+                field="tp_mode",
             )
         if plugin.pp > 1 and plugin.precision == "fp16":
             raise UnsupportedLayout(

@@ -10,13 +10,15 @@
 """
 
 from .cluster import CLUSTERS, Cluster, get_cluster
-from .comm import step_communication
+from .comm import DispatchBounds, dispatch_bounds, step_communication
 from .layout import Layout
 from .memory import activation_memory, memory_breakdown, static_memory
 from .search import NothingFits, PlanResult, Workload, candidate_layouts, evaluate, search
 from .time import StepTime, step_time
 
 __all__ = [
+    "DispatchBounds",
+    "dispatch_bounds",
     "CLUSTERS",
     "Cluster",
     "Layout",

@@ -31,10 +31,11 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from ..models.llama import LlamaConfig
 from .layout import Layout
-from .memory import expected_routing_kept, moe_layers, stage_layers, static_memory
+from .memory import expected_routing_kept, expert_parallel, is_moe, moe_layers, stage_layers, static_memory
 
 MESH_ORDER = ("pp", "dp", "ep", "sp", "tp")
 
@@ -61,6 +62,43 @@ def expected_routing(config: LlamaConfig, layout: Layout, tokens: int) -> tuple[
     kept = expected_routing_kept(config, tokens)
     others = kept * (layout.ep - 1) / layout.ep
     return kept, others, others
+
+
+@dataclass(frozen=True)
+class DispatchBounds:
+    """What one MoE block's dispatch can move on one rank for ``tokens`` tokens (`dispatch_bounds`), in rows (one
+    row is ``hidden_size`` elements in the compute dtype; the combine moves the same rows back)."""
+
+    even_sent: float
+    """Rows sent to the other ep ranks under even routing (`expected_routing`; received alike)."""
+    max_sent: int
+    """At most: every kept assignment to an expert on another rank (``tokens * min(k, E - E / ep)``)."""
+    max_received: int
+    """At most: every other rank's tokens choosing this rank's experts (``(ep - 1) * tokens * min(k, E / ep)``),
+    or the capacity of this rank's experts when that is smaller."""
+    max_ranks_per_token: int
+    """Ranks one token's rows reach: ``min(k, ep)``, or ``topk_group`` with group-limited routing whose groups are
+    the ep ranks (``n_group == ep``: DeepSeek-V3's node-limited routing). colo sends one row per assignment (not one
+    per destination rank), so the limit bounds the ranks, not the rows."""
+
+
+def dispatch_bounds(config: LlamaConfig, layout: Layout, tokens: int) -> DispatchBounds:
+    """Bounds of one MoE block's dispatch on one rank (`DispatchBounds`), for ``tokens`` tokens per ep rank."""
+    from colo.tensor.moe import expert_capacity
+
+    experts, top_k, ep = config.num_local_experts, config.num_experts_per_tok, layout.ep
+    local = experts // ep
+    even = expected_routing(config, layout, tokens)[1]
+    max_sent = tokens * min(top_k, experts - local)
+    max_received = (ep - 1) * tokens * min(top_k, local)
+    if config.capacity_factor is not None:
+        capacity = expert_capacity(tokens, top_k=top_k, num_experts=experts, capacity_factor=config.capacity_factor)
+        max_sent = min(max_sent, capacity * (experts - local))
+        max_received = min(max_received, capacity * local * (ep - 1))
+    ranks = min(top_k, ep)
+    if config.topk_group is not None and config.n_group == ep:
+        ranks = min(ranks, config.topk_group)
+    return DispatchBounds(even, max_sent, max_received, ranks)
 
 
 def step_communication(
@@ -99,8 +137,8 @@ def step_communication(
     ec = layout.compute_bytes
     er = ec  # gradients are reduced in the compute dtype
     data_axes = ("dp", "sp") if layout.sp > 1 else ("dp",)
-    expert = layout.plugin == "expert"
-    if expert:  # the mesh (dp, ep): dense chunks over both, expert chunks over dp
+    expert = expert_parallel(layout)
+    if expert:  # the data ranks (dp, ep): dense chunks over both, expert chunks over dp
         data_axes = ("dp", "ep")
     tokens = layout.micro_batch_size * seq_len
     h = config.hidden_size
@@ -123,15 +161,20 @@ def step_communication(
             add("reduce_scatter", axes, numel * er, syncs)
             if stage in (1, 2):
                 add("all_gather", axes, numel * ec)
-        if stage == 3 and layout.pp > 1:  # gathered at the first microbatch, held until the step's reduction
-            for numel in static.chunk_numels:
-                add("all_gather", data_axes, numel * ec)
-        elif stage == 3:
-            backward = static.num_chunks if layout.plugin == "gemini" else static.num_chunks - 1
-            for numel in static.chunk_numels:
-                add("all_gather", data_axes, numel * ec, microbatches)
-            for numel in static.chunk_numels[:backward]:
-                add("all_gather", data_axes, numel * ec, microbatches)
+        # stage 3: each part (dense chunks, then expert chunks) gathers its own chunks over its own axes; a pipeline
+        # gathers each chunk once per step (held until the step's reduction); otherwise every chunk before forward
+        # and all but the part's last-used one again in backward (Gemini: all of them), every microbatch
+        parts = [(static.chunk_numels[:dense_chunks], data_axes), (static.chunk_numels[dense_chunks:], ("dp",))]
+        for numels, axes in parts if stage == 3 else ():
+            if layout.pp > 1:
+                for numel in numels:
+                    add("all_gather", axes, numel * ec)
+                continue
+            backward = len(numels) if layout.plugin == "gemini" else len(numels) - 1
+            for numel in numels:
+                add("all_gather", axes, numel * ec, microbatches)
+            for numel in numels[:backward]:
+                add("all_gather", axes, numel * ec, microbatches)
 
     # layers whose forward full / selective activation checkpointing reruns in backward, with its collectives
     recomputed = num_layers if layout.activation_checkpointing in ("full", "selective") else 0
@@ -151,10 +194,22 @@ def step_communication(
             if last:
                 add("all_reduce", ("tp",), act, microbatches)  # lm_head's input gradient
         else:
-            calls = 5 * num_layers + (1 if first else 0) + (1 if last else 0)
+            # per dense layer: o_proj and down_proj's outputs forward, the q/k/v and gate/up inputs backward; an MoE
+            # layer's block reads its input replicated over tp (the router, the shared experts and whole experts need
+            # nothing; split experts sum their rows below): o_proj forward and q/k/v backward only
+            num_moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+            calls = 5 * num_layers - 3 * num_moe + (1 if first else 0) + (1 if last else 0)
             # full checkpointing reruns each layer's forward in backward: its o_proj all-reduce again, not down_proj's
             # (torch's checkpoint stops recomputing once the saved tensors are back, before the layer's last op)
             calls += recomputed
+            if is_moe(config) and config.latent_attention:
+                # multi-head latent attention: its q/k/v input gradient is not all-reduced; its query latent's
+                # (q_b_proj's input; q_proj's: the tokens), its key/value latent's (kv_b_proj's input) and its rotary
+                # key's are
+                calls -= num_layers
+                query = config.q_lora_rank or h
+                latents = query + config.kv_lora_rank + config.qk_rope_head_dim
+                add("all_reduce", ("tp",), tokens * latents * ec, microbatches * num_layers)
             add("all_reduce", ("tp",), act, microbatches * calls)
         if last and layout.pp == 1:  # vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
             add("all_reduce", ("tp",), tokens * 4, microbatches)
@@ -184,8 +239,8 @@ def step_communication(
     # --- expert parallelism: per MoE block and microbatch, the (ep, E / ep) int64 counts, then the rows to the
     # experts' ranks (dispatch) and back (combine); backward moves both again the other way; full checkpointing
     # reruns the forward's three
-    if expert and layout.ep > 1:
-        layers = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+    layers = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+    if layout.ep > 1 and layers:
         if routing is None:
             routing = [expected_routing(config, layout, tokens)] * (microbatches * layers)
         elif len(routing) != microbatches * layers:
@@ -201,6 +256,14 @@ def step_communication(
         add("all_to_all", ("ep",), counts, len(routing) * (passes - 1))
         for _, sent, received in routing:
             volumes[("all_to_all", "ep")] += (sent + received) * row * passes
+    # expert tensor parallelism: the rows reaching this rank's experts enter through a copy / all-reduce (their
+    # input gradient all-reduced in backward) and leave summed over tp (forward), in the compute dtype
+    if layout.expert_tensor_parallel and layers:
+        if routing is None:
+            routing = [expected_routing(config, layout, tokens)] * (microbatches * layers)
+        rows = sum(kept - sent + received for kept, sent, received in routing)
+        forwards = 1 + (1 if layout.activation_checkpointing in ("full", "selective") else 0)
+        add("all_reduce", ("tp",), rows * h * ec, forwards + 1)
 
     # --- pipeline -------------------------------------------------------------------------------------------
     if layout.pp > 1:
@@ -216,13 +279,13 @@ def step_communication(
 
     # --- scalars --------------------------------------------------------------------------------------------
     add("all_reduce", data_axes, 8)  # the step's mean loss over the data ranks (fp64)
-    if expert:  # the expert part of the squared norm over dp (sharded), then summed over ep; the biases' counts
-        if layout.stage != 0:
-            add("all_reduce", ("dp",), 8)
-        add("all_reduce", ("ep",), 8)
-        if config.expert_bias:
-            blocks = moe_layers(config, range(config.num_hidden_layers))
-            add("all_reduce", data_axes, 4 * config.num_local_experts, blocks)
+    if expert:  # the expert part of the squared norm within the stage (dp when sharded, tp), then over ep (and pp)
+        expert_axes = (("dp",) if layout.stage != 0 else ()) + (("tp",) if layout.tp > 1 else ())
+        if expert_axes and layers:
+            add("all_reduce", expert_axes, 8)
+        add("all_reduce", ("ep", "pp") if layout.pp > 1 else ("ep",), 8)
+        if config.expert_bias:  # the tokens per expert of the stage's blocks, over the data ranks
+            add("all_reduce", data_axes, 4 * config.num_local_experts, layers)
     norm_axes = (data_axes if layout.stage not in (0, -1) else ()) + (("tp",) if layout.tp > 1 else ())
     norm_axes += ("pp",) if layout.pp > 1 else ()
     if norm_axes and layout.plugin != "ddp":

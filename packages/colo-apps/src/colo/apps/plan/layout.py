@@ -26,8 +26,11 @@ class Layout:
     dp: int = 1
     """Data-parallel degree (``expert``: the mesh's ``dp`` axis; the data ranks are ``dp * ep``)."""
     ep: int = 1
-    """Expert-parallel degree (``expert`` plugin only): each MoE layer's experts split over ``ep`` neighbouring
-    ranks; it must divide the number of experts (checked with the model, `colo.apps.plan.memory.check_layout`)."""
+    """Expert-parallel degree (``expert`` or ``hybrid`` plugin): each MoE layer's experts split over ``ep`` data
+    ranks (the data ranks are ``dp * ep``; under ``hybrid`` the mesh is ``(pp, dp, ep, sp, tp)``); it must divide
+    the number of experts (checked with the model, `colo.apps.plan.memory.check_layout`)."""
+    expert_tensor_parallel: bool = False
+    """``hybrid`` with ``tp > 1`` and ``ep``: each expert's FFN split over tp too (`HybridParallel`'s field)."""
     tp: int = 1
     """Tensor-parallel degree (Megatron 1D; hybrid only)."""
     pp: int = 1
@@ -69,11 +72,16 @@ class Layout:
                 raise ValueError(f"Layout.{name}={value!r} must be a positive integer")
         if self.plugin != "hybrid" and (self.tp, self.pp, self.sp) != (1, 1, 1):
             raise ValueError(
-                f"Layout: tp/pp/sp need plugin='hybrid' (got plugin={self.plugin!r}); expert parallelism composes with "
-                "data parallelism only"
+                f"Layout: tp/pp/sp need plugin='hybrid' (got plugin={self.plugin!r}); the expert plugin composes "
+                "experts with data parallelism only (plugin='hybrid' with ep composes them with tp and pp)"
             )
-        if self.ep > 1 and self.plugin != "expert":
-            raise ValueError(f"Layout.ep={self.ep} needs plugin='expert' (got plugin={self.plugin!r})")
+        if self.ep > 1 and self.plugin not in ("expert", "hybrid"):
+            raise ValueError(f"Layout.ep={self.ep} needs plugin='expert' or 'hybrid' (got plugin={self.plugin!r})")
+        if self.expert_tensor_parallel and (self.plugin != "hybrid" or self.tp == 1):
+            raise ValueError(
+                "Layout.expert_tensor_parallel=True splits each expert's FFN over tp: it needs plugin='hybrid' and "
+                f"tp > 1 (got plugin={self.plugin!r}, tp={self.tp}); set it False"
+            )
         # the plugin's own checks (sizes, modes, unsupported combinations), naming the field; a pipeline checks its
         # schedule by building it, so a long step is checked at pp microbatches when that is equivalent (every
         # schedule accepts a multiple of pp that is at least pp)
@@ -127,6 +135,10 @@ class Layout:
         fields = {"name": "hybrid", "tp": self.tp, "pp": self.pp, "sp": self.sp, "zero_stage": self.zero_stage}
         if self.sp_mode is not None:
             fields["sp_mode"] = self.sp_mode
+        if self.ep > 1:
+            fields["ep"] = self.ep
+        if self.expert_tensor_parallel:
+            fields["expert_tensor_parallel"] = True
         if self.pp > 1:
             fields.update(schedule=self.schedule, num_model_chunks=self.num_model_chunks)
         return {**fields, **chunk, **common}
@@ -138,8 +150,8 @@ class Layout:
         fields = self.plugin_fields()
         name = fields.pop("name")
         cls = {"ddp": DDP, "zero": Zero, "gemini": Gemini, "hybrid": HybridParallel, "expert": ExpertParallel}[name]
-        if name == "hybrid":
-            fields["dp"] = self.dp
+        if name == "hybrid":  # HybridParallel's dp counts every data rank, ep an inner factor of them
+            fields["dp"] = self.dp * self.ep
         return cls(**fields, num_microbatches=num_microbatches or self.num_microbatches)
 
     def describe(self) -> str:
@@ -148,6 +160,8 @@ class Layout:
         parts += [f"{axis}{getattr(self, axis)}" for axis in ("ep", "tp", "pp", "sp") if getattr(self, axis) > 1]
         if self.sp_mode:
             parts.append(self.sp_mode)
+        if self.expert_tensor_parallel:
+            parts.append("etp")
         if self.plugin in ("zero", "hybrid", "expert"):
             parts.append(f"zero{self.zero_stage}")
         if self.pp > 1:

@@ -15,9 +15,12 @@ Selective checkpointing keeps what `colo.apps.checkpointing.selective_policy` ca
 attention's ``(out, lse)``) plus the block's input; a pipeline's first stage holds the microbatches in flight that
 colo.pipeline's simulator counts, its last stage the logits its cross-entropy saves.
 
-Mixture of experts (`colo.apps.models.moe_llama`): the router and the experts (split over ``ep`` by the ``expert``
-plugin) in registration order; `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``)
-and the experts (sharded over ``dp``) into separate chunks; an MoE layer's saved tensors are `moe_saved_bytes`'s.
+Mixture of experts (`colo.apps.models.moe_llama`): the router, the routed experts (split over ``ep`` by the
+``expert`` plugin or `HybridParallel`'s ``ep``, and over ``tp`` with expert tensor parallelism) and the shared experts
+in registration order, dense first-k layers, multi-head latent attention (its heads split over ``tp``, its latents
+whole); `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``) and the experts (sharded
+over ``dp``) into separate chunks, per pipeline stage; an MoE layer's saved tensors are `moe_saved_bytes`'s, MLA's
+`_latent_attention_saved_elements`'.
 """
 
 from __future__ import annotations
@@ -53,10 +56,22 @@ def moe_layers(config: LlamaConfig, layers) -> int:
     return sum(1 for i in layers if is_moe(config) and config.is_moe_layer(i))
 
 
+def expert_parallel(layout: Layout) -> bool:
+    """Whether the layout's optimizer is `colo.zero.ExpertParallelZero` (dense and expert chunks apart): the
+    ``expert`` plugin at any ``ep``, ``hybrid`` with ``ep > 1``."""
+    return layout.plugin == "expert" or layout.ep > 1
+
+
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
-    """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``: the ``expert``
-    plugin needs a mixture-of-experts model and ``ep`` dividing its experts; an MoE model composes with data
-    parallelism only (`HybridParallel` refuses tp / sp / pp for it)."""
+    """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
+    plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
+    model and must divide its experts; an MoE model refuses sequence parallelism, tp not dividing multi-head latent
+    attention's heads, and expert tensor parallelism whose tp does not divide the experts' width."""
+    if layout.ep > 1 and not is_moe(config):
+        raise ValueError(
+            f"Layout.ep={layout.ep} splits the experts of a mixture-of-experts model and this model is a dense Llama; "
+            "set ep=1"
+        )
     if layout.plugin == "expert" and not is_moe(config):
         raise ValueError(
             "Layout.plugin='expert' splits the experts of a mixture-of-experts model and this model is a dense Llama; "
@@ -64,23 +79,27 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         )
     if not is_moe(config):
         return
-    for name, plain in (("n_shared_experts", 0), ("moe_intermediate_size", None), ("kv_lora_rank", None)):
-        if getattr(config, name) != plain:
-            raise ValueError(
-                f"{name}={getattr(config, name)}: colo plan models Mixtral-shaped MoE layers (Llama attention, experts "
-                f"of intermediate_size, no shared experts) and not this DeepSeek-style model yet; plan with {name}="
-                f"{plain} for an estimate"
-            )
     experts = config.num_local_experts
     if experts % layout.ep:
         choices = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ValueError(f"Layout.ep={layout.ep} does not divide num_local_experts={experts}; choose ep in {choices}")
-    for name in ("tp", "pp", "sp"):
-        if getattr(layout, name) > 1:
-            raise ValueError(
-                f"Layout.{name}={getattr(layout, name)}: mixture-of-experts models compose with data and expert "
-                f"parallelism only; set {name}=1 and use plugin='expert' with ep > 1"
-            )
+    if layout.sp > 1 or layout.sp_mode is not None:
+        raise ValueError(
+            f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}): mixture-of-experts models refuse sequence "
+            "parallelism (sequence-parallel ranks would route pieces of one sequence); set sp=1 and sp_mode=None"
+        )
+    if layout.tp > 1 and config.latent_attention:
+        from ..models.moe_llama.parallelize import check_latent_attention_tp
+
+        check_latent_attention_tp(config.num_attention_heads, layout.tp)
+        if layout.sp_mode is not None:
+            raise ValueError("Layout.sp_mode: Megatron-SP is not implemented for multi-head latent attention")
+    width = config.expert_intermediate_size
+    if layout.expert_tensor_parallel and width % layout.tp:
+        raise ValueError(
+            f"Layout.tp={layout.tp} with expert_tensor_parallel=True does not divide the experts' width {width} "
+            "(moe_intermediate_size); choose tp dividing it, or expert_tensor_parallel=False"
+        )
 
 
 def _check_tp(config: LlamaConfig, tp: int) -> None:
@@ -128,29 +147,69 @@ def rank_parameters(config: LlamaConfig, layout: Layout, *, pp_rank: int = 0, no
         for i in layers:
             p = f"layers.{i}."
             entries.append(ParamEntry(p + "input_layernorm.weight", h, vector))
-            if tp == 1:
+            if is_moe(config) and config.latent_attention:
+                entries += _latent_attention_parameters(config, p + "self_attn.", vector, matrix, tp)
+            elif tp == 1:
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.weight", (heads + 2 * kv) * hd * h, matrix))
             else:
                 kv_rows = kv * hd if kv % tp else kv // tp * hd  # fewer kv heads than ranks: replicated
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.q_weight", heads // tp * hd * h, matrix))
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.k_weight", kv_rows * h, matrix))
                 entries.append(ParamEntry(p + "self_attn.qkv_proj.v_weight", kv_rows * h, matrix))
-            entries.append(ParamEntry(p + "self_attn.o_proj.weight", heads // tp * hd * h, matrix))
+            if not (is_moe(config) and config.latent_attention):
+                entries.append(ParamEntry(p + "self_attn.o_proj.weight", heads // tp * hd * h, matrix))
             entries.append(ParamEntry(p + "post_attention_layernorm.weight", h, vector))
-            inter = config.intermediate_size // tp
-            if moe_layers(config, [i]):  # MoEBlock: the router, then the experts (w1, w3, w2), ep-sharded
-                experts = config.num_local_experts
-                entries.append(ParamEntry(p + "mlp.gate.weight", experts * h, matrix))
-                local = experts // layout.ep
-                for name in ("w1", "w3", "w2"):
-                    entries.append(ParamEntry(p + f"mlp.experts.{name}", local * inter * h, matrix, expert=True))
+            if moe_layers(config, [i]):
+                entries += _moe_block_parameters(config, layout, p + "mlp.", matrix)
                 continue
+            inter = config.intermediate_size // tp
             for name in ("gate_proj", "up_proj", "down_proj"):
                 entries.append(ParamEntry(p + f"mlp.{name}.weight", inter * h, matrix))
         if last:
             entries.append(ParamEntry("norm.weight", h, vector))
             if not (config.tie_word_embeddings and first):
                 entries.append(ParamEntry("lm_head.weight", config.vocab_size // tp * h, matrix))
+    return entries
+
+
+def _latent_attention_parameters(config, prefix: str, vector: int, matrix: int, tp: int) -> list[ParamEntry]:
+    """Multi-head latent attention's parameters in registration order (`MultiHeadLatentAttention`): the queries
+    (``q_proj``, or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), the compressed keys and values
+    (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``; tp splits the heads (``q_proj`` /
+    ``q_b_proj``, ``kv_b_proj``, ``o_proj``) and replicates the latents (`colo.apps.models.moe_llama.parallelize`)."""
+    h, heads = config.hidden_size, config.num_attention_heads // tp
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    entries = []
+    if config.q_lora_rank is None:
+        entries.append(ParamEntry(prefix + "q_proj.weight", heads * qk * h, matrix))
+    else:
+        rank = config.q_lora_rank
+        entries.append(ParamEntry(prefix + "q_a_proj.weight", rank * h, matrix))
+        entries.append(ParamEntry(prefix + "q_a_layernorm.weight", rank, vector))
+        entries.append(ParamEntry(prefix + "q_b_proj.weight", heads * qk * rank, matrix))
+    latent = config.kv_lora_rank
+    entries.append(ParamEntry(prefix + "kv_a_proj_with_mqa.weight", (latent + config.qk_rope_head_dim) * h, matrix))
+    entries.append(ParamEntry(prefix + "kv_a_layernorm.weight", latent, vector))
+    expand = heads * (config.qk_nope_head_dim + config.v_head_dim) * latent
+    entries.append(ParamEntry(prefix + "kv_b_proj.weight", expand, matrix))
+    entries.append(ParamEntry(prefix + "o_proj.weight", heads * config.v_head_dim * h, matrix))
+    return entries
+
+
+def _moe_block_parameters(config, layout: Layout, prefix: str, matrix: int) -> list[ParamEntry]:
+    """An `MoEBlock`'s parameters in registration order: the router (whole on every rank), the routed experts
+    (``w1``, ``w3``, ``w2`` of ``num_local_experts / ep`` experts, each of ``moe_intermediate_size``, split over tp
+    with expert tensor parallelism), the shared experts (one SwiGLU MLP, whole on every tp rank)."""
+    h, experts = config.hidden_size, config.num_local_experts
+    width = config.expert_intermediate_size // (layout.tp if layout.expert_tensor_parallel else 1)
+    local = experts // layout.ep
+    entries = [ParamEntry(prefix + "gate.weight", experts * h, matrix)]
+    for name in ("w1", "w3", "w2"):
+        entries.append(ParamEntry(prefix + f"experts.{name}", local * width * h, matrix, expert=True))
+    shared = config.n_shared_experts * config.expert_intermediate_size
+    if shared:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            entries.append(ParamEntry(prefix + f"shared_experts.{name}.weight", shared * h, matrix))
     return entries
 
 
@@ -271,6 +330,7 @@ def static_memory(
     key = (
         config,
         *(getattr(layout, f) for f in ("plugin", "dp", "ep", "tp", "pp", "sp", "stage", "precision", "chunk_numel")),
+        layout.expert_tensor_parallel,
         layout.offload_optimizer,
         layout.num_model_chunks,
         pp_rank,
@@ -314,12 +374,14 @@ def _static_memory(
     stage = layout.stage
     sharded = stage != 0
     gemini = layout.plugin == "gemini"
-    # the parts colo packs apart: the expert plugin's dense parameters sharded over dp x ep and its experts over dp
-    # (rank data_rank // ep there, the mesh being (dp, ep)); every other plugin one part over all its data ranks
-    if layout.plugin == "expert":
+    # the parts colo packs apart (`colo.zero.ExpertParallelZero`: the expert plugin, HybridParallel with ep > 1):
+    # dense parameters sharded over dp x ep and experts over dp (rank data_rank // ep there, the data ranks being
+    # (dp, ep)); a pipeline stage without MoE layers has no expert part; otherwise one part over all the data ranks
+    if expert_parallel(layout):
         dense = [e for e in entries if not e.expert]
         experts = [e for e in entries if e.expert]
-        parts = [(dense, layout.data_ranks, data_rank), (experts, layout.dp, data_rank // layout.ep)]
+        parts = [(dense, layout.data_ranks, data_rank)]
+        parts += [(experts, layout.dp, data_rank // layout.ep)] if experts else []
     else:
         parts = [(entries, layout.data_ranks, data_rank)]
     totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
@@ -498,6 +560,9 @@ def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: i
     elements += 3 * local * inter  # gate, up, SwiGLU output
     if tp > 1:
         elements += width * h  # FusedQKV's concatenated weight shard
+    if is_moe(config) and config.latent_attention:  # sp = 1 (refused otherwise)
+        elements += _latent_attention_saved_elements(config, tokens, tp) - (width * h if tp > 1 else 0)
+        return elements * ea + (2 * shard + _latent_attention_fp32(config, tokens, batch, seq, tp)) * 4
     if layout.sp_mode == "ulysses":
         heads_sp, kv_sp = heads // sp, max(1, kv // sp)
         elements += tokens * (2 * heads_sp + 2 * kv_sp) * hd  # q, k, v, out after the all-to-all
@@ -508,6 +573,32 @@ def layer_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, batch: i
         elements += local * (heads + kv) * hd + local * heads * hd  # q, k after RoPE, the attention output
         lse = batch * heads * (seq // sp)
     return elements * ea + (2 * shard + lse) * 4
+
+
+def _latent_attention_saved_elements(config, tokens: int, tp: int = 1) -> int:
+    """Compute-dtype elements multi-head latent attention saves for backward beyond the layer's norm output
+    (`MultiHeadLatentAttention`): the query path's ``q_a_proj`` output and normed latent (with ``q_lora_rank``), the
+    ``kv_a_proj_with_mqa`` output and the normed key/value latent, the padded queries, keys and values and the
+    attention output (colo's kernel, heads zero-padded to its width; wider heads: torch SDPA, modelled as a
+    flash-style kernel keeping them unpadded), and ``o_proj``'s input (the output cut back to ``v_head_dim``). Under
+    tp the latents are whole and the heads this rank's."""
+    heads, rope, v_dim = config.num_attention_heads // tp, config.qk_rope_head_dim, config.v_head_dim
+    qk = config.qk_nope_head_dim + rope
+    width = max(qk, v_dim)
+    padded = next((size for size in (16, 32, 64, 128) if size >= width), None)
+    elements = 2 * tokens * (config.q_lora_rank or 0)
+    elements += tokens * (config.kv_lora_rank + rope) + tokens * config.kv_lora_rank
+    if padded is None:
+        elements += tokens * heads * (2 * qk + 2 * v_dim)
+    else:
+        elements += 4 * tokens * heads * padded
+    return elements + tokens * heads * v_dim
+
+
+def _latent_attention_fp32(config, tokens: int, batch: int, seq: int, tp: int = 1) -> int:
+    """fp32 elements multi-head latent attention saves: its latents' RMSNorm ``rstd`` and the log-sum-exp."""
+    norms = 2 if config.q_lora_rank is not None else 1
+    return norms * tokens + batch * config.num_attention_heads // tp * seq
 
 
 def head_saved_bytes(config: LlamaConfig, layout: Layout, tokens: int, *, first: bool, last: bool) -> int:
@@ -605,12 +696,18 @@ def moe_saved_bytes(
     ``selective``: the router's matmul output (fp32 logits) is kept and the experts' grouped matmuls are recomputed
     (`colo.apps.checkpointing.selective_policy` keeps ``mm`` / ``addmm`` outputs only) in place of the dense MLP's
     three matmul outputs.
+
+    DeepSeek-style blocks: the routed experts have ``moe_intermediate_size`` (split over tp with expert tensor
+    parallelism); the shared experts (one SwiGLU MLP on every token) save their gate and up outputs, the silu and the
+    product, and their input (the norm output, which below fp32 is not the router's fp32 input).
     """
     ea = layout.compute_bytes
-    h, inter = config.hidden_size, config.intermediate_size
+    h, dense = config.hidden_size, config.intermediate_size // layout.tp
+    inter = config.expert_intermediate_size // (layout.tp if layout.expert_tensor_parallel else 1)
+    shared = config.n_shared_experts * config.expert_intermediate_size
     experts, top_k = config.num_local_experts, config.num_experts_per_tok
-    if selective:
-        return tokens * experts * 4 - tokens * (2 * inter + h) * ea
+    if selective:  # the router's logits and the shared experts' three matmul outputs in place of the dense MLP's
+        return tokens * experts * 4 + tokens * (2 * shared + h) * ea * bool(shared) - tokens * (2 * dense + h) * ea
     n = expected_routing_kept(config, tokens) if routing is None else routing[0]
     rows = n if routing is None else n - routing[1] + routing[2]
     total = tokens * h * 4 - tokens * h * ea  # the router's fp32 input in place of the norm output
@@ -623,7 +720,9 @@ def moe_saved_bytes(
     total += tokens * experts * 4 + tokens * 4 + groups * experts * 4  # z-loss logits and lse, balance fraction
     if layout.ep > 1:
         total += 2 * rows * 8
-    return total - 3 * tokens * inter * ea  # the dense MLP's gate, up and SwiGLU output
+    if shared:  # the shared experts: gate and up outputs, silu, product; their input is the norm output below fp32
+        total += 4 * tokens * shared * ea + (tokens * h * ea if ea != 4 else 0)
+    return total - 3 * tokens * dense * ea  # the dense MLP's gate, up and SwiGLU output
 
 
 def expected_routing_kept(config: LlamaConfig, tokens: int) -> float:

@@ -28,9 +28,12 @@ MOE_MODEL_PRESETS = {
     "tiny-mixtral": "tiny-mixtral",
     "mixtral-8x7b": "mixtral-8x7b",
     "mixtral-8x22b": "mixtral-8x22b",
+    "tiny-deepseek": "tiny-deepseek",
+    "deepseek-v3": "deepseek-v3",
 }
 """Planner model names -> `colo.apps.models.moe_llama.MOE_PRESETS` (mixture of experts, planned under the ``expert``
-plugin; ``tiny-moe`` is also the trainer's MoE run preset, whose optimizer and data settings a written config keeps)."""
+plugin or ``hybrid`` with ``ep``; ``tiny-moe`` is also the trainer's MoE run preset, whose optimizer and data
+settings a written config keeps)."""
 
 
 def model_preset(name: str):

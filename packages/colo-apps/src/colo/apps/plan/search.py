@@ -16,7 +16,7 @@ from ..booster.parallel_dims import LayoutError
 from ..models.llama import LlamaConfig
 from .cluster import Cluster
 from .layout import Layout
-from .memory import MemoryBreakdown, is_moe, memory_breakdown
+from .memory import MemoryBreakdown, check_layout, is_moe, memory_breakdown
 from .time import StepTime, step_time
 
 CHECKPOINTING = (None, "selective", "full")
@@ -83,8 +83,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) -> list[Layout]:
     """Plugins and degrees (microbatch fields left at 1): every split of the world into dp x tp x pp x sp that the
     model's shape allows (tp within a node), each with the ZeRO stages colo runs with it. A mixture-of-experts model
-    runs under the ``expert`` plugin only (as the trainer runs it): every ``ep`` dividing its experts and the world,
-    ``dp = world / ep``, ZeRO 0-2."""
+    runs under the ``expert`` plugin or ``hybrid`` with ``ep`` (`_moe_structures`)."""
     from ..models.llama.parallelize import check_tp_size
 
     config = workload.config
@@ -92,17 +91,7 @@ def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 
     layouts = []
     precision = workload.precision
     if is_moe(config):
-        result = []
-        for ep in _divisors(world):
-            dp = world // ep
-            if config.num_local_experts % ep or workload.global_batch_size % world:
-                continue
-            for stage in (0, 1, 2):
-                try:
-                    result.append(Layout(plugin="expert", dp=dp, ep=ep, zero_stage=stage, precision=precision))
-                except (LayoutError, ValueError):
-                    continue
-        return result
+        return _moe_structures(workload, cluster)
     for tp in _divisors(min(world, cluster.devices_per_node)):
         try:
             check_tp_size(config, tp)
@@ -133,6 +122,50 @@ def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 
             result.append(Layout(plugin="hybrid", **fields))
         except (LayoutError, ValueError):
             continue
+    return result
+
+
+def _moe_structures(workload: Workload, cluster: Cluster) -> list[Layout]:
+    """A mixture-of-experts model's structures, as the trainer runs them: the ``expert`` plugin (every ``ep``
+    dividing the experts and the world, ``dp = world / ep``, ZeRO 0-2) and ``hybrid`` with ``ep > 1``: tp within a
+    node (whole experts, or split with ``expert_tensor_parallel``), pp dividing the layers, ``ep`` dividing the
+    experts and the data ranks, ZeRO 0-3 (sequence parallelism is refused for MoE models)."""
+    from ..models.llama.parallelize import check_tp_size
+
+    config = workload.config
+    world = cluster.world_size
+    precision = workload.precision
+    fields = []
+    for ep in _divisors(world):
+        if config.num_local_experts % ep or workload.global_batch_size % world:
+            continue
+        fields += [dict(plugin="expert", dp=world // ep, ep=ep, zero_stage=stage) for stage in (0, 1, 2)]
+    for tp in _divisors(min(world, cluster.devices_per_node)):
+        try:
+            check_tp_size(config, tp)
+        except ValueError:
+            continue
+        for pp in _divisors(world // tp):
+            if config.num_hidden_layers % pp:
+                continue
+            for ep in _divisors(world // (tp * pp))[1:]:
+                dp = world // (tp * pp * ep)
+                if config.num_local_experts % ep or workload.global_batch_size % (dp * ep):
+                    continue
+                for split, stage in itertools.product((False, True) if tp > 1 else (False,), (0, 1, 2, 3)):
+                    structure = dict(plugin="hybrid", dp=dp, ep=ep, tp=tp, pp=pp, zero_stage=stage)
+                    structure["expert_tensor_parallel"] = split
+                    if pp > 1:
+                        structure["num_microbatches"] = pp  # placeholder, set per microbatch size
+                    fields.append(structure)
+    result = []
+    for structure in fields:
+        try:
+            layout = Layout(precision=precision, **structure)
+            check_layout(config, layout)
+        except (LayoutError, ValueError):
+            continue
+        result.append(layout)
     return result
 
 

@@ -27,7 +27,9 @@ from .cluster import Cluster
 from .comm import MESH_ORDER, step_communication
 from .layout import Layout
 from .memory import (
+    _latent_attention_parameters,
     expected_routing_kept,
+    is_moe,
     layer_saved_bytes,
     moe_layers,
     moe_saved_bytes,
@@ -107,16 +109,24 @@ def _chunk_compute(
     tp, sp = layout.tp, layout.sp
     layers = len(layer_ids)
     tokens = layout.micro_batch_size * seq_len // sp
-    layer_params = (config.num_attention_heads + config.num_key_value_heads) * hd * h * 2 // tp
+    latent = is_moe(config) and config.latent_attention
+    if latent:  # multi-head latent attention: its projections (the heads' split over tp, the latents' whole)
+        layer_params = sum(entry.numel for entry in _latent_attention_parameters(config, "", 0, 0, tp))
+    else:
+        layer_params = (config.num_attention_heads + config.num_key_value_heads) * hd * h * 2 // tp
     layer_params += 3 * h * config.intermediate_size // tp
     matmul = layers * layer_params + (config.vocab_size * h // tp if last else 0)
     moe = moe_layers(config, layer_ids)
-    if moe:  # per token: the router and the kept assignments' experts in place of the dense MLP
+    if moe:  # per token: the router, the kept assignments' experts and the shared experts in place of the dense MLP
         kept = expected_routing_kept(config, tokens) / tokens
-        moe_params = config.num_local_experts * h + kept * 3 * h * config.intermediate_size
-        matmul += moe * (moe_params - 3 * h * config.intermediate_size)
+        width = config.expert_intermediate_size // (tp if layout.expert_tensor_parallel else 1)
+        shared = config.n_shared_experts * config.expert_intermediate_size  # whole on every tp rank
+        moe_params = config.num_local_experts * h + kept * 3 * h * width + 3 * h * shared
+        matmul += moe * (moe_params - 3 * h * config.intermediate_size // tp)
     heads = config.num_attention_heads // tp
-    attention = layers * 2 * layout.micro_batch_size * seq_len * seq_len * heads * hd / sp  # causal half, forward
+    qk_dim, v_dim = config.attention_head_dims if latent else (hd, hd)
+    # causal half, forward: scores over the query/key dims, the weighted sum over the value dims
+    attention = layers * layout.micro_batch_size * seq_len * seq_len * heads * (qk_dim + v_dim) / sp
     saved = layers * layer_saved_bytes(
         config, layout, layout.micro_batch_size * seq_len, layout.micro_batch_size, seq_len
     )
@@ -149,10 +159,13 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
     latency_calls = 0
     chunks = stage_layers(config, layout, 0)
     num_layers = sum(len(layers) for layers, _, _ in chunks)
-    if layout.tp > 1:
-        latency_calls += microbatches * num_layers * 5
+    if layout.tp > 1:  # five all-reduces per dense layer, two per MoE layer (its block reads replicated tokens)
+        num_moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
+        latency_calls += microbatches * (num_layers * 5 - num_moe * 3)
     if layout.sp > 1:
         latency_calls += microbatches * num_layers * 8
+    if layout.expert_tensor_parallel:  # per MoE layer: the split experts' forward and backward all-reduces
+        latency_calls += microbatches * moe_layers(config, [i for layers, _, _ in chunks for i in layers]) * 2
     mp_comm += latency_calls * cluster.link(_span(layout, "tp"))[1]
     if layout.ep > 1:  # per MoE layer: counts, dispatch and combine forward, two backward (three more recomputed)
         calls = 5 + (3 if layout.activation_checkpointing == "full" else 0)

@@ -50,11 +50,6 @@ class ExpertParallel(Plugin):
                 f"ExpertParallel.stage={self.stage!r}: this plugin runs ZeRO stages 0, 1 and 2; choose one of those, "
                 "or HybridParallel(ep=..., zero_stage=3) for ZeRO-3 (dense parameters over dp x ep, experts over dp)"
             )
-        if self.precision == "fp16":
-            raise ValueError(
-                "ExpertParallel.precision='fp16': loss scaling is not composed with expert parallelism yet; use "
-                "'bf16' or 'fp32'"
-            )
 
     def mesh_shape(self, world_size: int) -> dict[str, int]:
         if world_size % self.ep:

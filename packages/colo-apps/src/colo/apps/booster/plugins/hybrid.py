@@ -87,7 +87,7 @@ class HybridParallel(Plugin):
     averaged and sharded over ``dp x ep``, experts over ``dp`` (`colo.zero.ExpertParallelZero`). Composes with
     ``pp`` (each stage's blocks use the ep group inside the stage) and 1D ``tp`` (attention and dense layers split
     over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``); not with ``sp``
-    / ``sp_mode`` or fp16."""
+    / ``sp_mode``, nor fp16 with ``pp`` (fp16 otherwise: one loss scaler for dense and expert parts)."""
     expert_tensor_parallel: bool = False
     """With ``tp > 1`` and a mixture-of-experts model: split each expert's FFN over the tp group as well (its gate and
     up projections by columns, its down projection by rows; Megatron-Core's expert tensor parallelism,
@@ -382,12 +382,13 @@ _RULES: tuple[LayoutRule, ...] = (
     LayoutRule(
         "precision",
         UnsupportedLayout,
-        lambda p: not _not_positive(p.ep) and p.ep > 1 and p.precision == "fp16",
+        lambda p: not _not_positive(p.ep) and p.ep > 1 and p.precision == "fp16" and p.pp > 1,
         lambda p: (
-            f"HybridParallel.precision='fp16' with ep={p.ep}: loss scaling is not composed with expert parallelism "
-            "yet; use precision='bf16' or 'fp32'"
+            f"HybridParallel.precision='fp16' with ep={p.ep} and pp={p.pp}: a stage without MoE blocks has no expert "
+            "part to join the loss scaler's overflow check (and the stages' aux losses are not loss-scaled); use "
+            "precision='bf16' or 'fp32' with pp"
         ),
-        summary="`precision: fp16` with `ep` > 1",
+        summary="`precision: fp16` with `ep` > 1 and `pp` > 1",
     ),
     LayoutRule(
         "tp_mode",

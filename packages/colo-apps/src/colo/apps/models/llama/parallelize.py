@@ -223,6 +223,17 @@ def apply_tp(
         # only mixture-of-experts MLPs here (MoELlama, or one of its stages): they stay whole on every tp rank
         for name in [name for name in plan if name.startswith("layers.*.mlp.")]:
             del plan[name]
+    latent = _latent_attention(model)
+    if latent is not None:  # DeepSeek's multi-head latent attention: its heads split, its latents replicated
+        from ..moe_llama.parallelize import latent_attention_tp_plan
+
+        if sequence_parallel:
+            raise ValueError(
+                "Megatron sequence parallelism is not implemented for multi-head latent attention (its replicated "
+                "latent projections would need the whole sequence); use sp_mode=None with tp"
+            )
+        del plan["layers.*.self_attn.qkv_proj"]
+        plan.update(latent_attention_tp_plan(q_lora=latent.q_lora_rank is not None))
     if embed is None:  # a pipeline stage without the embedding
         del plan["embed_tokens"]
     if lm_head is None:  # a pipeline stage without the head
@@ -245,6 +256,10 @@ def apply_tp(
     if init_fn is None:
         init_fn = functools.partial(init_llama_module, config=config, seed=seed)
     parallelize(model, mesh, plan, axis=axis, materialize=materialize, init_fn=init_fn)
+    if latent is not None:
+        from ..moe_llama.parallelize import finish_latent_attention_tp
+
+        finish_latent_attention_tp(model, mesh=mesh, axis=axis)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     if lm_head is not None:
@@ -255,6 +270,16 @@ def apply_tp(
             )
         else:
             model.objective = CausalLMObjective(ignore_index=ignore_index, fused=False)
+
+
+def _latent_attention(model: nn.Module):
+    """The first decoder layer's attention when it is multi-head latent attention (it has ``kv_b_proj``), else
+    ``None``."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return None
+    attention = next(iter(layers.values())).self_attn
+    return attention if hasattr(attention, "kv_b_proj") else None
 
 
 def parallelize_llama(

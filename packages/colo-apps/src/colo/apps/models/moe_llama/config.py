@@ -322,9 +322,38 @@ MOE_PRESETS: dict[str, MoELlamaConfig] = {
         num_local_experts=8,
         num_experts_per_tok=2,
     ),
+    # DeepSeek-V3 (DeepSeek-AI, 2024; transformers' DeepseekV3Config defaults, without the multi-token prediction
+    # module): 671B parameters, 37.6B active; for `colo plan`
+    "deepseek-v3": MoELlamaConfig(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        score_func="sigmoid",
+        expert_bias=True,
+        first_k_dense_replace=3,
+        router_aux_loss_coef=1e-4,
+        aux_loss_type="sequence",
+    ),
 }
 """Named MoE shapes: ``tiny-moe`` (CPU tests), ``tiny-mixtral`` and ``tiny-deepseek`` (CPU demos), ``mixtral-8x7b``,
-``mixtral-8x22b``."""
+``mixtral-8x22b``, ``deepseek-v3`` (planning)."""
 
 
 def get_moe_preset(name: str, **overrides) -> MoELlamaConfig:
