@@ -245,6 +245,18 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...], sequence_parallel: bo
     )
 
 
+_GRPO_RULES = (
+    TaskRule(
+        "grpo.pack_rows",
+        lambda c: c.grpo.pack_rows and c.plugin.name == "hybrid" and c.plugin.sp > 1,
+        lambda c: (
+            f"grpo.pack_rows under plugin.sp={c.plugin.sp} is not supported yet (the sequence-parallel forward splits "
+            "the padded rows); set grpo.pack_rows=false or plugin.sp=1"
+        ),
+        summary="grpo.pack_rows with plugin.sp > 1",
+    ),
+)
+
 _PPO_RULES = (
     TaskRule(
         "lora.enabled",
@@ -345,7 +357,10 @@ RLHF_TASKS = (
         load=_grpo_task,
         section="grpo",
         section_type=GRPOSection,
-        rules=_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
+        rules=(
+            *_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
+            *_GRPO_RULES,
+        ),
     ),
     TaskSpec(
         name="ppo",
