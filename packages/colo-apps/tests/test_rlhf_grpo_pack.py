@@ -2,12 +2,12 @@
 
 On a hand-made rollout batch of prompts of 2-6 tokens (left-padded to 6) and responses of 0-9 tokens (right-padded to
 9), the rollout forward with the rows packed (each row's segment a document of its own in rows of twice the batch's
-width; one forward) gives the padded forward's log-probs and entropies (atol 1e-5), and the GRPO loss (clipped ratio, k3 KL,
-seq-mean-token-mean) and every parameter gradient through it equal the padded update's (rtol 1e-5, atol 1e-6; fp32:
-attention sums over the same keys in another layout, so not bit-identical) while computing half the positions.
-A row without a response needs nothing; a budget shorter than a row's segment is refused; the packed rows hold each
-segment at positions from 0 under its own document id, and no log-prob leaks across two segments (a changed token in
-one row leaves the other rows' log-probs as they were).
+width; one forward) gives the padded forward's log-probs and entropies (atol 1e-5), and the GRPO loss (clipped ratio, k3
+KL, seq-mean-token-mean) and every parameter gradient through it equal the padded update's (rtol 1e-5, atol 1e-6; fp32:
+attention sums over the same keys in another layout, so not bit-identical) while computing half the positions. A row
+without a response needs nothing; a budget shorter than a row's segment is refused; the packed rows hold each segment at
+positions from 0 under its own document id, and no log-prob leaks across two segments (a changed token in one row leaves
+the other rows' log-probs as they were).
 """
 
 from __future__ import annotations

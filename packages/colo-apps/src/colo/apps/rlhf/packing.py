@@ -2,15 +2,15 @@
 that no compute is spent on padding.
 
 A rollout batch holds ``(R, P + T)`` rows: each prompt left-padded to ``P`` columns and each response right-padded to
-``T`` (`colo.apps.generation.rollout_model_inputs`). Row ``r`` needs only its real tokens up to the one before its
-last response token (the positions that predict its ``t_r`` response tokens); everything else is padding, and with
-prompts and responses of different lengths (long reasoning responses above all) most of the batch can be.
-`pack_rollout_rows` lays those segments one after another into rows of ``budget`` tokens (first fit, longest
-first), each a document of its own (positions from 0, `colo.kernels.document_mask`: attention never crosses two segments);
-`packed_token_logps` runs colo's `Llama` once over the packed rows and scatters the per-token log-probs and entropies
-back to ``(R, T)``, so the loss, its aggregation and the microbatches are unchanged. Causal attention within a
-segment sees exactly what it saw in its padded row, so the values are the padded forward's up to rounding
-(`tests/test_rlhf_grpo_pack.py`: log-probs, loss and every gradient equal).
+``T`` (`colo.apps.generation.rollout_model_inputs`). Row ``r`` needs only its real tokens up to the one before its last
+response token (the positions that predict its ``t_r`` response tokens); everything else is padding, and with prompts
+and responses of different lengths (long reasoning responses above all) most of the batch can be. `pack_rollout_rows`
+lays those segments one after another into rows of ``budget`` tokens (first fit, longest first), each a document of its
+own (positions from 0, `colo.kernels.document_mask`: attention never crosses two segments); `packed_token_logps` runs
+colo's `Llama` once over the packed rows and scatters the per-token log-probs and entropies back to ``(R, T)``, so the
+loss, its aggregation and the microbatches are unchanged. Causal attention within a segment sees exactly what it saw in
+its padded row, so the values are the padded forward's up to rounding (`tests/test_rlhf_grpo_pack.py`: log-probs, loss
+and every gradient equal).
 """
 
 from __future__ import annotations
