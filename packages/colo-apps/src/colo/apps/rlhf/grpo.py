@@ -72,9 +72,9 @@ def attach_rollout_forward(
             rounding, with the prompt's repeated work left out. colo's `Llama` takes it only when nothing is laid
             over its layers; nor does any model with hooks or activation checkpointing (`can_share_prompts`); they,
             and rows that share nothing, take the full forward. Default: ``True``.
-        pack_rows (bool): colo's `Llama` runs the rows packed into rows of the batch's width, each row's segment a
-            document of its own, and the values are scattered back (`colo.apps.rlhf.packing`): no compute on
-            padding. The tokens it computes against the padded forward's are counted in ``model.pack_tokens``
+        pack_rows (bool): colo's `Llama` runs the rows packed into rows of twice the batch's width, each row's
+            segment a document of its own, and the values are scattered back (`colo.apps.rlhf.packing`): no compute
+            on padding. The tokens it computes against the padded forward's are counted in ``model.pack_tokens``
             (``[padded, packed]``). Under sequence parallelism the rows are split as they are. Default: ``False``.
 
     Returns:
