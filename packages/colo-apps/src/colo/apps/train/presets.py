@@ -194,7 +194,8 @@ RUN_PRESETS: dict[str, dict] = {
     # worked solution in GSM8K's form ('12+9=' -> '2+9=11, 10+0=10, 10+11=21 #### 21', up to 34 tokens and eos: ~9x
     # tiny-grpo's answers), rewarded by the math-answer checker (the number after '####'). Both ranks are one
     # sequence-parallel pair (HybridParallel sp2, Ulysses): the update splits every rollout row between them and
-    # gathers the per-token log-probs.
+    # gathers the per-token log-probs. 200 SFT steps, then 150 GRPO steps (G = 8, 16 prompts, sampled at 0.7: at 1.0
+    # the 35-token chains were rarely right and the held-out reward fell, measured).
     "tiny-grpo-long": {
         "name": "tiny-grpo-long",
         "output_dir": "runs/tiny-grpo-long",
@@ -214,7 +215,7 @@ RUN_PRESETS: dict[str, dict] = {
             "max_new_tokens": 36,
             "sft_steps": 200,
             "beta": 0.04,
-            "temperature": 1.0,
+            "temperature": 0.7,
         },
         "checkpoint": {"every_steps": 50, "keep_last": 2, "resume": "auto"},
         "logging": {"every_steps": 10},
