@@ -195,7 +195,7 @@ RUN_PRESETS: dict[str, dict] = {
     # tiny-grpo's answers), rewarded by the math-answer checker (the number after '####'). Both ranks are one
     # sequence-parallel pair (HybridParallel sp2, Ulysses): the update splits every rollout row between them and
     # gathers the per-token log-probs. 200 SFT steps, then 150 GRPO steps (G = 8, 16 prompts, sampled at 0.7: at 1.0
-    # the 35-token chains were rarely right and the held-out reward fell, measured).
+    # the sampled reward stayed ~0.2 and the held-out reward was 0.250 at step 250, measured).
     "tiny-grpo-long": {
         "name": "tiny-grpo-long",
         "output_dir": "runs/tiny-grpo-long",
