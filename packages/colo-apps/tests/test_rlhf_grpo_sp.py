@@ -104,28 +104,7 @@ def _sp_case(settings: dict) -> dict:
             torch.testing.assert_close(value, wanted, rtol=1e-5, atol=1e-4)
         except AssertionError as error:
             mismatches.append(f"{name}: {error}")
-    if settings.get("tp", 1) == 1 and settings.get("dp", 1) == 1:
-        mismatches += _ppo_forward_refuses_sp(booster, batch)
     return {"mismatches": mismatches, "traffic": traffic, "num_params": len(full)}
-
-
-def _ppo_forward_refuses_sp(booster, batch) -> list[str]:
-    """PPO's forward is not split along the sequence: on a sequence-parallel Llama it refuses whole rows (they would
-    reach the Ulysses / ring cores as if they were a piece) instead of computing wrong values."""
-    from colo.apps import Llama, get_preset
-    from colo.apps.rlhf import attach_ppo_forward
-
-    with torch.device("meta"):
-        model = Llama(get_preset("tiny", initializer_range=0.1))
-    booster.engine.plan.apply(model, mesh=booster.engine.mesh, plugin=booster.plugin)
-    attach_ppo_forward(model, role="actor")
-    keys = ("input_ids", "position_ids", "document_ids", "response_mask")
-    try:
-        with torch.no_grad():
-            model(**{k: batch[k] for k in keys if k in batch})
-    except ValueError as error:
-        return [] if "sequence parallelism" in str(error) else [f"PPO forward: {error}"]
-    return ["the PPO forward ran whole rows through the sequence-parallel cores"]
 
 
 def _check_sp_case(results, *, chunks: int) -> None:

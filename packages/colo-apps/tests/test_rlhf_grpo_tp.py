@@ -6,13 +6,13 @@
 2. GRPO steps (rollout, rewards, group advantages, old log-probs recomputed through the boosted model, a frozen
    tensor-parallel reference, a clipped update with the KL term, AdamW with clipping) under tp2 (zero_stage 1) and
    tp2 x dp2 (zero_stage 3, 4 ranks) equal one process doing the same on every data-parallel rank's prompts: sampled
-   tokens equal, rollout log-probs within 1e-5 of the single process's and of the trainer's recompute, losses rtol
-   1e-5, every parameter rtol 1e-5 / atol 1e-4 after the last step, the step metrics (entropy, KL, clip fraction,
-   ratio) rtol 1e-5 (fp32). Not bit-identical: tensor parallelism sums the row-parallel products and the vocabulary
-   statistics in another order, the data-parallel mean of per-rank gradients too, and AdamW turns the rounding of
-   near-zero gradient entries into small steps. The policy forward issues no all-gather over tp, and its tp traffic
-   is exactly the activations' all-reduces plus 4 floats per response token; a policy forward that gathers the
-   logits is caught by the same check.
+   tokens equal, rollout log-probs within 1e-5 of the single process's and of the trainer's recompute, losses and
+   gradient norms (before clipping) rtol 1e-5, every parameter rtol 1e-5 / atol 1e-4 after the last step, the step
+   metrics (entropy, KL, clip fraction, ratio) rtol 1e-5 (fp32). Not bit-identical: tensor parallelism sums the
+   row-parallel products and the vocabulary statistics in another order, the data-parallel mean of per-rank gradients
+   too, and AdamW turns the rounding of near-zero gradient entries into small steps. The policy forward issues no
+   all-gather over tp, and its tp traffic is exactly the activations' all-reduces plus 4 floats per response token; a
+   policy forward that gathers the logits is caught by the same check.
 3. The trainer: ``data.task: grpo`` under ``plugin.name: hybrid, tp: 2`` (2 SFT + 2 GRPO steps) logs the same
    per-step losses as the single-process DDP run, and a resumed run reads each tp rank's reference shards back.
 """
@@ -257,11 +257,16 @@ def _tp_case(settings: dict) -> dict:
             traffic["shape"] = (*batch["input_ids"].shape, *batch["response_mask"].shape)
         counts = global_counts(batch["response_mask"], max_new_tokens=5, group=dp_group)
         criterion.prepare(counts, num_microbatches=1, num_data_ranks=dp_group.size)
-        loss = float(booster.train_step(batch).loss)
+        outcome = booster.train_step(batch)
+        loss, grad_norm = float(outcome.loss), float(outcome.grad_norm)
         metrics = criterion.take_metrics(dp_group)
         wanted = expected["steps"][step]
         if loss != pytest.approx(wanted["loss"], rel=1e-5, abs=1e-7):
             mismatches.append(f"step {step}: loss {loss} vs {wanted['loss']}")
+        # AdamW hides a uniform scale of the gradient (e.g. a tp gradient all-reduce that averaged instead of
+        # summing): the norm before clipping shows it
+        if grad_norm != pytest.approx(wanted["grad_norm"], rel=1e-5):
+            mismatches.append(f"step {step}: grad norm {grad_norm} vs {wanted['grad_norm']}")
         for name in ("entropy", "kl", "clip_fraction", "ratio"):
             if metrics[name] != pytest.approx(wanted["metrics"][name], rel=1e-5, abs=1e-7):
                 mismatches.append(f"step {step}: {name} {metrics[name]} vs {wanted['metrics'][name]}")

@@ -43,6 +43,8 @@ def _rollout_batch() -> tuple[dict, torch.Tensor, torch.Tensor]:
 def _plugin(name: str):
     from colo.apps import DDP, HybridParallel, Zero
 
+    if name.startswith("sp2-"):  # (test_rlhf_ppo_sp.py)
+        return HybridParallel(sp=2, sp_mode=name[4:])
     return {"ddp": DDP(), "zero3": Zero(stage=3), "tp2": HybridParallel(tp=2)}[name]
 
 

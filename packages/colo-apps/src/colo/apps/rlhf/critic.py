@@ -11,6 +11,11 @@ response_mask=(R, T), position_ids=..., document_ids=... | attention_mask=...)``
   the token is sampled in, the alignment of the logits), fp32;
 - ``role="actor_critic"``: all three from one pass of a shared backbone (`add_value_head`).
 
+Under Ulysses or ring attention (`colo.apps.HybridParallel` ``sp > 1``) colo's `Llama` takes the rows whole, each
+rank computes the outputs of its piece of every row and the ``(R, T)`` values are all-gathered over sp
+(`colo.apps.rlhf.sequence_logps.split_rollout_outputs`, GRPO's path): every sp rank then holds whole rows, on which
+GAE and the losses run unchanged, and the gather's backward sums the ranks' gradients.
+
 Called without ``response_mask`` the model behaves as before (generation, eval).
 
 Heads:
@@ -39,6 +44,7 @@ from ..booster.llama_plan import materialize_fn_of, sequence_split_of, set_mater
 from ..booster.plans import find_plan
 from ..models.llama import Llama
 from .modeling import make_reward_model
+from .sequence_logps import split_rollout_outputs
 from .token_logps import llama_token_logps, token_logps
 
 ROLES = ("actor", "critic", "actor_critic")
@@ -236,11 +242,6 @@ def attach_ppo_forward(
                 # as data parallelism needs every trained parameter to get one
                 output.loss = output.loss + 0.0 * self.value_head.weight.sum()
             return output
-        if native and sequence_split_of(self) is not None:  # whole rows would reach the sequence-parallel cores
-            raise ValueError(
-                "attach_ppo_forward: PPO does not run under sequence parallelism (HybridParallel sp > 1) yet: its "
-                "values are not split along the sequence; use sp=1 (GRPO, DPO and reward models run under sp)"
-            )
         inputs = {name: kwargs[name] for name in _MODEL_INPUTS if kwargs.get(name) is not None}
         length = response_mask.shape[1]
         prompt = input_ids.shape[1] - length
@@ -249,6 +250,15 @@ def attach_ppo_forward(
                 f"a rollout batch holds (R, P + T) input_ids with P >= 1 prompt columns before the {length} response "
                 f"columns of response_mask, got input_ids {tuple(input_ids.shape)}"
             )
+        split = sequence_split_of(self) if native else None
+        if split is not None:  # Ulysses / ring: this rank's piece of each row, the values gathered over sp
+            head = self.lm_head if role == "critic" else getattr(self, "value_head", None)
+            return split_rollout_outputs(
+                self, split, input_ids, first=prompt - 1, last=input_ids.shape[1] - 1,
+                position_ids=inputs.get("position_ids"), document_ids=inputs.get("document_ids"),
+                temperature=temperature, logps=role != "critic", entropy=True, entropy_grad=True,
+                vocab_limit=vocab_limit, value_head=head if role != "actor" else None,
+            )  # fmt: skip
         hidden = _backbone_hidden(self, native and not classifier, inputs, input_ids)[:, prompt - 1 : -1]
         result = {}
         if role == "critic":

@@ -37,6 +37,7 @@ from ..generation.rollout import (
     shared_prompt_rows,
 )
 from ..models.llama import Llama
+from .packing import pack_rollout_rows, packed_token_logps
 from .policy_loss import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -50,7 +51,9 @@ from .token_logps import llama_token_logps, token_logps
 _MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
 
 
-def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompts: bool = True) -> nn.Module:
+def attach_rollout_forward(
+    model: nn.Module, *, temperature: float, share_prompts: bool = True, pack_rows: bool = False
+) -> nn.Module:
     """Make ``model(input_ids=..., response_mask=..., ...)`` return per-token log-probs and entropies of the
     response (module docstring); every other call is the model's own forward.
 
@@ -69,6 +72,10 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
             rounding, with the prompt's repeated work left out. colo's `Llama` takes it only when nothing is laid
             over its layers; nor does any model with hooks or activation checkpointing (`can_share_prompts`); they,
             and rows that share nothing, take the full forward. Default: ``True``.
+        pack_rows (bool): colo's `Llama` runs the rows packed into rows of twice the batch's width, each row's
+            segment a document of its own, and the values are scattered back (`colo.apps.rlhf.packing`): no compute
+            on padding. The tokens it computes against the padded forward's are counted in ``model.pack_tokens``
+            (``[padded, packed]``). Under sequence parallelism the rows are split as they are. Default: ``False``.
 
     Returns:
         nn.Module: ``model``, changed in place.
@@ -76,6 +83,12 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
     if getattr(model, "_colo_rollout_forward", False):
         raise ValueError(f"attach_rollout_forward: {type(model).__name__} already has a rollout forward")
     native = isinstance(model, Llama)
+    if pack_rows and not native:
+        raise ValueError(
+            f"attach_rollout_forward: pack_rows needs colo's Llama (document masks), got {type(model).__name__}; "
+            "set grpo.pack_rows=false"
+        )
+    model.pack_tokens = [0, 0]
     class_forward = type(model).forward
 
     def rollout_forward(self, input_ids=None, *args, response_mask=None, **kwargs):
@@ -104,6 +117,16 @@ def attach_rollout_forward(model: nn.Module, *, temperature: float, share_prompt
                     temperature=temperature,
                     entropy=True,
                 )
+                return {"logps": logps, "entropy": entropy}
+            if pack_rows:  # the rows' segments packed, each a document of its own, the values scattered back
+                positions = inputs.get("position_ids")
+                if positions is None:
+                    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+                packed = pack_rollout_rows(input_ids, positions.expand_as(input_ids), response_mask)
+                self.pack_tokens[0] += packed.padded_tokens
+                self.pack_tokens[1] += packed.packed_tokens
+                shape = tuple(response_mask.shape)
+                logps, entropy = packed_token_logps(self, packed, shape, temperature=temperature)
                 return {"logps": logps, "entropy": entropy}
             shared = None
             if share_prompts and "document_ids" in inputs and "position_ids" in inputs and can_share_prompts(self):

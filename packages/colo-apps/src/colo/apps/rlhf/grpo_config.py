@@ -47,6 +47,12 @@ class RolloutSection(BaseModel):
         "(colo.apps.rlhf.synthetic.arithmetic_prompts: 'a+b=' with the answer column).",
     )
     max_operand: int = Field(default=20, ge=1, description="Synthetic prompts add integers in [0, max_operand).")
+    synthetic_answer: Literal["sum", "worked"] = Field(
+        default="sum",
+        description="The synthetic prompts' answer column: 'sum' ('19'), or 'worked' (colo.apps.rlhf.synthetic."
+        "worked_sum, GSM8K's form: '2+7=9, 10+0=10, 10+9=19 #### 19', the SFT target of longer responses; reward "
+        "it with colo.apps.rlhf.math_answer:math_answer, which compares the numbers after '####').",
+    )
     eval_samples: int = Field(
         default=0,
         ge=0,
@@ -107,6 +113,13 @@ class GRPOSection(RolloutSection):
     )
     overlong_penalty: float = Field(
         default=1.0, ge=0, description="The overlong punishment at the budget (-penalty at n = max_new_tokens)."
+    )
+    pack_rows: bool = Field(
+        default=False,
+        description="Pack the rollout rows of each update microbatch (and of the reference's forward) into rows of "
+        "the batch's width, each row's prompt and response a document of its own, so no compute goes to padding "
+        "(colo.apps.rlhf.packing; the same log-probs, loss and gradients as the padded rows). Metric: "
+        "grpo/pack_padding_saved, the share of the padded forward's positions not computed. colo's Llama, sp=1.",
     )
     mask_truncated: bool = Field(
         default=False,

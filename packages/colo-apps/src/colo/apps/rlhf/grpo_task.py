@@ -107,6 +107,7 @@ class GRPOTask(LanguageModelTask):
         self._batches = None
         self._window: dict[str, float] = {}
         self._window_max: dict[str, float] = {}
+        self._packed_models: list[torch.nn.Module] = []  # grpo.pack_rows: the policy and the reference
 
     # --- hooks of the trainer -------------------------------------------------------------------------------------
 
@@ -116,7 +117,11 @@ class GRPOTask(LanguageModelTask):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses)."""
-        attach_rollout_forward(model, temperature=self.settings.temperature)
+        attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
+        self._packed_models = [model]
+
+    def _pack_rows(self) -> bool:
+        return bool(getattr(self.settings, "pack_rows", False))  # (a grpo setting; ppo's section has none)
 
     def before_step(self, trainer, step: int) -> None:
         """Nothing: `train_step` runs the whole step."""
@@ -139,6 +144,10 @@ class GRPOTask(LanguageModelTask):
         group = trainer.sample_group
         prefix = self.metric_prefix
         metrics = {f"{prefix}/{k}": v for k, v in self.criterion.take_metrics(group).items()}
+        for model in self._packed_models if self._pack_rows() else ():  # grpo.pack_rows: the positions computed
+            padded, packed = model.pack_tokens
+            model.pack_tokens[:] = [0, 0]
+            self._add(pack_padded_tokens=float(padded), pack_packed_tokens=float(packed))
         window, maxima = self._window, self._window_max
         self._window, self._window_max = {}, {}
         names = sorted(window)
@@ -174,6 +183,10 @@ class GRPOTask(LanguageModelTask):
                     f"{prefix}/time_update": total["update_seconds"] / steps,
                 }
             )
+            if total.get("pack_padded_tokens"):  # grpo.pack_rows: the padded forwards' positions not computed
+                metrics[f"{prefix}/pack_padding_saved"] = (
+                    1.0 - total["pack_packed_tokens"] / total["pack_padded_tokens"]
+                )
             if "skipped_rows" in total:  # rows whose loss is identically zero, left out of the update's compute
                 metrics[f"{prefix}/skipped_fraction"] = total["skipped_rows"] / rows
             if "truncated_rows" in total:  # TRL's completions/clipped_ratio: rows that ran out of budget
@@ -474,7 +487,9 @@ class GRPOTask(LanguageModelTask):
         """The frozen policy ``state`` laid out as the policy is (`Booster.frozen_copy`: under tp its shards)."""
         with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream
             model = trainer.booster.frozen_copy(trainer.build_model(), state)
-        return attach_rollout_forward(model, temperature=self.settings.temperature)
+        attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
+        self._packed_models.append(model)
+        return model
 
     # --- metrics --------------------------------------------------------------------------------------------------
 

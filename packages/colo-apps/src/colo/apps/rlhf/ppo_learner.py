@@ -142,10 +142,12 @@ class PPOLearner:
 
     def update(self, batch: Mapping[str, torch.Tensor], stats: Mapping[str, float] | None = None) -> dict:
         """``epochs x minibatches`` updates of the actor and the critic; then the KL controller's step (with
-        ``stats`` from `experience`). Returns ``{"actor": [losses], "critic": [losses], "last": StepResult}``."""
+        ``stats`` from `experience`). Returns ``{"actor": [losses], "critic": [losses], "actor_grad_norms": [...],
+        "critic_grad_norms": [...], "last": StepResult}`` (the gradient norms before clipping, one an update)."""
         settings = self.settings
         ranks = self._num_data_ranks()
         actor_losses, critic_losses, outcome = [], [], None
+        actor_norms, critic_norms = [], []
         for _ in range(settings.epochs):
             for part in split_batch(dict(batch), settings.minibatches):
                 counts = global_counts(part["response_mask"], max_new_tokens=settings.max_new_tokens, group=self.group)
@@ -154,11 +156,15 @@ class PPOLearner:
                 )
                 outcome = self.actor.train_step(part)
                 actor_losses.append(outcome.loss)
+                actor_norms.append(outcome.grad_norm)
                 if self.critic is not None:
                     self.critic_criterion.prepare(
                         counts, num_microbatches=self.critic.plugin.num_microbatches, num_data_ranks=ranks
                     )
-                    critic_losses.append(self.critic.train_step(part).loss)
+                    critic_outcome = self.critic.train_step(part)
+                    critic_losses.append(critic_outcome.loss)
+                    critic_norms.append(critic_outcome.grad_norm)
         if stats is not None:
             self.kl_controller.update(stats["kl"], int(stats["rows"]))
-        return {"actor": actor_losses, "critic": critic_losses, "last": outcome}
+        return {"actor": actor_losses, "critic": critic_losses, "actor_grad_norms": actor_norms,
+                "critic_grad_norms": critic_norms, "last": outcome}  # fmt: skip

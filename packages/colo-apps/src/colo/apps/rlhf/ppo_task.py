@@ -18,6 +18,11 @@ its own AdamW and LR schedule) on the same ranks. Its checkpoint is ``checkpoint
 the actor's of the same step commits; the KL controller's state goes in the actor's checkpoint metadata. A resumed
 run restores actor, critic, both optimizers and the controller exactly.
 
+Under `HybridParallel` sequence parallelism (Ulysses or ring attention over ``sp``) the actor, the critic and the
+reference take whole rollout rows, each sp rank computes the log-probs and values of its piece of every row and the
+``(R, T)`` values are gathered over sp (`colo.apps.rlhf.sequence_logps`), so GAE, whitening and the losses run on
+whole rows, the same on every sp rank; a ``hybrid`` critic runs with the actor's ``tp``, ``sp`` and ``sp_mode``.
+
 Under `HybridParallel` tensor parallelism (tp x dp, pp = 1) the actor's log-probs and entropies come from each rank's
 vocabulary columns (`colo.apps.rlhf.token_logps`), and the frozen reference is laid out as the policy
 (`Booster.frozen_copy`, GRPO's). The separate critic runs under ``ppo.critic_plugin``, by default the actor's own
@@ -119,7 +124,8 @@ class PPOTask(GRPOTask):
     def take_metrics(self, trainer) -> dict[str, float]:
         """GRPO's metrics (as ``ppo/...``), the critic's, and the experience statistics: ``ppo/kl`` (mean summed
         k1 per sequence), ``ppo/kl_coef``, ``ppo/score``, ``ppo/returns``, ``ppo/values``,
-        ``ppo/explained_variance``; the means of this logging window."""
+        ``ppo/explained_variance``, and with a separate critic ``ppo/critic_loss`` and ``ppo/critic_grad_norm``; the
+        means of this logging window."""
         metrics = super().take_metrics(trainer)
         if self.critic_criterion is not None:
             metrics.update({f"ppo/{k}": v for k, v in self.critic_criterion.take_metrics(trainer.sample_group).items()})
@@ -300,6 +306,9 @@ class PPOTask(GRPOTask):
             self._stats["critic_loss"] = self._stats.get("critic_loss", 0.0) + sum(result["critic"]) / len(
                 result["critic"]
             )
+        norms = [float(norm) for norm in result["critic_grad_norms"] if norm is not None]
+        if norms:  # the critic's gradient norm before clipping, the mean of the step's updates
+            self._stats["critic_grad_norm"] = self._stats.get("critic_grad_norm", 0.0) + sum(norms) / len(norms)
         self._stats["_count"] = self._stats.get("_count", 0.0) + 1.0
         outcome = result["last"]
         loss = sum(result["actor"]) / len(result["actor"])

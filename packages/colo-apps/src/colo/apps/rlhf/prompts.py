@@ -85,8 +85,10 @@ def build_prompt_dataset(data, grpo, tokenizer) -> tuple[Dataset, Any, str]:
         records = read_preference_records(data.paths, format=data.format)
         source = ", ".join(data.paths)
     else:
-        records = arithmetic_prompts(grpo.synthetic_prompts, seed=0, max_operand=grpo.max_operand)
+        worked = grpo.synthetic_answer == "worked"
+        records = arithmetic_prompts(grpo.synthetic_prompts, seed=0, max_operand=grpo.max_operand, worked=worked)
         source = f"{grpo.synthetic_prompts} synthetic addition prompts (operands below {grpo.max_operand})"
+        source += ", worked answers" if worked else ""
     try:
         prompts = PromptDataset(records, tokenizer, max_prompt_len=grpo.max_prompt_len, prompt_field=data.prompt_field)
     except ValueError as error:

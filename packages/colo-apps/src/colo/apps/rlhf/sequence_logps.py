@@ -72,6 +72,21 @@ def _gather_rows(local: torch.Tensor, split: SequenceSplit, padded: int) -> torc
     return gather_sequence(local, group=split.group, layout=split.layout, seq_len=padded, dim=-1, sum_grad=True)
 
 
+def _split_positions(model, split, input_ids, first, last, position_ids, document_ids, compute) -> torch.Tensor:
+    """``(k, rows, last - first)``: the ``k`` per-position values ``compute(hidden, held)`` gives for this rank's
+    positions among ``first .. last - 1`` (``hidden`` their final hidden states, ``held`` their column in the row),
+    gathered over the ``sp`` group in one all-gather."""
+    rows, length = input_ids.shape
+    if not 0 <= first <= last <= length:
+        raise ValueError(f"sequence-parallel forward: positions {first} .. {last} are not within rows of {length}")
+    hidden, held, padded = _local_hidden(model, split, input_ids, position_ids, document_ids)
+    scoring = ((held >= first) & (held < last)).nonzero().flatten()
+    values = torch.stack([value.float() for value in compute(hidden.index_select(1, scoring), held[scoring])])
+    local = torch.zeros(values.shape[0], rows, held.numel(), dtype=torch.float32, device=input_ids.device)
+    local = local.index_copy(2, scoring, values)
+    return _gather_rows(local, split, padded)[:, :, first:last]
+
+
 def split_token_logps(
     model: Llama,
     split: SequenceSplit,
@@ -84,6 +99,8 @@ def split_token_logps(
     document_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     entropy: bool = False,
+    entropy_grad: bool = False,
+    vocab_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the tokens that positions ``first .. last - 1`` of whole rows predict, computed
     on this rank's piece of each row and gathered over the ``sp`` group (module docstring).
@@ -102,33 +119,85 @@ def split_token_logps(
         position_ids (torch.Tensor | None): ``(rows, length)`` or ``(1, length)`` positions. Default: ``None``.
         document_ids (torch.Tensor | None): ``(rows, length)`` the whole rows' document ids. Default: ``None``.
         temperature (float): the sampling temperature. Default: ``1.0``.
-        entropy (bool): also return the entropies (detached: a metric). Default: ``False``.
+        entropy (bool): also return the entropies. Default: ``False``.
+        entropy_grad (bool): keep the entropies differentiable (an entropy bonus; gathered as the log-probs are);
+            else they are detached (a metric). Default: ``False``.
+        vocab_limit (int | None): only ids below it are classes (`colo.apps.rlhf.token_logps.llama_token_logps`).
+            Default: ``None``.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor | None]: ``(logps, entropy)``, each ``(rows, last - first)`` float32, the
         same on every rank; ``logps`` differentiable.
     """
-    rows, length = input_ids.shape
-    if targets is None:
+    outputs = split_rollout_outputs(
+        model, split, input_ids, first=first, last=last, targets=targets, position_ids=position_ids,
+        document_ids=document_ids, temperature=temperature, entropy=entropy, entropy_grad=entropy_grad,
+        vocab_limit=vocab_limit,
+    )  # fmt: skip
+    return outputs["logps"], outputs.get("entropy")
+
+
+def split_rollout_outputs(
+    model: Llama,
+    split: SequenceSplit,
+    input_ids: torch.Tensor,
+    *,
+    first: int,
+    last: int,
+    targets: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logps: bool = True,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    vocab_limit: int | None = None,
+    value_head: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
+    """PPO's per-token outputs of whole rows from one pass of a sequence-parallel backbone: the log-probs (and
+    entropies) of `split_token_logps` and, with ``value_head`` (a ``hidden -> 1`` module: a critic's scalar
+    ``lm_head`` or a shared backbone's ``value_head``), its value at each position ``first .. last - 1``, all
+    computed on this rank's piece and gathered over ``sp`` together (one all-gather; the backward sums the ranks'
+    gradients, module docstring).
+
+    Args:
+        model, split, input_ids, first, last, targets, position_ids, document_ids, temperature, entropy,
+            entropy_grad, vocab_limit: as `split_token_logps`.
+        logps (bool): compute the log-probs (``False``: a critic, values only). Default: ``True``.
+        value_head (torch.nn.Module | None): the value head; ``None``: no values. Default: ``None``.
+
+    Returns:
+        dict[str, torch.Tensor]: ``logps`` (and ``entropy``) when ``logps``, ``values`` with a ``value_head``; each
+        ``(rows, last - first)`` float32, the same on every rank.
+    """
+    if not logps and value_head is None:
+        raise ValueError("split_rollout_outputs: asked for neither log-probs nor values")
+    length = input_ids.shape[1]
+    if logps and targets is None:
         targets = F.pad(input_ids[:, 1:], (0, 1))
         if last > length - 1:
             raise ValueError(f"split_token_logps: last={last} leaves no next token in rows of {length}")
-    if not 0 <= first <= last <= length:
-        raise ValueError(f"split_token_logps: positions {first} .. {last} are not within rows of {length}")
-    hidden, held, padded = _local_hidden(model, split, input_ids, position_ids, document_ids)
-    scoring = ((held >= first) & (held < last)).nonzero().flatten()
-    logps, entropies = llama_token_logps(
-        model,
-        hidden.index_select(1, scoring),
-        targets.index_select(1, held.index_select(0, scoring)),
-        temperature=temperature,
-        entropy=entropy,
-    )
-    values = [logps] if entropies is None else [logps, entropies.detach()]
-    local = torch.zeros(len(values), rows, held.numel(), dtype=torch.float32, device=input_ids.device)
-    local = local.index_copy(2, scoring, torch.stack(values))
-    whole = _gather_rows(local, split, padded)[:, :, first:last]
-    return whole[0], (whole[1] if entropies is not None else None)
+    names = []
+
+    def compute(hidden: torch.Tensor, held: torch.Tensor) -> list[torch.Tensor]:
+        values = []
+        if logps:
+            token_logps, entropies = llama_token_logps(
+                model, hidden, targets.index_select(1, held), temperature=temperature, vocab_limit=vocab_limit,
+                entropy=entropy, entropy_grad=entropy_grad,
+            )  # fmt: skip
+            names.append("logps")
+            values.append(token_logps)
+            if entropies is not None:
+                names.append("entropy")
+                values.append(entropies if entropy_grad else entropies.detach())
+        if value_head is not None:
+            names.append("values")
+            values.append(value_head(hidden)[..., 0])
+        return values
+
+    whole = _split_positions(model, split, input_ids, first, last, position_ids, document_ids, compute)
+    return dict(zip(names, whole))
 
 
 def split_head_outputs(model: Llama, split: SequenceSplit, input_ids: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ _HYBRID_ROLLOUT = (
 )
 
 _HYBRID_WHOLE_ROWS = (
-    # a task whose update runs on whole rows (PPO: the critic's values are not split along the sequence yet)
+    # a task whose update runs on whole rows (every online-RL task splits them today: GRPO / RLOO and PPO)
     ("plugin.sp", 1, "1", "rollout rows are not split along the sequence"),
     ("plugin.sp_mode", None, "null", "rollout rows are not split along the sequence"),
 )
@@ -245,6 +245,18 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...], sequence_parallel: bo
     )
 
 
+_GRPO_RULES = (
+    TaskRule(
+        "grpo.pack_rows",
+        lambda c: c.grpo.pack_rows and c.plugin.name == "hybrid" and c.plugin.sp > 1,
+        lambda c: (
+            f"grpo.pack_rows under plugin.sp={c.plugin.sp} is not supported yet (the sequence-parallel forward splits "
+            "the padded rows); set grpo.pack_rows=false or plugin.sp=1"
+        ),
+        summary="grpo.pack_rows with plugin.sp > 1",
+    ),
+)
+
 _PPO_RULES = (
     TaskRule(
         "lora.enabled",
@@ -261,8 +273,9 @@ _PPO_RULES = (
 def critic_plugin_section(config):
     """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
     actor's ``plugin``. The critic scores the actor's rows, so its data-parallel ranks must see the actor's rows: a
-    ``ddp`` / ``zero`` critic over every rank (tensor-parallel peers of the actor hold the same rows), or, beside a
-    ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp`` (its own plan on the actor's mesh). Raises a
+    ``ddp`` / ``zero`` critic over every rank (tensor- and sequence-parallel peers of the actor hold the same rows),
+    or, beside a ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp``, ``sp`` and ``sp_mode`` (its own plan
+    on the actor's mesh). Raises a
     `ValueError` naming ``ppo.critic_plugin`` otherwise."""
     from pydantic import TypeAdapter
 
@@ -276,17 +289,22 @@ def critic_plugin_section(config):
         raise ValueError(f"ppo.critic_plugin={config.ppo.critic_plugin!r} is not a plugin section: {error}") from None
     actor = config.plugin
     if section.name == "hybrid":
-        if actor.name != "hybrid" or section.tp != actor.tp or section.pp != 1 or section.sp != 1:
+        layout = ("tp", "sp", "sp_mode")
+        if actor.name != "hybrid" or section.pp != 1 or any(getattr(section, n) != getattr(actor, n) for n in layout):
             raise ValueError(
                 "ppo.critic_plugin: a hybrid critic runs on the actor's mesh, so it needs a hybrid actor with the "
-                f"same tp, and pp=1, sp=1 (actor: name={actor.name!r}, tp={getattr(actor, 'tp', 1)}; critic: tp="
-                f"{section.tp}, pp={section.pp}, sp={section.sp}); match them, or use name 'ddp' or 'zero'"
+                f"same tp, sp and sp_mode, and pp=1 (actor: name={actor.name!r}, "
+                + ", ".join(f"{n}={getattr(actor, n, None)!r}" for n in layout)
+                + "; critic: "
+                + ", ".join(f"{n}={getattr(section, n)!r}" for n in (*layout, "pp"))
+                + "); match them, or use name 'ddp' or 'zero'"
             )
     elif section.name not in ("ddp", "zero"):
         raise ValueError(
             f"ppo.critic_plugin: name={section.name!r} cannot hold the critic in the trainer: its data-parallel ranks "
-            "must see the actor's rows (every rank, as ddp / zero, or the actor's tp layout as hybrid), and Gemini / "
-            "experts are not wired for it; use name 'ddp', 'zero' (stage 0-3) or, beside a hybrid actor, 'hybrid'"
+            "must see the actor's rows (every rank, as ddp / zero, or the actor's tp / sp layout as hybrid), and "
+            "Gemini / experts are not wired for it; use name 'ddp', 'zero' (stage 0-3) or, beside a hybrid actor, "
+            "'hybrid'"
         )
     if section.loss_weighting != "microbatch":
         raise ValueError(
@@ -339,7 +357,10 @@ RLHF_TASKS = (
         load=_grpo_task,
         section="grpo",
         section_type=GRPOSection,
-        rules=_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
+        rules=(
+            *_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
+            *_GRPO_RULES,
+        ),
     ),
     TaskSpec(
         name="ppo",
@@ -349,13 +370,13 @@ RLHF_TASKS = (
         section="ppo",
         section_type=PPOSection,
         rules=(
-            *_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=False),
+            *_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
             *_PPO_RULES,
         ),
         check=critic_plugin_section,
         check_summary=(
             "ppo.critic_plugin",
-            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp)",
+            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp, sp)",
         ),
     ),
 )

@@ -34,9 +34,27 @@ def arithmetic_records(num_records: int, *, seed: int = 0) -> list[dict[str, str
     return records
 
 
-def arithmetic_prompts(num_prompts: int, *, seed: int = 0, max_operand: int = 20) -> list[dict[str, str]]:
+def worked_sum(a: int, b: int) -> str:
+    """A worked solution of ``a + b`` in GSM8K's form, the steps then ``#### <answer>``: the ones, the rest, their sum,
+    e.g. ``12 + 9`` -> ``"2+9=11, 10+0=10, 10+11=21 #### 21"`` (the ``tiny-grpo-long`` preset's longer answers;
+    `colo.apps.rlhf.math_answer.math_answer` reads the number after ``####`` of the completion and of the record)."""
+    ones, rest = a % 10 + b % 10, a - a % 10 + b - b % 10
+    return f"{a % 10}+{b % 10}={ones}, {a - a % 10}+{b - b % 10}={rest}, {rest}+{ones}={a + b} #### {a + b}"
+
+
+def arithmetic_prompts(
+    num_prompts: int, *, seed: int = 0, max_operand: int = 20, worked: bool = False
+) -> list[dict[str, str]]:
     """``{"prompt": "12+7=", "answer": "19"}`` records of distinct problems ``a + b`` with ``a, b`` in
     ``[0, max_operand)``, in a seeded order (so the tail a run holds out never appears in its training prompts).
+
+    Args:
+        num_prompts (int): how many.
+        seed (int): the order's seed. Default: ``0``.
+        max_operand (int): operands in ``[0, max_operand)``. Default: ``20``.
+        worked (bool): the answer is `worked_sum`'s solution (``"2+7=9, 10+0=10, 10+9=19 #### 19"``), several
+            times longer than the sum; score it with `colo.apps.rlhf.math_answer.math_answer` (after ``####``).
+            Default: ``False``.
 
     Raises:
         ValueError: more prompts asked for than the ``max_operand ** 2`` distinct problems.
@@ -48,7 +66,9 @@ def arithmetic_prompts(num_prompts: int, *, seed: int = 0, max_operand: int = 20
         )
     problems = [(a, b) for a in range(max_operand) for b in range(max_operand)]
     random.Random(seed).shuffle(problems)
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in problems[:num_prompts]]
+    return [
+        {"prompt": f"{a}+{b}=", "answer": worked_sum(a, b) if worked else str(a + b)} for a, b in problems[:num_prompts]
+    ]
 
 
 def python_line_records(num_records: int, *, seed: int = 0, max_chars: int = 40) -> list[dict[str, str]]:
