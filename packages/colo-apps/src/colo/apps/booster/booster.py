@@ -224,12 +224,11 @@ class Booster:
         return self._require_engine().eval_microbatches
 
     def forward(self, batch: Mapping[str, torch.Tensor]):
-        """The boosted model's output on one microbatch, as a training step calls it (no pipeline: with pp > 1 use
-        `eval_step`). For criteria-driven evaluation (reward models, DPO) that needs the raw output."""
-        engine = self._require_engine()
-        if engine.eval_microbatches != 1:
-            raise RuntimeError("Booster.forward runs one model; with pp > 1 use booster.eval_step(batch)")
-        return engine.forward(dict(batch))
+        """The boosted model's output on one microbatch, as a training step calls it. For criteria-driven evaluation
+        (reward models, DPO) that needs the raw output. With pp > 1 the boost criterion must run under a pipeline
+        (`colo.apps.booster.PipelineCriterion`): the stages run forward only and every rank gets the criterion's
+        ``pipeline_outputs`` (else use `eval_step`)."""
+        return self._require_engine().forward(dict(batch))
 
     def frozen_copy(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
