@@ -19,7 +19,7 @@ _DPO_ONLY = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
 
 def _hybrid_beyond_tp_sp(config) -> bool:
     plugin = config.plugin
-    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp_mode == "megatron")
+    return plugin.name == "hybrid" and (plugin.sp_mode == "megatron" or (plugin.pp > 1 and plugin.sp > 1))
 
 
 def _same_path(first: str, second: str) -> bool:
@@ -78,12 +78,12 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
             "plugin",
             _hybrid_beyond_tp_sp,
             lambda c: (
-                f"data.task={task!r} under plugin.name='hybrid' supports tp, dp and sp (Ulysses or ring attention; "
-                "pp=1, sp_mode not 'megatron'): a pipeline and Megatron-SP's hidden-state shards do not give "
-                "per-sequence log-probs or rewards yet; drop pp / sp_mode='megatron', or use plugin.name='ddp', "
-                "'zero' (stage 1-3) or 'gemini'"
+                f"data.task={task!r} under plugin.name='hybrid' supports tp, dp, pp and sp (Ulysses or ring "
+                "attention), sp not with pp, sp_mode not 'megatron': Megatron-SP's hidden-state shards, and sequence "
+                "shards on a pipeline's last stage, do not give per-sequence log-probs or rewards yet; drop "
+                "sp_mode='megatron', use sp=1 with pp > 1, or use plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
             ),
-            summary="plugin.name='hybrid' with pp > 1 or sp_mode 'megatron'",
+            summary="plugin.name='hybrid' with sp_mode 'megatron', or sp > 1 together with pp > 1",
         ),
         TaskRule(
             "plugin.loss_weighting",
