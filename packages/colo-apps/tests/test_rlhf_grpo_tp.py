@@ -135,10 +135,10 @@ def _batch(rollout, policy, reference) -> dict:
     return batch
 
 
-def _criterion():
+def _criterion(**settings):
     from colo.apps.rlhf import GRPOCriterion
 
-    return GRPOCriterion(loss_aggregation="seq-mean-token-mean", beta=0.1, eps_low=0.2, eps_high=0.28)
+    return GRPOCriterion(loss_aggregation="seq-mean-token-mean", beta=0.1, eps_low=0.2, eps_high=0.28, **settings)
 
 
 def _single_process(dp: int) -> dict:
@@ -323,6 +323,84 @@ def test_grpo_steps_under_tp2_match_one_process():
 def test_grpo_steps_under_tp2_x_dp2_zero3_match_one_process():
     results = run_distributed(_tp_case, {"tp": 2, "dp": 2, "zero_stage": 3}, world_size=4, timeout=180)
     _check_tp_case(results, tp=2)
+
+
+# --- 2b. GRPO steps under a pipeline (x dp) against one process --------------------------------------------------
+
+
+def _meta_model():
+    from colo.apps import Llama, get_preset
+
+    with torch.device("meta"):
+        return Llama(get_preset("tiny", initializer_range=0.1))
+
+
+def _pp_case(settings: dict) -> dict:
+    """pp2 (x dp2): generation on the whole weights gathered over pp (`RolloutEngine(build_model=...)`), the frozen
+    reference pipelined as the policy (`Booster.frozen_copy`), the old log-probs by a pipelined forward
+    (`Booster.forward`), the update's log-probs and loss on the last stage per microbatch (2 microbatches: each row's
+    advantage and masks travel with it)."""
+    from colo.apps import Booster, HybridParallel
+    from colo.apps.generation import RolloutEngine
+    from colo.apps.rlhf import global_counts
+    from colo.apps.rlhf.pair_pipeline import from_last_stage
+
+    expected = _single_process(settings.get("dp", 1))
+    model = _model()
+    booster = Booster(HybridParallel(max_grad_norm=1.0, num_microbatches=2, **settings))
+    criterion = _criterion(temperature=TEMPERATURE)
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), criterion=criterion)
+    mesh = booster.mesh
+    dp_group, dp_rank = mesh.group("dp"), mesh.rank("dp")
+    engine = RolloutEngine(booster, booster.engine.model, build_model=_meta_model)
+    reference = booster.frozen_copy(_meta_model(), engine.full_state_dict())
+    mismatches = []
+    for step in range(STEPS):
+        params, generator = _params(dp_rank, step)
+        rollout = engine.generate(_prompts(dp_rank, step), params, generator=generator)
+        tokens, logprobs = expected["steps"][step]["rollouts"][dp_rank]
+        if not torch.equal(rollout.input_ids, tokens):
+            mismatches.append(f"step {step}: sampled tokens differ from the single process")
+            break
+        batch = _batch(rollout, booster.forward, reference)
+        for name, actual, wanted in (
+            ("rollout log-probs vs the single process", rollout.logprobs, logprobs),
+            ("trainer recompute vs rollout log-probs", batch["old_logps"], rollout.logprobs * rollout.response_mask),
+        ):
+            try:
+                torch.testing.assert_close(actual, wanted, **TOKEN_TOLERANCE)
+            except AssertionError as error:
+                mismatches.append(f"step {step}: {name}: {error}")
+        counts = global_counts(batch["response_mask"], max_new_tokens=5, group=dp_group)
+        criterion.prepare(counts, num_microbatches=2, num_data_ranks=dp_group.size)
+        outcome = booster.train_step(batch)
+        metrics = from_last_stage(criterion.take_metrics(dp_group), mesh)
+        wanted = expected["steps"][step]
+        for name, value, target in (
+            ("loss", float(outcome.loss), wanted["loss"]),
+            ("grad_norm", float(outcome.grad_norm), wanted["grad_norm"]),
+            *((name, metrics[name], wanted["metrics"][name]) for name in ("entropy", "kl", "clip_fraction", "ratio")),
+        ):
+            if value != pytest.approx(target, rel=1e-5, abs=1e-7):
+                mismatches.append(f"step {step}: {name} {value} vs {target}")
+    full = booster.engine.optimizer.full_params()  # this rank's stage
+    for name, value in full.items():
+        try:
+            torch.testing.assert_close(value, expected["params"][name], rtol=1e-5, atol=1e-4)
+        except AssertionError as error:
+            mismatches.append(f"{name}: {error}")
+    return {"mismatches": mismatches, "num_params": len(full)}
+
+
+def test_grpo_steps_under_pp2_match_one_process():
+    for result in run_distributed(_pp_case, {"pp": 2, "zero_stage": 1}, world_size=2, timeout=120):
+        assert result["num_params"] > 0 and not result["mismatches"], result["mismatches"][:4]
+
+
+@pytest.mark.slow
+def test_grpo_steps_under_pp2_x_dp2_match_one_process():
+    for result in run_distributed(_pp_case, {"pp": 2, "dp": 2, "zero_stage": 2}, world_size=4, timeout=180):
+        assert result["num_params"] > 0 and not result["mismatches"], result["mismatches"][:4]
 
 
 # --- 3. the trainer ------------------------------------------------------------------------------------------------

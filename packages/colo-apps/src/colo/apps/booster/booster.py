@@ -250,17 +250,22 @@ class Booster:
         Returns:
             torch.nn.Module: ``model``, with no parameter requiring gradients, in eval mode.
 
+        Under a pipeline (``pp > 1``) the copy is pipelined too: this rank's stages of ``model``, cut and laid out by
+        the plan as the policy's are, loaded with their part of ``state_dict`` (the whole model's names), and run
+        forward only through the stages by an executor of their own (`FrozenPipeline`): called like the boosted
+        model, it returns the boost criterion's ``pipeline_outputs`` on every rank (e.g. a frozen reference's
+        per-token log-probs).
+
         Raises:
-            ValueError: a pipeline (``pp > 1``: a copy of one stage cannot run a forward), or a meta-device model
-                under a plugin that does not materialize one.
+            ValueError: a pipeline whose boost criterion is not a `PipelineCriterion`, or a meta-device model under a
+                plugin that does not materialize one.
         """
         engine = self._require_engine()
         plan = getattr(engine, "plan", None)
         if getattr(self.plugin, "pp", 1) > 1:
-            raise ValueError(
-                f"Booster.frozen_copy: the boosted model runs as pp={self.plugin.pp} pipeline stages; a frozen copy "
-                "needs the whole model on every rank (use pp=1)"
-            )
+            from .frozen_pipeline import frozen_pipeline
+
+            return frozen_pipeline(engine, model, state_dict)
         if plan is not None:
             plan.apply(model, mesh=engine.mesh, plugin=self.plugin)
         elif any(p.is_meta for p in model.parameters()):
