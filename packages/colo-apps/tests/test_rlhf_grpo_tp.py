@@ -482,8 +482,12 @@ def test_grpo_under_hybrid_refuses_what_it_cannot_run():
 
     for overrides, message in (
         (
-            ["plugin.name=hybrid", "plugin.pp=2", "schedule.num_microbatches=2"],
-            r"plugin.pp=2 is not supported .*set plugin.pp=1",
+            ["plugin.name=hybrid", "plugin.pp=2", "plugin.tp=2", "schedule.num_microbatches=2"],
+            r"plugin.pp=2 supports pp x dp: plugin.tp=2 .*set plugin.tp=1",
+        ),
+        (
+            ["plugin.name=hybrid", "plugin.pp=2", "plugin.zero_stage=3", "schedule.num_microbatches=2"],
+            r"set plugin.zero_stage <= 2",
         ),
         (["plugin.name=hybrid", "plugin.tp=2", "plugin.sp_mode=megatron"], r"set plugin.sp_mode=null"),
         (["plugin.name=hybrid", "plugin.tp=4", "plugin.tp_mode=2d"], r"set plugin.tp_mode='1d'"),
@@ -494,3 +498,29 @@ def test_grpo_under_hybrid_refuses_what_it_cannot_run():
     config = load_config(preset="tiny-grpo", overrides=["plugin.name=hybrid", "plugin.tp=2", "plugin.zero_stage=3"])
     assert config.plugin.name == "hybrid" and config.plugin.tp == 2
     assert load_config(preset="tiny-ppo", overrides=["plugin.name=hybrid", "plugin.tp=2"]).plugin.tp == 2  # PPO too
+    pipelined = ["plugin.name=hybrid", "plugin.pp=2", "schedule.num_microbatches=2"]
+    assert load_config(preset="tiny-grpo", overrides=pipelined).plugin.pp == 2
+    with pytest.raises(ConfigError, match=r"plugin.pp=2 is not supported .*set plugin.pp=1"):  # PPO's update is not
+        load_config(preset="tiny-ppo", overrides=pipelined)
+
+
+def test_grpo_run_under_pp2_matches_one_process(tmp_path):
+    """``colo train`` GRPO at pp2 (2 SFT + 2 GRPO steps, 2 microbatches through 2 stages of 2 layers; the rollout on
+    the stages' weights gathered over pp, the reference pipelined) logs the one process's losses, gradient norms,
+    entropy, KL and rewards (rtol 1e-5), and the rollout-vs-trainer log-prob mismatch stays below 1e-5."""
+    one_dir, pp_dir = tmp_path / "one", tmp_path / "pp2"
+    single = {"schedule.num_microbatches": 2}  # the batch split as the pipeline splits it (the SFT token means)
+    one = run_distributed(_train, _trainer_config(str(one_dir), **single), world_size=1, timeout=180)[0]["losses"]
+    hybrid = {"plugin.name": "hybrid", "plugin.pp": 2, "plugin.zero_stage": 1, **single}
+    pp2 = run_distributed(_train, _trainer_config(str(pp_dir), **hybrid), world_size=2, timeout=180)
+    assert pp2[0]["losses"] == pp2[1]["losses"]
+    assert sorted(one) == sorted(pp2[0]["losses"]) == [1, 2, 3, 4]
+    expected, actual = _metrics(one_dir), _metrics(pp_dir)
+    for step in (1, 2, 3, 4):  # SFT steps 1-2, GRPO steps 3-4
+        assert pp2[0]["losses"][step] == pytest.approx(one[step], rel=1e-5, abs=1e-7), step
+        names = ["grad_norm"] + (["grpo/entropy", "grpo/kl", "grpo/reward_mean"] if step > 2 else [])
+        for name in names:
+            assert actual[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-7), (step, name)
+    for step in (3, 4):
+        assert actual[step]["grad_norm"] > 0.1 and actual[step]["grpo/reward_std"] > 0  # GRPO steps with a signal
+        assert actual[step]["grpo/logprob_mismatch_max"] < 1e-5  # rollout log-probs == the last stage's

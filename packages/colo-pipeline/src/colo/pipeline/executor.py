@@ -323,6 +323,14 @@ class PipelineExecutor:
                 else:
                     value = output
 
+    def forget_shapes(self) -> None:
+        """Let the next step pass new shapes between stages: the metadata of every boundary is sent again at its
+        first crossing (one small message per boundary). For batches whose shapes change from step to step by
+        design (online RL: rollout rows of a new width each step); every rank of the pipeline must call it before
+        the same step. Within a step every microbatch still passes the same shapes."""
+        self._meta_sent.clear()
+        self._meta_recv.clear()
+
     def _send_activation(self, output: Any, peer: int, stage: int) -> None:
         tensors, meta = flatten(output, what=f"output of stage {stage}")
         batch_send_recv([P2POp.send(meta.to_bytes(), peer)], group=self.group)

@@ -37,6 +37,8 @@ class RolloutPipeline:
 
     temperature: float = 1.0
     sft: bool = False
+    pipeline_shapes_vary = True
+    """Rollout rows differ in width (and the SFT warm-up's rows in layout) from step to step."""
 
     def pipeline_split(self, batch: Mapping[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
         """The first stage's inputs and the last stage's targets of a rollout (or, in the SFT warm-up, LM) batch."""

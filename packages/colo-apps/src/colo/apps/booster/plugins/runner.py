@@ -38,7 +38,9 @@ class PipelineCriterion(Protocol):
     model: the batch is cut into the first stage's inputs and the last stage's targets, and the loss is computed on
     the last stage from its output (the model's logits) and its microbatch's targets. Both are split along dim 0 into
     the same microbatches, so what belongs together (a preference pair's two rows, a rollout row's advantages)
-    must sit in the same rows. E.g. `colo.apps.rlhf.PreferenceCriterion`."""
+    must sit in the same rows. E.g. `colo.apps.rlhf.PreferenceCriterion`. A criterion whose batches change shape from
+    step to step by design sets ``pipeline_shapes_vary = True`` (the stages then exchange their input shapes again at
+    every step, `colo.pipeline.PipelineExecutor.forget_shapes`)."""
 
     def pipeline_split(self, batch: Mapping[str, torch.Tensor]) -> tuple[Any, Any]:
         """``(inputs, targets)`` of a batch: the first stage's token ids, and what the loss reads beside the
@@ -164,6 +166,8 @@ class PipelineRunner:
     def forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The schedule over ``batch``, backward included; returns this rank's loss of the step (float64, CPU)."""
         inputs, targets = self.split(batch)
+        if getattr(self.criterion, "pipeline_shapes_vary", False):  # e.g. rollout rows of a new width every step
+            self.executor.forget_shapes()
         result = self.executor.step(inputs, targets, return_loss=True)
         return result.loss.detach().double().cpu()
 
