@@ -116,7 +116,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
 
 _HYBRID_ROLLOUT = (
     # (field, the value it must have, how to write the fix, why)
-    ("plugin.pp", 1, "1", "the PPO update and its critic do not run across pipeline stages (GRPO's do)"),
+    ("plugin.pp", 1, "1", "the PPO update and its critic are not pipelined; GRPO's update is"),
     ("plugin.tp_mode", "1d", "'1d'", "the grid layouts have no rollout path"),
     ("lora.enabled", False, "false", "the tp reference is built without adapters"),
 )
