@@ -117,7 +117,10 @@ def test_bad_runs_name_the_field():
         (["grpo.group_size=1"], "grpo.group_size=1 samples per prompt with the 'grpo' advantage"),
         (["grpo.group_size=1", "grpo.advantage=rloo"], "leave-one-out"),
         (["grpo.synthetic_prompts=0"], "needs data.paths"),
-        (["plugin.name=hybrid", "plugin.pp=2", "schedule.num_microbatches=2"], "plugin.pp=2 is not supported"),
+        (
+            ["plugin.name=hybrid", "plugin.pp=2", "plugin.sp=2", "plugin.sp_mode=ring", "schedule.num_microbatches=2"],
+            "plugin.sp=2 is not supported with a pipeline",
+        ),
         (["grpo.sft_steps=300"], "leaves no GRPO step"),
         (["grpo.reward_functions=[]"], "reward_functions is empty"),
     ]

@@ -21,8 +21,11 @@ def test_validation_names_the_fields():
         (["preference.sft_steps=500"], "leaves no RM step"),
         (["checkpoint.dir=runs/tiny-rm"], "is output_dir itself"),
         (["data.task=dpo", "preference.margin=1"], "reward-model setting"),
-        (["plugin.name=hybrid", "plugin.pp=2", "schedule.num_microbatches=2"], "supports tp, dp and sp"),
-        (["plugin.name=hybrid", "plugin.tp=2", "plugin.sp_mode=megatron"], "drop pp / sp_mode='megatron'"),
+        (
+            ["plugin.name=hybrid", "plugin.pp=2", "plugin.sp=2", "plugin.sp_mode=ring", "schedule.num_microbatches=2"],
+            "use sp=1 with pp > 1",
+        ),
+        (["plugin.name=hybrid", "plugin.tp=2", "plugin.sp_mode=megatron"], "drop sp_mode='megatron'"),
     ]
     for overrides, message in cases:
         preset = "tiny-llama" if message == "only with data.task" else "tiny-rm"

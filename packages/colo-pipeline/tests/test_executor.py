@@ -235,3 +235,34 @@ def test_evaluate_gives_the_reference_loss_without_gradients(schedule_name, num_
     for loss, untouched in run_distributed(_evaluate_run, schedule_name, num_chunks, world_size=num_ranks):
         torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
         assert untouched
+
+
+def _forward_outputs_run(schedule_name, num_chunks):
+    mesh = Mesh(pp=torch.distributed.get_world_size())
+    schedule = make_schedule(schedule_name, mesh.size("pp"), 4, num_chunks=num_chunks)
+    chunks, _ = _stage_modules(schedule, mesh.rank("pp"))
+    executor = PipelineExecutor(chunks, schedule=schedule, mesh=mesh, loss_fn=_loss)
+    ids, targets = _data(0)
+    rows = executor.forward_outputs(ids, targets, output_fn=lambda output, target: (output, target), num_microbatches=2)
+    return None if rows is None else [(output.detach(), target) for output, target in rows]
+
+
+@pytest.mark.parametrize(
+    "schedule_name, num_chunks",
+    [pytest.param("1f1b", 1, id="1f1b-p2"), pytest.param("interleaved_1f1b", 2, id="interleaved-v2-p2")],
+)
+def test_forward_outputs_returns_the_last_stage_output_per_microbatch(schedule_name, num_chunks):
+    """`forward_outputs` in 2 microbatches (not the schedule's 4): on the last stage's rank the reference model's
+    output of each half of the batch with that half's targets; ``None`` on the other rank."""
+    torch.manual_seed(0)
+    reference = Reference()
+    ids, targets = _data(0)
+    with torch.no_grad():
+        expected = reference(ids)
+    first, last = run_distributed(_forward_outputs_run, schedule_name, num_chunks, world_size=2)
+    assert first is None and len(last) == 2
+    half = ids.shape[0] // 2
+    for index, (output, target) in enumerate(last):
+        rows = slice(index * half, (index + 1) * half)
+        torch.testing.assert_close(output, expected[rows], rtol=RTOL, atol=ATOL)
+        assert torch.equal(target, targets[rows])

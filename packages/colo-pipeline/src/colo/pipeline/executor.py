@@ -252,11 +252,58 @@ class PipelineExecutor:
             The mean over microbatches of ``loss_fn``, a 0-d fp32 tensor.
         """
         m = self.schedule.num_microbatches
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+
+        def add(output: Any, target: Any) -> None:
+            nonlocal total
+            loss = self.loss_fn(output) if target is None else self.loss_fn(output, target)
+            total += loss.detach().float().reshape(())
+
+        self._forward_only(inputs, targets, m, add, what="evaluate")
+        holder = self.schedule.location_of(self.last_stage)[0]
+        return broadcast((total / m).reshape(1).contiguous(), src=holder, group=self.group)[0]
+
+    @torch.no_grad()
+    def forward_outputs(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        output_fn: Callable[[Any, Any], Any],
+        num_microbatches: int = 1,
+    ) -> list[Any] | None:
+        """What ``output_fn`` makes of the last stage's output, per microbatch, forward only (as `evaluate` runs:
+        no gradients, no activations kept): e.g. per-sequence log-probs of a frozen reference or of the rollout.
+
+        Args:
+            inputs: the batch, split into ``num_microbatches`` (used on the first stage's rank).
+            targets: what ``output_fn`` reads beside the output, split the same way (used on the last stage's
+                rank); ``None``: ``output_fn(output, None)``.
+            output_fn: ``output_fn(output, target)`` on the last stage's rank; its results are returned as they are.
+            num_microbatches (int): how many microbatches the batch runs as (any number dividing its size; not the
+                schedule's, which only training steps follow). Default: ``1``.
+
+        Returns:
+            On the last stage's rank the list of ``output_fn``'s results, one per microbatch; ``None`` elsewhere
+            (the caller broadcasts what the other ranks need).
+        """
+        results: list[Any] = []
+        self._forward_only(
+            inputs,
+            targets,
+            num_microbatches,
+            lambda output, target: results.append(output_fn(output, target)),
+            what="forward_outputs",
+        )
+        return results if self.last_stage in self.stages else None
+
+    def _forward_only(self, inputs: Any, targets: Any, m: int, on_last: Callable[[Any, Any], None], *, what: str):
+        """Each of ``m`` microbatches through the stages in order, activations sent on as soon as computed
+        (metadata first, then the tensors); ``on_last(output, target)`` on the last stage's rank."""
         if inputs is None and 0 in self.stages:
-            raise ValueError(f"pp rank {self.rank} runs the first stage: pass the batch as evaluate(inputs=...)")
+            raise ValueError(f"pp rank {self.rank} runs the first stage: pass the batch as {what}(inputs=...)")
         microbatches = split_microbatches(inputs, m, name="inputs") if inputs is not None else None
         split_targets = split_microbatches(targets, m, name="targets") if targets is not None else None
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for index in range(m):
             value = None
             for stage in range(self.schedule.num_stages):
@@ -269,15 +316,20 @@ class PipelineExecutor:
                     value = self._receive_activation(self._peer(stage - 1))
                 output = call_stage(self.chunks[local], value)
                 if stage == self.last_stage:
-                    loss = self.loss_fn(output) if split_targets is None else self.loss_fn(output, split_targets[index])
-                    total += loss.detach().float().reshape(())
+                    on_last(output, None if split_targets is None else split_targets[index])
                 elif self._peer(stage + 1) != self.rank:
                     self._send_activation(output, self._peer(stage + 1), stage)
                     value = None
                 else:
                     value = output
-        holder = self.schedule.location_of(self.last_stage)[0]
-        return broadcast((total / m).reshape(1).contiguous(), src=holder, group=self.group)[0]
+
+    def forget_shapes(self) -> None:
+        """Let the next step pass new shapes between stages: the metadata of every boundary is sent again at its
+        first crossing (one small message per boundary). For batches whose shapes change from step to step by
+        design (online RL: rollout rows of a new width each step); every rank of the pipeline must call it before
+        the same step. Within a step every microbatch still passes the same shapes."""
+        self._meta_sent.clear()
+        self._meta_recv.clear()
 
     def _send_activation(self, output: Any, peer: int, stage: int) -> None:
         tensors, meta = flatten(output, what=f"output of stage {stage}")

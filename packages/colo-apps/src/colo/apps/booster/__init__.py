@@ -9,6 +9,7 @@ from .plugins.ddp import DDP
 from .plugins.expert import ExpertParallel
 from .plugins.gemini import Gemini
 from .plugins.hybrid import HybridParallel
+from .plugins.runner import PipelineCriterion
 from .plugins.zero import Zero
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LayoutError",
     "ModelPlan",
     "ParallelDims",
+    "PipelineCriterion",
     "PipelinePart",
     "Plugin",
     "StepResult",

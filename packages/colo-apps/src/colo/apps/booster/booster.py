@@ -224,12 +224,11 @@ class Booster:
         return self._require_engine().eval_microbatches
 
     def forward(self, batch: Mapping[str, torch.Tensor]):
-        """The boosted model's output on one microbatch, as a training step calls it (no pipeline: with pp > 1 use
-        `eval_step`). For criteria-driven evaluation (reward models, DPO) that needs the raw output."""
-        engine = self._require_engine()
-        if engine.eval_microbatches != 1:
-            raise RuntimeError("Booster.forward runs one model; with pp > 1 use booster.eval_step(batch)")
-        return engine.forward(dict(batch))
+        """The boosted model's output on one microbatch, as a training step calls it. For criteria-driven evaluation
+        (reward models, DPO) that needs the raw output. With pp > 1 the boost criterion must run under a pipeline
+        (`colo.apps.booster.PipelineCriterion`): the stages run forward only and every rank gets the criterion's
+        ``pipeline_outputs`` (else use `eval_step`)."""
+        return self._require_engine().forward(dict(batch))
 
     def frozen_copy(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
@@ -251,17 +250,22 @@ class Booster:
         Returns:
             torch.nn.Module: ``model``, with no parameter requiring gradients, in eval mode.
 
+        Under a pipeline (``pp > 1``) the copy is pipelined too: this rank's stages of ``model``, cut and laid out by
+        the plan as the policy's are, loaded with their part of ``state_dict`` (the whole model's names), and run
+        forward only through the stages by an executor of their own (`FrozenPipeline`): called like the boosted
+        model, it returns the boost criterion's ``pipeline_outputs`` on every rank (e.g. a frozen reference's
+        per-token log-probs).
+
         Raises:
-            ValueError: a pipeline (``pp > 1``: a copy of one stage cannot run a forward), or a meta-device model
-                under a plugin that does not materialize one.
+            ValueError: a pipeline whose boost criterion is not a `PipelineCriterion`, or a meta-device model under a
+                plugin that does not materialize one.
         """
         engine = self._require_engine()
         plan = getattr(engine, "plan", None)
         if getattr(self.plugin, "pp", 1) > 1:
-            raise ValueError(
-                f"Booster.frozen_copy: the boosted model runs as pp={self.plugin.pp} pipeline stages; a frozen copy "
-                "needs the whole model on every rank (use pp=1)"
-            )
+            from .frozen_pipeline import frozen_pipeline
+
+            return frozen_pipeline(engine, model, state_dict)
         if plan is not None:
             plan.apply(model, mesh=engine.mesh, plugin=self.plugin)
         elif any(p.is_meta for p in model.parameters()):

@@ -25,7 +25,12 @@ ones while it runs (`colo.apps.booster.llama_plan.whole_sequence_attention`), an
 from the first rank of the ``sp`` group (after the ``tp`` group's), so the ranks that share samples continue the same
 sequences. Each sp rank generates every row of its data-parallel rank (the decode work is repeated, not split).
 
-Pipeline parallelism (``pp`` > 1) is not supported: its stages would have to pass activations at every decode step.
+Under pipeline parallelism (``HybridParallel`` with ``pp`` > 1, ``tp=1``, ``zero_stage`` <= 2) the rollout engine
+takes the full weights: each rank's stage weights are all-gathered over the ``pp`` group into a whole model built by
+``build_model`` (the rollout copy), every rank of the pipeline generates its data-parallel rank's rows on it (tokens
+broadcast from the group's first rank), and the copy is freed after. Generating across the stages instead would pass
+activations between ranks at every decode step (a latency-bound p2p per token per stage, with the stages idle in
+turn); the copy costs the full weights per rank during the rollout only, and the decode runs at one process's speed.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ class RolloutEngine:
             rollouts, so later rollouts gather only the trainable chunks. Default: ``True``.
         on_sync_step (Callable[[], None] | None): called after each chunk of the sync is copied and its full buffer
             given back (a test hook for an independent memory census). Default: ``None``.
+        build_model (Callable[[], nn.Module] | None): under a pipeline (``pp`` > 1), builds the whole, unboosted
+            model (the meta device is fine) the stages' weights are gathered into for generation. Default: ``None``.
 
     Attributes:
         last_report (RolloutReport | None): the report of the last `generate`.
@@ -118,6 +125,7 @@ class RolloutEngine:
         *,
         keep_frozen: bool = True,
         on_sync_step: Callable[[], None] | None = None,
+        build_model: Callable[[], nn.Module] | None = None,
     ):
         engine = getattr(booster, "engine", None)
         if engine is None:
@@ -125,11 +133,16 @@ class RolloutEngine:
         if model is not engine.model:
             raise ValueError("RolloutEngine: model must be what booster.boost returned for this booster")
         mesh = engine.mesh
-        if "pp" in mesh.shape and mesh.size("pp") > 1:
-            raise ValueError(
-                f"RolloutEngine: pipeline parallelism (pp={mesh.size('pp')}) is not supported for generation; train "
-                "the actor with pp=1 (tp, ZeRO and Gemini are)"
-            )
+        self.pp_group = mesh.group("pp") if "pp" in mesh.shape and mesh.size("pp") > 1 else None
+        if self.pp_group is not None:
+            tp = mesh.size("tp") if "tp" in mesh.shape else 1
+            if build_model is None or tp > 1 or getattr(engine.optimizer, "gatherer", None) is not None:
+                raise ValueError(
+                    f"RolloutEngine under pp={mesh.size('pp')} gathers the stages' weights into a whole model per "
+                    f"rank: it needs build_model, tp=1 and zero_stage <= 2 (got build_model="
+                    f"{'set' if build_model else None}, tp={tp}, zero_stage={getattr(booster.plugin, 'zero_stage', 0)})"
+                )
+        self.build_model = build_model
         self.booster, self.model = booster, model
         self.keep_frozen, self.on_sync_step = keep_frozen, on_sync_step
         self.tp_group = mesh.group("tp") if "tp" in mesh.shape and mesh.size("tp") > 1 else None
@@ -208,8 +221,46 @@ class RolloutEngine:
     def _rollout_layout(self):
         """The context holding the weights in the rollout layout: gathered chunk by chunk under ZeRO-3 / Gemini,
         else the trained module in place."""
+        if self.pp_group is not None:
+            return self._pipeline_gathered()
         optimizer = self._chunk_optimizer
         return self._gathered(optimizer) if optimizer is not None else self._in_place()
+
+    @contextlib.contextmanager
+    def _pipeline_gathered(self) -> Iterator[tuple[nn.Module, dict]]:
+        """The whole model on every rank of the pipeline: each stage's weights (``state_dict``, the whole model's
+        names) all-gathered over ``pp`` into a model from ``build_model``; freed when the context ends."""
+        from colo.comm import all_gather_object
+
+        stage = self.booster.unwrap()  # waits for a parameter all-gather still in flight (ZeRO 1/2)
+        device = next(stage.parameters()).device
+        with torch.no_grad():
+            own = {name: tensor.detach().cpu() for name, tensor in stage.state_dict().items()}
+            state: dict[str, torch.Tensor] = {}
+            for part in all_gather_object(own, group=self.pp_group):
+                state.update(part)
+            with torch.random.fork_rng(devices=[]):  # building draws from the RNG: keep the run's stream
+                model = self.build_model()
+            model.to_empty(device=device)
+            missing = sorted(set(model.state_dict()) - set(state))
+            if missing:
+                raise ValueError(f"RolloutEngine: the pipeline stages hold no {missing[:3]} of the whole model")
+            model.load_state_dict({name: state[name] for name in model.state_dict()})
+            held = dict(stage.named_buffers())  # buffers outside the state dict (rotary tables): every stage has them
+            for name, buffer in model.named_buffers():
+                if name not in state:
+                    if name not in held:
+                        raise ValueError(f"RolloutEngine: no pipeline stage holds the buffer {name!r}")
+                    buffer.copy_(held[name])
+            model.eval()
+        size = sum(_nbytes(t) for t in model.state_dict().values())
+        try:
+            yield (
+                model,
+                {"layout": "gathered", "synced_bytes": size, "rollout_weight_bytes": size, "peak_sync_bytes": size},
+            )
+        finally:
+            del model, state  # the rollout copy is freed here
 
     @contextlib.contextmanager
     def _in_place(self) -> Iterator[tuple[nn.Module, dict]]:
@@ -273,9 +324,10 @@ class RolloutEngine:
         return contextlib.nullcontext()
 
     def _token_sync(self) -> TokenSync | None:
-        """Under tensor and sequence parallelism: every rank of the ``tp`` group, then of the ``sp`` group, takes its
-        first rank's tokens and log-probs (the ranks that share samples continue the same sequences)."""
-        groups = [group for group in (self.tp_group, self.sp_group) if group is not None]
+        """Under tensor, sequence and pipeline parallelism: every rank of the ``tp`` group, then of the ``sp`` and
+        the ``pp`` group, takes its first rank's tokens and log-probs (the ranks that share samples continue the same
+        sequences)."""
+        groups = [group for group in (self.tp_group, self.sp_group, self.pp_group) if group is not None]
         if not groups:
             return None
         from colo.comm import broadcast

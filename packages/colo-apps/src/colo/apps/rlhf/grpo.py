@@ -45,6 +45,7 @@ from .policy_loss import (
     aggregate_loss,
     clipped_policy_loss,
 )
+from .rollout_pipeline import RolloutPipeline
 from .sequence_logps import split_token_logps
 from .token_logps import llama_token_logps, token_logps
 
@@ -188,7 +189,7 @@ class _TokenMetrics:
         return {name: float(sums[i]) / tokens for i, name in enumerate(names) if name != "_tokens"}
 
 
-class GRPOCriterion(_TokenMetrics):
+class GRPOCriterion(RolloutPipeline, _TokenMetrics):
     """The clipped policy loss with a KL penalty, aggregated over the update batch (`colo.apps.rlhf.policy_loss`).
 
     Called as ``criterion(output, microbatch)`` on the output of the rollout forward (`attach_rollout_forward`);
@@ -207,6 +208,8 @@ class GRPOCriterion(_TokenMetrics):
         eps_high (float | None): upper clip range (``None``: ``eps_low``). Default: ``None``.
         kl_ratio_correction (bool): weight the KL term by the importance ratio (DeepSeek-V3.2; TRL 1.16's
             ``use_bias_correction_kl``). Default: ``False``.
+        temperature (float): the sampling temperature; read only under a pipeline, where the last stage takes the
+            log-probs from the logits itself (`colo.apps.rlhf.rollout_pipeline`). Default: ``1.0``.
     """
 
     def __init__(
@@ -218,8 +221,10 @@ class GRPOCriterion(_TokenMetrics):
         eps_low: float = 0.2,
         eps_high: float | None = None,
         kl_ratio_correction: bool = False,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
+        self.temperature = temperature
         if loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(
                 f"GRPOCriterion: loss_aggregation={loss_aggregation!r} is unknown; use one of {LOSS_AGGREGATIONS}"

@@ -43,6 +43,7 @@ from ..train.language_model import LanguageModelTask
 from .advantages import group_advantages
 from .dapo import fill_informative_groups, soft_overlong_punishment, truncated_rows
 from .grpo import GRPOCriterion, attach_rollout_forward
+from .pair_pipeline import from_last_stage
 from .policy_loss import global_counts, keep_whole_microbatches, rows_with_gradient
 from .prompts import build_prompt_dataset
 from .rewards import compute_rewards, load_reward_function
@@ -82,6 +83,7 @@ class GRPOTask(LanguageModelTask):
             eps_low=grpo.eps_low,
             eps_high=grpo.eps_high,
             kl_ratio_correction=grpo.kl_ratio_correction,
+            temperature=grpo.temperature,  # read under a pipeline, where the last stage takes the log-probs
         )
 
     def _init_rollout(self, config, settings, tokenizer) -> None:
@@ -143,7 +145,9 @@ class GRPOTask(LanguageModelTask):
         """The step metrics since the last call, over every data-parallel rank (every rank calls it)."""
         group = trainer.sample_group
         prefix = self.metric_prefix
-        metrics = {f"{prefix}/{k}": v for k, v in self.criterion.take_metrics(group).items()}
+        # under a pipeline the last stage computed the loss (rollout_pipeline): its ranks hold the statistics
+        criterion_metrics = from_last_stage(self.criterion.take_metrics(group), trainer.booster.mesh)
+        metrics = {f"{prefix}/{k}": v for k, v in criterion_metrics.items()}
         for model in self._packed_models if self._pack_rows() else ():  # grpo.pack_rows: the positions computed
             padded, packed = model.pack_tokens
             model.pack_tokens[:] = [0, 0]
@@ -272,7 +276,9 @@ class GRPOTask(LanguageModelTask):
             return
         from ..generation.hybrid import RolloutEngine
 
-        self.engine = RolloutEngine(trainer.booster, trainer.model)
+        pipelined = _axis_size(trainer, "pp") > 1  # generation on the stages' weights gathered into a whole model
+        build_model = trainer.build_model if pipelined else None
+        self.engine = RolloutEngine(trainer.booster, trainer.model, build_model=build_model)
         scheduler = trainer.booster.lr_scheduler
         if self.updates_per_step > 1 and scheduler is not None:
             total = self.config.schedule.total_steps
@@ -386,7 +392,10 @@ class GRPOTask(LanguageModelTask):
                 losses.append(outcome.loss)
         updated = time.perf_counter()
         trained_mask = batch["response_mask"]
-        old_logps = self.criterion.take_forward_logps() if on_policy else batch["old_logps"]
+        if on_policy:  # under a pipeline the last stage's ranks ran the loss and hold them
+            old_logps = from_last_stage(self.criterion.take_forward_logps(), booster.mesh)
+        else:
+            old_logps = batch["old_logps"]
         if old_logps is None or old_logps.shape != trained_mask.shape:
             raise RuntimeError(
                 f"GRPO: the update's forwards gave log-probs of shape "
@@ -469,7 +478,7 @@ class GRPOTask(LanguageModelTask):
         self.reference_step = step
         if self.config.checkpoint.enabled:
             # rank 0, or under tensor parallelism each tp rank its shards (sp ranks hold the same: the first writes)
-            if trainer.sample_group.rank == 0 and _axis_rank(trainer, "sp") == 0:
+            if trainer.sample_group.rank == 0 and _axis_rank(trainer, "sp") == 0 and _axis_rank(trainer, "pp") == 0:
                 from safetensors.torch import save_file
 
                 os.makedirs(self.config.checkpoint_dir, exist_ok=True)
@@ -487,6 +496,8 @@ class GRPOTask(LanguageModelTask):
         """The frozen policy ``state`` laid out as the policy is (`Booster.frozen_copy`: under tp its shards)."""
         with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's stream
             model = trainer.booster.frozen_copy(trainer.build_model(), state)
+        if _axis_size(trainer, "pp") > 1:  # a FrozenPipeline: the criterion's pipeline_outputs are its forward
+            return model
         attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
         self._packed_models.append(model)
         return model
@@ -515,6 +526,12 @@ def _axis_rank(trainer, axis: str) -> int:
     """This rank's coordinate on the booster mesh's ``axis`` (0 when the mesh has no such axis)."""
     mesh = trainer.booster.mesh
     return mesh.rank(axis) if axis in mesh.shape else 0
+
+
+def _axis_size(trainer, axis: str) -> int:
+    """The size of the booster mesh's ``axis`` (1 when the mesh has no such axis)."""
+    mesh = trainer.booster.mesh
+    return mesh.size(axis) if axis in mesh.shape else 1
 
 
 def _forever(sampler):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from .losses import PREFERENCE_LOSSES, bradley_terry_loss, preference_loss
+from .pair_pipeline import PairPipeline
 
 
 class _PairMetrics:
@@ -42,7 +43,7 @@ class _PairMetrics:
         return {name: float(sums[i] / sums[-1]) for i, name in enumerate(names)}
 
 
-class RewardCriterion(_PairMetrics):
+class RewardCriterion(PairPipeline, _PairMetrics):
     """The Bradley-Terry loss of a reward model's pair output (`colo.apps.rlhf.losses.bradley_terry_loss`).
 
     Metrics: ``accuracy`` (chosen reward above rejected), ``margin`` (their difference), ``reward_chosen``,
@@ -51,11 +52,15 @@ class RewardCriterion(_PairMetrics):
     Args:
         margin (float | None): a fixed margin; a ``margin`` tensor in the batch (``(pairs,)``) wins over it.
             Default: ``None``.
+        pad_id (int | None): the padding token, read under a pipeline (the reward is the head's value at the
+            rightmost other token; `colo.apps.rlhf.pair_pipeline`). Default: ``None``.
     """
 
-    def __init__(self, *, margin: float | None = None) -> None:
+    pipeline_head = "reward"
+
+    def __init__(self, *, margin: float | None = None, pad_id: int | None = None) -> None:
         super().__init__()
-        self.margin = margin
+        self.margin, self.pad_id = margin, pad_id
 
     def __call__(self, output: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         rewards = output["rewards"]
@@ -72,7 +77,7 @@ class RewardCriterion(_PairMetrics):
         return losses.mean()
 
 
-class PreferenceCriterion(_PairMetrics):
+class PreferenceCriterion(PairPipeline, _PairMetrics):
     """A DPO-family loss of the policy's pair output (`colo.apps.rlhf.losses.preference_loss`).
 
     The reference log-probs come from the batch (``ref_logps``, ``(pairs, 2)``: precomputed once, see

@@ -19,7 +19,7 @@ _DPO_ONLY = ("loss_type", "beta", "label_smoothing", "simpo_gamma")
 
 def _hybrid_beyond_tp_sp(config) -> bool:
     plugin = config.plugin
-    return plugin.name == "hybrid" and (plugin.pp > 1 or plugin.sp_mode == "megatron")
+    return plugin.name == "hybrid" and (plugin.sp_mode == "megatron" or (plugin.pp > 1 and plugin.sp > 1))
 
 
 def _same_path(first: str, second: str) -> bool:
@@ -78,12 +78,12 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
             "plugin",
             _hybrid_beyond_tp_sp,
             lambda c: (
-                f"data.task={task!r} under plugin.name='hybrid' supports tp, dp and sp (Ulysses or ring attention; "
-                "pp=1, sp_mode not 'megatron'): a pipeline and Megatron-SP's hidden-state shards do not give "
-                "per-sequence log-probs or rewards yet; drop pp / sp_mode='megatron', or use plugin.name='ddp', "
-                "'zero' (stage 1-3) or 'gemini'"
+                f"data.task={task!r} under plugin.name='hybrid' supports tp, dp, pp and sp (Ulysses or ring "
+                "attention), sp not with pp, sp_mode not 'megatron': Megatron-SP's hidden-state shards, and sequence "
+                "shards on a pipeline's last stage, do not give per-sequence log-probs or rewards yet; drop "
+                "sp_mode='megatron', use sp=1 with pp > 1, or use plugin.name='ddp', 'zero' (stage 1-3) or 'gemini'"
             ),
-            summary="plugin.name='hybrid' with pp > 1 or sp_mode 'megatron'",
+            summary="plugin.name='hybrid' with sp_mode 'megatron', or sp > 1 together with pp > 1",
         ),
         TaskRule(
             "plugin.loss_weighting",
@@ -116,7 +116,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
 
 _HYBRID_ROLLOUT = (
     # (field, the value it must have, how to write the fix, why)
-    ("plugin.pp", 1, "1", "generation does not run across pipeline stages"),
+    ("plugin.pp", 1, "1", "the PPO update and its critic are not pipelined; GRPO's update is"),
     ("plugin.tp_mode", "1d", "'1d'", "the grid layouts have no rollout path"),
     ("lora.enabled", False, "false", "the tp reference is built without adapters"),
 )
@@ -137,12 +137,53 @@ def _differs(value, allowed) -> bool:
     return value != allowed or type(value) is not type(allowed)
 
 
-def _rollout_rules(task: str, *, plugins: tuple[str, ...], sequence_parallel: bool) -> tuple[TaskRule, ...]:
+_PIPELINED_ROLLOUT = (
+    # with pp > 1: (field, the value it must have, how to write the fix, why)
+    ("plugin.tp", 1, "1", "the rollout copy gathers whole stages over pp, not tp shards"),
+    ("plugin.sp", 1, "1", "the last stage scores whole rows"),
+    ("plugin.sp_mode", None, "null", "the last stage scores whole rows"),
+)
+
+
+def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
+    """With ``plugin.pp > 1``: what the pipelined update and the rollout copy gathered over pp support."""
+    rules = tuple(
+        TaskRule(
+            field,
+            lambda c, field=field, allowed=allowed: (
+                c.plugin.name == "hybrid" and c.plugin.pp > 1 and _differs(_field(c, field), allowed)
+            ),
+            lambda c, field=field, fix=fix, why=why: (
+                f"data.task='{task}' under plugin.pp={c.plugin.pp} supports pp x dp: {field}={_field(c, field)!r} "
+                f"is not supported with a pipeline ({why}); set {field}={fix}, or plugin.pp=1"
+            ),
+            summary=f"plugin.pp > 1 with {field} other than {fix} ({why})",
+        )
+        for field, allowed, fix, why in _PIPELINED_ROLLOUT
+    )
+    return rules + (
+        TaskRule(
+            "plugin.zero_stage",
+            lambda c: c.plugin.name == "hybrid" and c.plugin.pp > 1 and c.plugin.zero_stage == 3,
+            lambda c: (
+                f"data.task='{task}' under plugin.pp={c.plugin.pp} gathers each stage's weights for the rollout from "
+                "its ranks in place; zero_stage=3 shards them over dp: set plugin.zero_stage <= 2, or plugin.pp=1"
+            ),
+            summary="plugin.pp > 1 with zero_stage 3 (the rollout copy is gathered from the stages in place)",
+        ),
+    )
+
+
+def _rollout_rules(
+    task: str, *, plugins: tuple[str, ...], sequence_parallel: bool, pipeline: bool = False
+) -> tuple[TaskRule, ...]:
     """An online-RL task's rules (its section ``task``, a `RolloutSection`): prompts, a layout whose trainer holds
     full-vocabulary or vocabulary-parallel log-probs and whole weights (in place or gathered) for the frozen
     reference, batches that split into the updates, prompts + completions that fit the model. With
     ``sequence_parallel`` the update may split rows over ``sp`` (Ulysses or ring attention: the rollout forward
-    gathers the per-token log-probs, `colo.apps.rlhf.sequence_logps`); Megatron-SP is refused either way."""
+    gathers the per-token log-probs, `colo.apps.rlhf.sequence_logps`); Megatron-SP is refused either way. With
+    ``pipeline`` the update may run over ``pp`` stages (pp x dp: `colo.apps.rlhf.rollout_pipeline`, the rollout on the
+    stages' weights gathered over pp)."""
 
     def section(c):
         return getattr(c, task)
@@ -162,7 +203,10 @@ def _rollout_rules(task: str, *, plugins: tuple[str, ...], sequence_parallel: bo
             summary=f"plugin.name='hybrid' with {field} other than {fix} ({why})",
         )
         for field, allowed, fix, why in _HYBRID_ROLLOUT + (() if sequence_parallel else _HYBRID_WHOLE_ROWS)
+        if not (pipeline and field == "plugin.pp")
     )
+    if pipeline:
+        hybrid += _pipeline_rules(task)
     if sequence_parallel:
         hybrid += (
             TaskRule(
@@ -254,6 +298,15 @@ _GRPO_RULES = (
             "the padded rows); set grpo.pack_rows=false or plugin.sp=1"
         ),
         summary="grpo.pack_rows with plugin.sp > 1",
+    ),
+    TaskRule(
+        "grpo.pack_rows",
+        lambda c: c.grpo.pack_rows and c.plugin.name == "hybrid" and c.plugin.pp > 1,
+        lambda c: (
+            f"grpo.pack_rows under plugin.pp={c.plugin.pp} is not supported yet (the pipelined update scores the "
+            "padded rows on its last stage); set grpo.pack_rows=false or plugin.pp=1"
+        ),
+        summary="grpo.pack_rows with plugin.pp > 1",
     ),
 )
 
@@ -358,7 +411,7 @@ RLHF_TASKS = (
         section="grpo",
         section_type=GRPOSection,
         rules=(
-            *_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
+            *_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True, pipeline=True),
             *_GRPO_RULES,
         ),
     ),

@@ -25,6 +25,7 @@ from ..train.language_model import LanguageModelTask
 from .data import build_preference_dataset
 from .modeling import attach_pair_forward, make_reward_model
 from .objectives import PreferenceCriterion, RewardCriterion
+from .pair_pipeline import from_last_stage
 from .reference import WithReferenceLogps, precompute_reference_logps
 
 STATE_KEY = "preference"
@@ -49,7 +50,7 @@ class PreferenceTask(LanguageModelTask):
         self.reward_model_built = self.kind == "rm" and self.sft_steps == 0
         """rm: whether the model is the reward model yet (after the SFT warm-up, or from the start without one)."""
         if self.reward_model_built:
-            self.criterion = RewardCriterion(margin=preference.margin)
+            self.criterion = RewardCriterion(margin=preference.margin, pad_id=self.pad_id)
         else:  # dpo, and the SFT warm-up of a reward model (the sft flag set by before_step)
             self.criterion = PreferenceCriterion(
                 preference.loss_type,
@@ -110,7 +111,7 @@ class PreferenceTask(LanguageModelTask):
             _save_replacing(trainer, from_policy_at, init_from)
         trainer.booster.wait_for_saves()
         self.reward_model_built = True
-        self.criterion = RewardCriterion(margin=config.preference.margin)
+        self.criterion = RewardCriterion(margin=config.preference.margin, pad_id=self.pad_id)
         with torch.random.fork_rng(devices=[]):  # building draws from the RNG: keep the run's stream
             model = self.build_model(trainer, init_from=init_from)
         self.prepare_model(model)
@@ -154,7 +155,9 @@ class PreferenceTask(LanguageModelTask):
     def take_metrics(self, trainer) -> dict[str, float]:
         """The pair metrics since the last call, averaged over the data-parallel ranks (every rank calls it)."""
         prefix = "rm" if self.kind == "rm" else "dpo"
-        return {f"{prefix}/{name}": value for name, value in self.criterion.take_metrics(trainer.sample_group).items()}
+        # under a pipeline the last stage computed the losses (pair_pipeline): its ranks hold the statistics
+        metrics = from_last_stage(self.criterion.take_metrics(trainer.sample_group), trainer.booster.mesh)
+        return {f"{prefix}/{name}": value for name, value in metrics.items()}
 
     def finish(self, trainer, *, final_checkpoint: str | None) -> str | None:
         """A DPO policy's samples, as a language model's; a reward model does not generate."""

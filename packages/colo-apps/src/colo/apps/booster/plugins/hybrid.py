@@ -31,7 +31,7 @@ from ..replicas import broadcast_model_state, model_tensors
 from .base import Engine, Plugin
 from .driver import OptimizerDriver
 from .expert import ExpertBiases, uses_expert_bias
-from .runner import PipelineRunner
+from .runner import PipelineCriterion, PipelineRunner
 from .zero import ZeroEngine
 
 SP_MODES = (None, "megatron", "ulysses", "ring")
@@ -171,8 +171,18 @@ class HybridParallel(Plugin):
         return ("dp", "ep") if self.ep > 1 else ("dp",)
 
     def configure(self, model, optimizer, *, criterion=None, param_order=None) -> Engine:
-        if criterion is not None and self.pp > 1:
-            raise ValueError("HybridParallel with pp > 1 computes the model plan's own loss; pass criterion=None")
+        if criterion is not None and self.pp > 1 and not isinstance(criterion, PipelineCriterion):
+            raise ValueError(
+                "HybridParallel with pp > 1 computes the model plan's own loss on the last stage, or a criterion's "
+                "that runs under a pipeline (colo.apps.booster.PipelineCriterion: pipeline_split, pipeline_loss, "
+                "pipeline_outputs); pass criterion=None or such a criterion"
+            )
+        if criterion is not None and self.pp > 1 and (self.sp > 1 or self.sp_mode is not None):
+            raise UnsupportedLayout(
+                f"HybridParallel: a criterion under pp={self.pp} takes whole rows on the last stage; sp={self.sp}, "
+                f"sp_mode={self.sp_mode!r} split them; use sp=1 and sp_mode=None with a pipelined criterion",
+                field="sp",
+            )
         plan = plan_for(model)
         if self.tp_mode != "1d":
             plan = grid_plan_for(plan, self)
@@ -259,7 +269,14 @@ class HybridParallel(Plugin):
         ]
         engine_type = MoEPipelineEngine if moe_blocks(model) else PipelineEngine
         engine = engine_type(
-            self, plan=plan, part=part, optimizer=zero, mesh=mesh, model=target, tied_copies=tied_copies
+            self,
+            plan=plan,
+            part=part,
+            optimizer=zero,
+            mesh=mesh,
+            model=target,
+            tied_copies=tied_copies,
+            criterion=criterion,
         )
         engine.uses_expert_bias = bias
         return engine
@@ -600,10 +617,19 @@ class PipelineEngine(OptimizerDriver, Engine):
     schedule's `colo.pipeline.PipelineExecutor`; a batch's size must divide by ``num_microbatches``)."""
 
     def __init__(
-        self, plugin: HybridParallel, *, plan, part, optimizer: ZeroOptimizer, mesh: Mesh, model, tied_copies=()
+        self,
+        plugin: HybridParallel,
+        *,
+        plan,
+        part,
+        optimizer: ZeroOptimizer,
+        mesh: Mesh,
+        model,
+        tied_copies=(),
+        criterion: PipelineCriterion | None = None,
     ) -> None:
         super().__init__(
-            plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=None, sync_every_microbatch=True
+            plugin, model=model, optimizer=optimizer, mesh=mesh, criterion=criterion, sync_every_microbatch=True
         )
         self.plan = plan
         self.tied_copies = set(tied_copies)
@@ -613,11 +639,16 @@ class PipelineEngine(OptimizerDriver, Engine):
             part.chunks,
             schedule=plugin.pipeline_schedule,
             mesh=mesh,
-            loss_fn=part.loss_fn,
+            loss_fn=part.loss_fn if criterion is None else criterion.pipeline_loss,
             tied_parameters=part.tied_parameters,
             on_backward_end=optimizer.reduce_gradients,
         )
-        self.runner = PipelineRunner(self.executor, plan=plan, plugin=plugin, mesh=mesh)
+        self.runner = PipelineRunner(self.executor, plan=plan, plugin=plugin, mesh=mesh, criterion=criterion)
+
+    def forward(self, micro):
+        """The criterion's per-row outputs of one microbatch through the stages, forward only, on every rank
+        (`PipelineRunner.forward`; only with a `PipelineCriterion`)."""
+        return self.runner.forward(micro)
 
     def backward(self, loss):
         raise RuntimeError("with pp > 1 the pipeline runs backward itself: use booster.train_step(batch)")
