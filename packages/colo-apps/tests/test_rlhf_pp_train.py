@@ -74,13 +74,12 @@ def _checkpoint_tensors(path) -> dict:
     return targets
 
 
+# pp2 alone (2 ranks, with the SFT warm-up) ran here too and passed; it is left to CI's booster-level test
+# (test_rlhf_plugins: rm / dpo at pp2 over 5 AdamW steps) to keep the suite's time
 @pytest.mark.parametrize(
     "world_size, plugin",
-    [
-        (2, {"plugin.name": "hybrid", "plugin.pp": 2, "schedule.num_microbatches": 2, "plugin.zero_stage": 1}),
-        (4, {"plugin.name": "hybrid", "plugin.pp": 2, "schedule.num_microbatches": 2, "plugin.zero_stage": 2}),
-    ],
-    ids=["pp2", "pp2xdp2"],
+    [(4, {"plugin.name": "hybrid", "plugin.pp": 2, "schedule.num_microbatches": 2, "plugin.zero_stage": 2})],
+    ids=["pp2xdp2"],
 )
 def test_dpo_under_a_pipeline_equals_one_process(tmp_path, world_size, plugin):
     # the one process splits its batch as the layout does (2 microbatches on each of dp data ranks): the SFT warm-up's
