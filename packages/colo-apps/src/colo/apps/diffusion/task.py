@@ -29,7 +29,7 @@ from .components import (
     load_vae,
 )
 from .data import collate
-from .ema import EMA_DIR, ShardedEMA, ema_checkpoint
+from .ema import EMA_DIR, ShardedEMA, ema_checkpoint, full_weights
 from .flow_matching import FlowMatchingBatchBuilder
 from .latent_cache import CACHE_DIR, build_latent_cache
 from .lora import add_unet_lora, lora_settings
@@ -299,6 +299,8 @@ class DiffusionTask(TrainTask):
 
         if self.ema is not None:
             averaged = self.ema.full(to_rank=0)
+        elif ctx.plugin.mesh_shape(ctx.world_size).get("tp", 1) > 1:  # tensor-parallel shards: gathered by name
+            averaged = full_weights(ctx.booster.engine, to_rank=0)
         else:
             averaged = ctx.booster.full_state_dict(to_rank=0)
         if ctx.rank != 0:
