@@ -42,7 +42,7 @@ LAYOUTS = {
 }
 
 
-def _config(output_dir: str, plugin: dict, total_steps: int = STEPS):
+def _config(output_dir: str, plugin: dict, total_steps: int = STEPS, **diffusion):
     from colo.apps.diffusion.testing import tiny_run_config
 
     return tiny_run_config(
@@ -55,6 +55,7 @@ def _config(output_dir: str, plugin: dict, total_steps: int = STEPS):
         flow_shift=1.0,
         schedule={"total_steps": total_steps, "warmup_steps": 0, "min_lr": LR},
         checkpoint_every=2,
+        **diffusion,
     )
 
 
@@ -186,3 +187,34 @@ def test_hybrid_refuses_the_unet_and_layouts_the_dit_lacks():
     with pytest.raises(ValueError, match=r"not sp_mode='ring' \(the tokens split with Ulysses only\)"):
         config({"name": "hybrid", "sp": 2, "sp_mode": "ring"})
     assert config({"name": "hybrid", "tp": 2, "sp": 2, "sp_mode": "ulysses"}).plugin.tp == 2
+
+
+def _train_video(output_dir: str, plugin: dict):
+    """Every rank: 3 steps on 2-frame clips of the moving shapes; the losses, the EMA (rank 0), the batch's latent
+    shape and, on rank 0, the size of the sample grid of the EMA."""
+    from PIL import Image
+
+    from colo.apps.train import Trainer
+
+    trainer = Trainer(_config(output_dir, plugin, 3, num_frames=2))
+    result = trainer.fit()
+    shape = tuple(trainer.task.step_batch(trainer.ctx, 0)["noisy_latents"].shape)
+    grid = trainer.task.sample_grid(trainer.ctx, 3)  # every rank gathers the EMA; rank 0 samples and writes
+    return result.losses, trainer.task.ema.full(to_rank=0), shape, Image.open(grid).size if grid else None
+
+
+def test_video_clips_train_under_ulysses_like_one_process(tmp_path):
+    """``diffusion.num_frames: 2``: clips of the moving shapes (each frame through the image VAE) give the DiT
+    ``(batch, 4, 2, 8, 8)`` latents, 32 tokens over both frames; Ulysses sp2 (the split falls between the frames,
+    attention spans both) equals one process over 3 AdamW steps (losses rtol 1e-5, EMA rtol 1e-5 / atol 1e-4), and
+    the sample grid (Euler flow steps through colo's DiT, each frame decoded) shows one clip a row, its 2 frames side
+    by side."""
+    ((expected, expected_ema, shape, grid),) = run_distributed(
+        _train_video, str(tmp_path / "one"), {"name": "ddp"}, world_size=1, timeout=240
+    )
+    assert shape == (4, 4, 2, 8, 8)
+    assert grid == (4 * (2 * 17 + 1), 4 * (1 * 17 + 1))  # 2 frames x 1 prompt x 1 seed, 16 px + borders, x4
+    results = run_distributed(_train_video, str(tmp_path / "sp2"), SP2, world_size=2, timeout=240)
+    for losses, _, _, _ in results:
+        assert list(losses.values()) == pytest.approx(list(expected.values()), rel=1e-5)
+    _assert_close_weights(results[0][1], expected_ema, "ema")

@@ -44,6 +44,12 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     section = config.diffusion
     if os.path.exists(out) and os.listdir(out) and not overwrite:
         raise ValueError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    if section.denoiser == "dit" and section.num_frames > 1:
+        raise ValueError(
+            f"diffusion.num_frames={section.num_frames}: no diffusers pipeline samples colo's video DiT (a "
+            "PixArtAlphaPipeline makes images); its weights are in the checkpoint under PixArtTransformer2DModel's "
+            "names (transformer.*), and the run's sample grids show its clips"
+        )
     if section.denoiser == "dit":
         return [_export_pixart(checkpoint, out, run, config, use_ema=use_ema)]
     if section.objective == "flow_matching":
