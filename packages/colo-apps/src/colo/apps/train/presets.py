@@ -69,6 +69,49 @@ RUN_PRESETS: dict[str, dict] = {
             "guidance_scale": 3.0,
         },
     },
+    # Video on CPU (2 processes, Ulysses sp2): clips of 4 frames of tiny-dit's shapes moving left / right / up / down
+    # ("a red circle moving left on blue"), each frame through the tiny VAE (pre-trained on the frames) into an 8 x 8
+    # latent; the DiT (4 blocks of 128, 4 heads of 32, 2 x 2 patches: 4 frames x 16 = 64 tokens, full
+    # spatial-temporal attention) trains with flow matching under HybridParallel sp=2: each rank holds half of every
+    # clip's tokens, attention runs over all of them by Ulysses all-to-all. Sample grids: one clip a row.
+    "tiny-video-dit": {
+        "name": "tiny-video-dit",
+        "output_dir": "runs/tiny-video-dit",
+        "seed": 0,
+        "plugin": {"name": "hybrid", "sp": 2, "sp_mode": "ulysses", "zero_stage": 1, "precision": "fp32"},
+        "optimizer": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+        "schedule": {"total_steps": 1500, "warmup_steps": 50, "min_lr": 1e-4},
+        "data": {"task": "diffusion", "global_batch_size": 16},
+        "checkpoint": {"every_steps": 500, "keep_last": 2, "resume": "auto"},
+        "logging": {"every_steps": 20},
+        "eval": {"every_steps": 500},
+        "diffusion": {
+            "denoiser": "dit",
+            "num_frames": 4,
+            "dit_layers": 4,
+            "dit_heads": 4,
+            "dit_head_dim": 32,
+            "dit_patch_size": 2,
+            "objective": "flow_matching",
+            "timestep_sampling": "logit_normal",
+            "flow_shift": 1.0,
+            "image_size": 16,
+            "vae_channels": [16, 32],
+            "num_images": 2048,
+            "vae_pretrain_steps": 300,
+            "condition_dropout": 0.1,
+            "ema_decay": 0.995,
+            "sample_prompts": [
+                "a red circle moving right on white",
+                "a blue square moving down on black",
+                "a green triangle moving left on gray",
+                "a yellow circle moving up on blue",
+            ],
+            "samples_per_prompt": 2,
+            "sample_steps": 10,
+            "guidance_scale": 3.0,
+        },
+    },
     # The CPU demo (`make demo`): 2 processes, DDP, fp32, the byte tokenizer on the standard library's .py files.
     # ~2.2M parameters with the byte vocabulary; 300 steps of 16 x 128 tokens finish in a few minutes on 2 cores.
     "tiny-llama": {
@@ -476,6 +519,7 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "tiny-dit": "CPU: the same shapes with a PixArt-style diffusion transformer and flow matching; PixArt export",
     "sd15-diffusion": "8 GPUs: Stable Diffusion 1.5's UNet on local images and captions, ZeRO-2 bf16",
     "pixart-dit": "8 GPUs: a PixArt-alpha-sized diffusion transformer (~607M) with flow matching, ZeRO-2 bf16",
+    "tiny-video-dit": "CPU: 4-frame clips of the shapes moving, a DiT over frames x patches under Ulysses sp2",
     "sd3-medium-dit": "8 GPUs: a PixArt-style diffusion transformer at SD3-medium's size (~2.08B), ZeRO-3 bf16",
     "llama-1b": "8 GPUs: TinyLlama-1.1B's shape, tp2 x dp4, ZeRO-1, bf16, 2M tokens per step",
     "llama-7b": "32 GPUs: Llama-2-7B, tp8 x dp4 with sequence parallelism, ZeRO-1, bf16, 4M tokens per step",
