@@ -166,6 +166,27 @@ def test_the_pixart_preset_builds_a_pixart_alpha_sized_dit_for_8_gpus():
     assert 600e6 < count < 615e6, count
 
 
+def test_the_sd3_medium_sized_preset_builds_a_2b_pixart_style_dit():
+    """``sd3-medium-dit``: a PixArt-style DiT (not MMDiT) at SD3-medium's ~2B parameters: 24 blocks of 2304 (36 heads
+    of 64), patch 2 on SD3's 16-channel latents at 1024 px (128 x 128: 4096 tokens), CLIP-L's 768-wide captions;
+    ZeRO-3 bf16 on 8 GPUs; built on the meta device: ~2.08B parameters."""
+    from colo.apps.diffusion.models import build_dit
+    from colo.apps.train import load_config
+
+    config = load_config(preset="sd3-medium-dit")
+    section = config.diffusion
+    assert (config.plugin.name, config.plugin.stage, config.plugin.precision) == ("zero", 3, "bf16")
+    assert config.data.global_batch_size % (8 * config.schedule.num_microbatches) == 0
+    assert section.objective == "flow_matching" and section.flow_shift == 3.0 and section.gradient_checkpointing
+    dit = section.dit_config_object()
+    assert (dit.num_layers, dit.hidden_size, dit.num_attention_heads, dit.attention_head_dim) == (24, 2304, 36, 64)
+    assert (dit.sample_size, dit.in_channels, dit.output_channels, dit.caption_channels) == (128, 16, 16, 768)
+    with torch.device("meta"):
+        model = build_dit(dit)
+    count = sum(p.numel() for p in model.parameters())
+    assert 2.0e9 < count < 2.15e9, count
+
+
 NUM_STEPS = 5
 DIT = {"num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 2, "sample_size": 8, "patch_size": 2}
 

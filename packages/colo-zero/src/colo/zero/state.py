@@ -59,7 +59,7 @@ def _slot_range(chunk: Chunk, slot: ParamSlot) -> tuple[int, int, int] | None:
     return begin - chunk.shard_offset, end - chunk.shard_offset, begin - slot.offset
 
 
-def _placement_of(zero: ChunkOptimizer, slot: ParamSlot) -> dict:
+def placement_of(zero: ChunkOptimizer, slot: ParamSlot) -> dict:
     """Where the parameter of ``slot`` lies in the global tensor: ``global_shape``, ``rect_offsets`` /
     ``rect_shape`` (its tensor-parallel shard, from its colo layout) and ``replica`` (another tensor-parallel rank
     holds the same elements and writes them: `ChunkOptimizer.is_tensor_parallel_replica`), as `FlatShard` keyword
@@ -144,7 +144,7 @@ def flat_pieces(
 
 def _named_pieces(zero: ChunkOptimizer, chunk: Chunk, slot: ParamSlot) -> list[tuple[str, int, int, dict]]:
     """`flat_pieces` of ``slot`` with ``zero``'s names and the parameter's tensor-parallel placement."""
-    return flat_pieces(chunk, slot, checkpoint_names=zero.checkpoint_names, placement=_placement_of(zero, slot))
+    return flat_pieces(chunk, slot, checkpoint_names=zero.checkpoint_names, placement=placement_of(zero, slot))
 
 
 def _chunk_pieces(zero: ChunkOptimizer, chunk: Chunk, tensors: dict[str, torch.Tensor], *, copy_shared: bool):

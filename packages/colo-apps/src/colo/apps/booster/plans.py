@@ -1,8 +1,9 @@
 """How `HybridParallel` parallelizes a model family: a `ModelPlan` per model type, looked up by `plan_for`.
 
 A plan checks the plugin's sizes against the model's shape (before any collective), applies tensor and sequence
-parallelism in place, and cuts the model into pipeline stages. colo's own plans (the native Llama, MoELlama, and
-transformers' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``) are listed in `BUILTIN_PLANS` by the model class's
+parallelism in place, and cuts the model into pipeline stages. colo's own plans (the native Llama, MoELlama,
+transformers' ``LlamaForCausalLM`` and ``GPT2LMHeadModel``, and the diffusion transformer, alone or in the diffusion
+recipe's ``DenoiserLoss``) are listed in `BUILTIN_PLANS` by the model class's
 module and name and imported on first use, so importing the Booster imports no plan and no model; users add
 theirs with `register_plan`, which take precedence.
 """
@@ -97,6 +98,8 @@ BUILTIN_PLANS: tuple[tuple[str, str, str], ...] = (
     ("colo.apps.models.llama.", "Llama", "colo.apps.booster.llama_plan:LlamaPlan"),
     ("transformers.models.llama.", "LlamaForCausalLM", "colo.apps.hf.plans:HFLlamaPlan"),
     ("transformers.models.gpt2.", "GPT2LMHeadModel", "colo.apps.hf.plans:HFGPT2Plan"),
+    ("colo.apps.models.dit.", "DiffusionTransformer", "colo.apps.booster.dit_plan:DiTPlan"),
+    ("colo.apps.diffusion.objective.", "DenoiserLoss", "colo.apps.booster.dit_plan:DiTPlan"),
 )
 """colo's plans: ``(module prefix of the model class, class name, "module:PlanClass")``. A model whose class, or a
 class it derives from, matches gets the plan (the most derived match wins); the plan's module is imported then."""

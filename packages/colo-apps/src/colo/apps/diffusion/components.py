@@ -9,19 +9,30 @@ import os
 
 import torch.distributed as dist
 
-from .data import ImageCaptionFolder, ShapesDataset, caption_vocabulary
+from .data import (
+    ImageCaptionFolder,
+    MovingShapesDataset,
+    ShapesDataset,
+    caption_vocabulary,
+    video_caption_vocabulary,
+)
 from .models import build_dit, build_text_encoder, build_unet, build_vae, require_diffusers, save_caption_tokenizer
 
 
 def build_dataset(section):
-    """The run's captioned images: an image folder (``diffusion.image_dir``) or the procedural shapes."""
+    """The run's captioned images: an image folder (``diffusion.image_dir``), the procedural shapes, or with
+    ``diffusion.num_frames > 1`` the procedural moving-shape clips."""
     if section.image_dir is not None:
         return ImageCaptionFolder(section.image_dir, resize=section.resize)
+    if section.num_frames > 1:
+        return MovingShapesDataset(section.num_images, image_size=section.image_size, num_frames=section.num_frames)
     return ShapesDataset(section.num_images, image_size=section.image_size)
 
 
 def captions_vocabulary(dataset) -> list[str]:
     """The words of the dataset's captions (the caption tokenizer's vocabulary)."""
+    if isinstance(dataset, MovingShapesDataset):
+        return video_caption_vocabulary()
     if isinstance(dataset, ShapesDataset):
         return caption_vocabulary()
     return sorted({w for _, text in dataset.records for w in text.lower().split()})

@@ -12,7 +12,7 @@ FLOW_MATCHING_FIELDS = ("timestep_sampling", "logit_mean", "logit_std", "mode_sc
 """Fields of the ``diffusion`` section that only ``objective: flow_matching`` reads."""
 UNET_FIELDS = ("unet_channels", "unet_layers_per_block", "attention_head_dim", "unet_config", "unet_from")
 """Fields of the ``diffusion`` section that only ``denoiser: unet`` reads."""
-DIT_FIELDS = ("dit_layers", "dit_heads", "dit_head_dim", "dit_patch_size", "dit_config")
+DIT_FIELDS = ("dit_layers", "dit_heads", "dit_head_dim", "dit_patch_size", "dit_config", "num_frames")
 """Fields of the ``diffusion`` section that only ``denoiser: dit`` reads."""
 
 
@@ -40,6 +40,14 @@ class DiffusionSection(BaseModel):
         "sizes above and the VAE / text encoder, e.g. use_additional_conditions, interpolation_scale, sample_size.",
     )
 
+    num_frames: int = Field(
+        default=1,
+        ge=1,
+        description="DiT: frames per sample. 1: images; > 1: short video clips of the procedural shapes moving "
+        "(MovingShapesDataset: 'a red circle moving left on blue'), each frame through the image VAE, the DiT on "
+        "(channels, frames, height, width) latents with full spatial-temporal attention; sample grids show one clip "
+        "a row (Euler flow steps). No image_dir, latent cache or diffusers export with clips.",
+    )
     image_size: int = Field(default=16, ge=8, description="Side of the square training images (pixels).")
     unet_channels: list[int] = Field(default=[32, 64], description="The UNet's block_out_channels.")
     unet_layers_per_block: int = Field(default=1, ge=1, description="The UNet's layers_per_block.")
@@ -154,6 +162,24 @@ class DiffusionSection(BaseModel):
                 )
         if self.denoiser == "dit":
             self.dit_config_object()  # validates the sizes and dit_config
+        if self.num_frames > 1:
+            clash = [
+                (name, value)
+                for name, value in (("image_dir", self.image_dir), ("cache_latents", self.cache_latents))
+                if value
+            ]
+            if clash:
+                name, value = clash[0]
+                raise ValueError(
+                    f"diffusion.{name}={value!r} does not work with diffusion.num_frames={self.num_frames} (video "
+                    f"clips come from the procedural moving shapes, encoded every step); unset {name} or set "
+                    "num_frames=1"
+                )
+            if self.objective != "flow_matching":
+                raise ValueError(
+                    f"diffusion.num_frames={self.num_frames} trains video clips with flow matching (their sample grids "
+                    "use the Euler flow sampler); set diffusion.objective='flow_matching'"
+                )
         return self
 
     def dit_config_object(self):

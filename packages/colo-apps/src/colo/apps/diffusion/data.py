@@ -97,6 +97,67 @@ class ShapesDataset(torch.utils.data.Dataset):
         return {"pixel_values": image * 2 - 1, "caption": f"a {color} {shape} on {background}"}
 
 
+MOTIONS: dict[str, tuple[float, float]] = {
+    "left": (-1.0, 0.0),
+    "right": (1.0, 0.0),
+    "up": (0.0, -1.0),
+    "down": (0.0, 1.0),
+}
+"""Directions a clip's shape moves in (x, y; image rows grow downwards)."""
+
+
+def video_caption_vocabulary() -> list[str]:
+    """Every word a `MovingShapesDataset` caption can hold."""
+    return sorted({*caption_vocabulary(), "moving", *MOTIONS})
+
+
+class MovingShapesDataset(ShapesDataset):
+    """``length`` captioned clips of ``num_frames`` frames: `ShapesDataset`'s shape on its background, moving in a
+    straight line, e.g. "a red circle moving left on blue". The shape's centre travels ``travel`` of the image side
+    over the clip, centred on the still image's centre. A function of ``(seed, index)`` only.
+
+    Items are ``{"pixel_values": (3, num_frames, size, size) in [-1, 1], "caption": str}`` (channels, frames, height,
+    width: diffusers' video layout).
+
+    Args:
+        length: number of clips.
+        image_size: side in pixels.
+        num_frames: frames per clip (>= 2).
+        travel: the distance the centre moves over the clip, as a fraction of the side. Default: 0.375.
+        seed: the set's seed.
+    """
+
+    def __init__(
+        self, length: int = 512, *, image_size: int = 16, num_frames: int = 4, travel: float = 0.375, seed: int = 0
+    ) -> None:
+        super().__init__(length, image_size=image_size, seed=seed)
+        if num_frames < 2:
+            raise ValueError(f"MovingShapesDataset needs num_frames >= 2, got {num_frames}; use ShapesDataset")
+        self.num_frames, self.travel = num_frames, travel
+
+    def motion(self, index: int) -> str:
+        """The direction item ``index``'s shape moves in."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index + 7_919)
+        return list(MOTIONS)[int(torch.randint(len(MOTIONS), (1,), generator=generator))]
+
+    def caption(self, index: int) -> str:
+        color, shape, background, *_ = self.describe(index)
+        return f"a {color} {shape} moving {self.motion(index)} on {background}"
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        color, shape, background, cx, cy, radius = self.describe(index)
+        dx, dy = MOTIONS[self.motion(index)]
+        size, frames = self.image_size, self.num_frames
+        clip = torch.tensor(BACKGROUNDS[background]).view(3, 1, 1, 1).expand(3, frames, size, size).clone()
+        for frame in range(frames):
+            offset = (frame / (frames - 1) - 0.5) * self.travel * size
+            mask = _shape_mask(shape, size, cx + dx * offset, cy + dy * offset, radius)
+            clip[:, frame, mask] = torch.tensor(COLORS[color]).view(3, 1)
+        return {"pixel_values": clip * 2 - 1, "caption": self.caption(index)}
+
+
 class ImageCaptionFolder(torch.utils.data.Dataset):
     """Images with captions from a folder holding ``metadata.jsonl`` lines ``{"file_name": ..., "text": ...}`` (the
     layout of diffusers' ``train_text_to_image.py`` image folders).
@@ -154,6 +215,18 @@ class ImageCaptionFolder(torch.utils.data.Dataset):
             data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
             pixels = data.view(image.height, image.width, 3).permute(2, 0, 1).float() / 255
         return {"pixel_values": pixels * 2 - 1, "caption": caption}
+
+
+def frames_as_images(pixels: torch.Tensor) -> torch.Tensor:
+    """``(batch, channels, frames, h, w)`` clips as ``(batch * frames, channels, h, w)`` images, frame-major per clip
+    (4-D images pass unchanged)."""
+    return pixels.transpose(1, 2).flatten(0, 1) if pixels.dim() == 5 else pixels
+
+
+def images_as_frames(images: torch.Tensor, num_frames: int) -> torch.Tensor:
+    """The inverse of `frames_as_images`: ``(batch * frames, channels, h, w)`` to ``(batch, channels, frames, h,
+    w)``."""
+    return images.unflatten(0, (-1, num_frames)).transpose(1, 2)
 
 
 def collate(items: list[dict]) -> dict:

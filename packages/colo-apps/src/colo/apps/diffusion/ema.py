@@ -36,19 +36,26 @@ def ema_checkpoint(checkpoint: str | os.PathLike) -> str:
     return os.path.join(os.path.dirname(checkpoint), EMA_DIR, os.path.basename(checkpoint))
 
 
+def _tensor_parallel_axes(engine) -> tuple[str, ...]:
+    """The mesh axes of size > 1 over which ``engine``'s plugin splits the model's tensors (HybridParallel's tp)."""
+    axes = getattr(engine.plugin, "tensor_parallel_axes", lambda: ())()
+    return tuple(axis for axis in axes if engine.mesh.size(axis) > 1)
+
+
 def _master_pieces(engine) -> Iterator[tuple[str, torch.Tensor, dict | None]]:
     """``(checkpoint name, this rank's current fp32 values, FlatShard fields | None)`` of every trainable
-    parameter: flat ranges of the chunks' masters under ZeRO / Gemini, whole parameters otherwise."""
+    parameter: flat ranges of the chunks' masters under ZeRO / Gemini (of this rank's tensor-parallel shard, placed
+    in the whole tensor, under HybridParallel's tp), whole parameters otherwise."""
     from colo.zero import ChunkOptimizer
-    from colo.zero.state import flat_pieces
+    from colo.zero.state import flat_pieces, placement_of
 
     optimizer = engine.optimizer
-    if isinstance(optimizer, ChunkOptimizer) and optimizer.num_shards > 1:
+    if isinstance(optimizer, ChunkOptimizer) and (optimizer.num_shards > 1 or _tensor_parallel_axes(engine)):
         optimizer.before_checkpoint()  # the shards are read: parameter gathers in flight land first
         for chunk in optimizer.trainable_chunks:
             master = optimizer.shard_tensors(chunk)["master"]
             for slot in chunk.slots:
-                placement = {"global_shape": tuple(slot.shape), "replica": False}
+                placement = placement_of(optimizer, slot)
                 for name, start, end, fields in flat_pieces(
                     chunk, slot, checkpoint_names=optimizer.checkpoint_names, placement=placement
                 ):
@@ -61,6 +68,70 @@ def _master_pieces(engine) -> Iterator[tuple[str, torch.Tensor, dict | None]]:
     for name, param in engine.unwrap().named_parameters():
         if param.requires_grad:
             yield name, param.detach(), None
+
+
+def _assemble(gathered: list[list[tuple[str, torch.Tensor, dict | None]]]) -> dict[str, torch.Tensor]:
+    """The whole tensors from every rank's ``(name, values, FlatShard fields | None)`` pieces: a flat range of the
+    tensor, or of the tensor-parallel rectangle ``rect_offsets`` / ``rect_shape`` of it; replicas are skipped (the
+    rank that writes them holds the same values)."""
+    result: dict[str, torch.Tensor] = {}
+    rectangles: dict[tuple, torch.Tensor] = {}  # (name, offsets, shape) -> the flat rectangle being filled
+    for rank_pieces in gathered:
+        for name, value, fields in rank_pieces:
+            if fields is None:
+                result.setdefault(name, value)
+                continue
+            if fields.get("replica"):
+                continue
+            shape = tuple(fields["global_shape"])
+            rect_shape = tuple(fields.get("rect_shape") or shape)
+            offsets = tuple(fields.get("rect_offsets") or (0,) * len(shape))
+            key = (name, offsets, rect_shape)
+            if key not in rectangles:
+                rectangles[key] = torch.zeros(int(torch.Size(rect_shape).numel()), dtype=value.dtype)
+                result.setdefault(name, torch.zeros(shape, dtype=value.dtype))
+            rectangles[key][fields["flat_start"] : fields["flat_start"] + value.numel()] = value
+    for (name, offsets, rect_shape), flat in rectangles.items():
+        region = tuple(slice(offset, offset + size) for offset, size in zip(offsets, rect_shape))
+        result[name][region] = flat.view(rect_shape)
+    return result
+
+
+def gather_pieces(pieces, *, group, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The whole tensors of every rank of ``group``'s ``(name, values, FlatShard fields | None)`` pieces (a
+    collective: every rank of ``group`` calls it); ``to_rank``: only that global rank assembles them (the others get
+    ``{}``)."""
+    import torch.distributed as dist
+
+    pieces = [(name, value.detach().cpu(), fields) for name, value, fields in pieces]
+    if group.size == 1:
+        return _assemble([pieces])
+    if to_rank is None:
+        gathered = [None] * group.size
+        dist.all_gather_object(gathered, pieces, group=group.process_group)
+    else:
+        receives = dist.get_rank() == to_rank
+        gathered = [None] * group.size if receives else None
+        dist.gather_object(pieces, gathered, dst=to_rank, group=group.process_group)
+        if not receives:
+            return {}
+    return _assemble(gathered)
+
+
+def full_weights(engine, *, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The boosted model's current trainable weights, whole, by checkpoint name: `colo.apps.booster.Booster`'s
+    ``full_state_dict`` for layouts it cannot gather (HybridParallel's tensor-parallel shards). A collective."""
+    return gather_pieces(list(_master_pieces(engine)), group=_saving_group(engine), to_rank=to_rank)
+
+
+def _saving_group(engine):
+    """The ranks whose pieces make the whole average: the data axes, and the tensor-parallel axes when the plugin
+    splits tensors (the world then: HybridParallel's mesh is ``(pp, dp, sp, tp)`` and the DiT has no pipeline)."""
+    from colo.comm import world_group
+
+    if _tensor_parallel_axes(engine):
+        return world_group()
+    return engine.mesh.group(*engine.plugin.data_axes(engine.mesh))
 
 
 class ShardedEMA:
@@ -136,8 +207,9 @@ class ShardedEMA:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the average to the new checkpoint directory ``path`` (every rank calls it)."""
-        group = self.engine.mesh.group(*self.engine.plugin.data_axes(self.engine.mesh))
-        save_checkpoint(path, self._tensors(), metadata={"ema": self.state_metadata()}, group=group)
+        save_checkpoint(
+            path, self._tensors(), metadata={"ema": self.state_metadata()}, group=_saving_group(self.engine)
+        )
 
     def load(self, path: str | os.PathLike) -> None:
         """Fill the average (and its step count) from ``path``, saved at any layout."""
@@ -145,43 +217,20 @@ class ShardedEMA:
         self.optimization_step = int(metadata["ema"]["optimization_step"])
 
     def full(self, *, to_rank: int | None = None) -> dict[str, torch.Tensor]:
-        """The whole average by parameter name (a collective under ZeRO / Gemini: every rank calls it).
+        """The whole average by parameter name (a collective under ZeRO / Gemini / tensor parallelism: every rank
+        calls it).
 
         ``to_rank``: only that global rank assembles it (the others get ``{}``), so a large model's average is not
         copied into every rank's host memory; ``None``: every rank gets it."""
         import torch.distributed as dist
 
-        result = {}
         sharded = any(fields is not None for _, fields in self.shadow.values())
         if not sharded:
             if to_rank is not None and dist.is_initialized() and dist.get_rank() != to_rank:
                 return {}
             return {name: value.clone() for name, (value, _) in self.shadow.items()}
-        group = self.engine.mesh.group(*self.engine.plugin.data_axes(self.engine.mesh))
-        pieces = [(n, v.cpu(), f) for n, (v, f) in self.shadow.items()]
-        if to_rank is None:
-            gathered = [None] * group.size
-            dist.all_gather_object(gathered, pieces, group=group.process_group)
-        else:
-            receives = dist.get_rank() == to_rank
-            gathered = [None] * group.size if receives else None
-            dist.gather_object(pieces, gathered, dst=to_rank, group=group.process_group)
-            if not receives:
-                return {}
-        for rank_pieces in gathered:
-            for name, value, fields in rank_pieces:
-                shape = fields["global_shape"]
-                flat = result.setdefault(name, torch.zeros(int(torch.Size(shape).numel()))).view(-1)
-                flat[fields["flat_start"] : fields["flat_start"] + value.numel()] = value
-        return {name: flat.view(self.shadow_shape(name, gathered)) for name, flat in result.items()}
-
-    @staticmethod
-    def shadow_shape(name, gathered) -> tuple[int, ...]:
-        for rank_pieces in gathered:
-            for piece_name, _, fields in rank_pieces:
-                if piece_name == name:
-                    return tuple(fields["global_shape"])
-        raise KeyError(name)
+        pieces = [(name, value, fields) for name, (value, fields) in self.shadow.items()]
+        return gather_pieces(pieces, group=_saving_group(self.engine), to_rank=to_rank)
 
     @torch.no_grad()
     def copy_to(self, module: torch.nn.Module, averaged: dict[str, torch.Tensor], *, prefix: str = "") -> None:

@@ -44,6 +44,12 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     section = config.diffusion
     if os.path.exists(out) and os.listdir(out) and not overwrite:
         raise ValueError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    if section.denoiser == "dit" and section.num_frames > 1:
+        raise ValueError(
+            f"diffusion.num_frames={section.num_frames}: no diffusers pipeline samples colo's video DiT (a "
+            "PixArtAlphaPipeline makes images); its weights are in the checkpoint under PixArtTransformer2DModel's "
+            "names (transformer.*), and the run's sample grids show its clips"
+        )
     if section.denoiser == "dit":
         return [_export_pixart(checkpoint, out, run, config, use_ema=use_ema)]
     if section.objective == "flow_matching":
@@ -58,7 +64,7 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
             f"(its schedulers take {SAMPLEABLE}); export the UNet weights with --to hf instead"
         )
     model_config = section.model_config_object()
-    tokenizer, text_encoder, vae = _frozen_side(run, config)
+    tokenizer, text_encoder, vae = frozen_side(run, config)
     # the architecture (of diffusion.unet_from, or the sizes); every weight comes from the checkpoint
     unet = build_unet(model_config, seed=0) if section.unet_from is None else _unet_like(section.unet_from)
     lora = config.lora.enabled
@@ -94,7 +100,7 @@ def export_diffusers(checkpoint: str, out: str, *, use_ema: bool = True, overwri
     return [out, save_unet_lora(out, adapters, **_adapter_config(config.lora))]
 
 
-def _frozen_side(run: dict, config) -> tuple:
+def frozen_side(run: dict, config) -> tuple:
     """``(tokenizer, text_encoder, vae)`` of a diffusion run's checkpoint metadata."""
     from transformers import CLIPTokenizer
 
@@ -119,7 +125,7 @@ def _export_pixart(checkpoint: str, out: str, run: dict, config, *, use_ema: boo
     from .sampling import pixart_pipeline, pixart_transformer
 
     section = config.diffusion
-    tokenizer, text_encoder, vae = _frozen_side(run, config)
+    tokenizer, text_encoder, vae = frozen_side(run, config)
     transformer = pixart_transformer(section.dit_config_object())
     state = {name: torch.empty_like(value) for name, value in transformer.state_dict().items()}
     load_checkpoint(checkpoint, {"transformer." + name: value for name, value in state.items()}, strict=False)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .data import frames_as_images, images_as_frames
 from .models import require_diffusers, tokenize_captions
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -139,7 +140,7 @@ class DenoiserLoss(torch.nn.Module):
                 noisy_latents, timesteps, encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
                 return_dict=False,
             )[0]  # fmt: skip
-        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.dim())))
         return (per_sample * loss_weights).mean()
 
 
@@ -190,9 +191,14 @@ class DiffusionBatchBuilder:
 
     @torch.no_grad()
     def posterior(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean, std)`` of the VAE's latent distribution of the images."""
+        """``(mean, std)`` of the VAE's latent distribution of the images (of each frame of ``(batch, 3, frames, h, w)``
+        clips: ``(batch, latent channels, frames, h', w')``)."""
         if self.vae is None:
             raise ValueError("this builder has no VAE: pass cached latent statistics (latent_mean, latent_std)")
+        if pixel_values.dim() == 5:  # clips: every frame through the image VAE, back to (batch, c, frames, h, w)
+            frames = pixel_values.shape[2]
+            mean, std = self.posterior(frames_as_images(pixel_values))
+            return images_as_frames(mean, frames), images_as_frames(std, frames)
         dist = self.vae.encode(pixel_values.to(self.vae.dtype)).latent_dist
         return dist.mean.float(), dist.std.float()
 

@@ -1,7 +1,7 @@
 """Sampling: a diffusers ``StableDiffusionPipeline`` around the run's UNet (a few-step DPM-Solver++), a
 ``PixArtAlphaPipeline`` around the run's diffusion transformer (DPM-Solver++ on the DDPM schedule, or on the flow
-sigmas for flow matching), Euler flow sampling of a flow-matching UNet, sample grids as PNG, and the pipeline
-directories `colo convert --to diffusers` writes."""
+sigmas for flow matching), Euler flow sampling of a flow-matching UNet and of a video DiT, sample grids as PNG, and the
+pipeline directories `colo convert --to diffusers` writes."""
 
 from __future__ import annotations
 
@@ -154,6 +154,60 @@ def sample_flow_images(
         decoded = vae.decode(latents / vae.config.scaling_factor + shift_factor, return_dict=False)[0]
         images.append((decoded.float() / 2 + 0.5).clamp(0, 1).cpu())
     return torch.cat(images)
+
+
+@torch.no_grad()
+def sample_flow_video(
+    *,
+    transformer,
+    vae,
+    text_encoder,
+    tokenizer,
+    objective,
+    prompts: list[str],
+    seeds: list[int],
+    steps: int,
+    guidance_scale: float,
+    size: int,
+    num_frames: int,
+) -> torch.Tensor:
+    """Clips of colo's diffusion transformer (`colo.apps.models.dit.DiffusionTransformer`) trained on video latents:
+    `euler_flow_sample` of ``(channels, num_frames, side, side)`` latents with the caption mask (guided against the
+    empty caption), each frame decoded by the image ``vae``. Each clip's noise is ``Generator().manual_seed(seed)``'s.
+    Returns ``(len(prompts) * len(seeds), 3, num_frames, size, size)`` in [0, 1]."""
+    from .data import frames_as_images, images_as_frames
+    from .flow_matching import euler_flow_sample
+    from .models import tokenize_captions
+
+    device = next(transformer.parameters()).device
+    side = size // 2 ** (len(vae.config.block_out_channels) - 1)
+    shape = (1, transformer.config.in_channels, num_frames, side, side)
+    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+    shift_factor = getattr(vae.config, "shift_factor", None) or 0.0
+    clips = []
+    for prompt in prompts:
+        captions = [prompt] * len(seeds) + [""] * len(seeds)
+        ids, mask = tokenize_captions(tokenizer, captions, return_mask=True)
+        ids, mask = ids.to(device), mask.to(device)
+        states = text_encoder(ids, attention_mask=mask, return_dict=False)[0].float()
+
+        def velocity(x, t, rows, states=states, mask=mask):  # rows index the captions: the prompt's, the empty one's
+            return transformer(x, states[rows], t, encoder_attention_mask=mask[rows])
+
+        rows = torch.arange(2 * len(seeds), device=device)
+        latents = euler_flow_sample(
+            velocity,
+            noise.to(device),
+            objective=objective,
+            num_steps=steps,
+            condition=rows[: len(seeds)],
+            uncondition=rows[len(seeds) :],
+            guidance_scale=guidance_scale,
+        )
+        frames = frames_as_images(latents / vae.config.scaling_factor + shift_factor)
+        decoded = vae.decode(frames, return_dict=False)[0]
+        clips.append(images_as_frames((decoded.float() / 2 + 0.5).clamp(0, 1).cpu(), num_frames))
+    return torch.cat(clips)
 
 
 def grid_tensor(images: torch.Tensor, *, columns: int) -> torch.Tensor:

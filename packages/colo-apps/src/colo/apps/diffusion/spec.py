@@ -6,16 +6,57 @@ from __future__ import annotations
 from ..train.task import TaskRule, TaskSpec
 from .config import DiffusionSection
 
+
+def _hybrid_dit_refusal(config) -> str | None:
+    """Why ``plugin.name: hybrid`` cannot train this run's denoiser, or ``None``."""
+    plugin = config.plugin
+    if plugin.name != "hybrid":
+        return None
+    if config.diffusion.denoiser != "dit":
+        return (
+            "data.task='diffusion' under plugin.name='hybrid' trains the diffusion transformer only (the UNet has no "
+            "tensor or sequence layout): set diffusion.denoiser='dit', or train the UNet under plugin.name 'ddp', "
+            "'zero' or 'gemini'"
+        )
+    refused = []
+    if plugin.pp > 1:
+        refused.append(f"pp={plugin.pp} (no pipeline stages)")
+    if plugin.ep > 1:
+        refused.append(f"ep={plugin.ep} (no experts)")
+    if plugin.sp_mode in ("megatron", "ring"):
+        refused.append(f"sp_mode={plugin.sp_mode!r} (the tokens split with Ulysses only)")
+    if plugin.tp_mode != "1d":
+        refused.append(f"tp_mode={plugin.tp_mode!r} (a 1D plan)")
+    if not refused:
+        return None
+    return (
+        "data.task='diffusion' with diffusion.denoiser='dit' under plugin.name='hybrid' runs tp (1D), sp "
+        f"(sp_mode='ulysses') and ZeRO 0-3 over dp; not {', '.join(refused)}: set pp=1, ep=1, sp_mode='ulysses' or "
+        "null, tp_mode='1d'"
+    )
+
+
 _RULES = (
     TaskRule(
         "plugin.name",
-        lambda c: c.plugin.name not in ("ddp", "zero", "gemini"),
+        lambda c: c.plugin.name not in ("ddp", "zero", "gemini", "hybrid"),
         lambda c: (
-            f"data.task='diffusion' trains the UNet under plugin.name 'ddp', 'zero' (stage 0-3) or 'gemini': "
-            f"plugin.name={c.plugin.name!r} has no plan for it (no tensor, pipeline or expert layout of the UNet); "
-            "choose one of those"
+            f"data.task='diffusion' trains under plugin.name 'ddp', 'zero' (stage 0-3), 'gemini' or, the diffusion "
+            f"transformer, 'hybrid': plugin.name={c.plugin.name!r} has no layout of the denoiser; choose one of those"
         ),
-        summary="plugin.name other than ddp, zero, gemini (no UNet layout for tp / pp / experts)",
+        summary="plugin.name other than ddp, zero, gemini, hybrid (no expert layout of a denoiser)",
+    ),
+    TaskRule(
+        "plugin.name",
+        lambda c: c.plugin.name == "hybrid" and c.diffusion.denoiser != "dit",
+        lambda c: _hybrid_dit_refusal(c),
+        summary="plugin.name='hybrid' with diffusion.denoiser unet (no UNet tp / sp plan)",
+    ),
+    TaskRule(
+        "plugin",
+        lambda c: c.plugin.name == "hybrid" and c.diffusion.denoiser == "dit" and _hybrid_dit_refusal(c) is not None,
+        lambda c: _hybrid_dit_refusal(c),
+        summary="plugin.name='hybrid' with pp > 1, ep > 1, sp_mode megatron / ring or a 2D-3D tp_mode (the DiT)",
     ),
     TaskRule(
         "model.init_from",
@@ -46,7 +87,7 @@ def _diffusion_task():
 
 DIFFUSION_TASK = TaskSpec(
     name="diffusion",
-    summary="a text-to-image UNet on captioned images (the diffusion section, colo.apps.diffusion)",
+    summary="a text-to-image UNet or diffusion transformer on captioned images (the diffusion section)",
     load=_diffusion_task,
     section="diffusion",
     section_type=DiffusionSection,

@@ -28,8 +28,8 @@ from .components import (
     initial_unet,
     load_vae,
 )
-from .data import collate
-from .ema import EMA_DIR, ShardedEMA, ema_checkpoint
+from .data import collate, frames_as_images
+from .ema import EMA_DIR, ShardedEMA, ema_checkpoint, full_weights
 from .flow_matching import FlowMatchingBatchBuilder
 from .latent_cache import CACHE_DIR, build_latent_cache
 from .lora import add_unet_lora, lora_settings
@@ -205,9 +205,15 @@ class DiffusionTask(TrainTask):
         unet = "UNet (" + (section.unet_from or f"channels {section.unet_channels}") + ")"
         if section.denoiser == "dit":
             dit = section.dit_config_object()
+            tokens = (dit.sample_size // dit.patch_size) ** 2
+            frames = (
+                f"{section.num_frames} frames x {tokens} = {section.num_frames * tokens}"
+                if section.num_frames > 1
+                else tokens
+            )
             unet = (
                 f"DiT ({dit.num_layers} x {dit.hidden_size}, {dit.num_attention_heads} heads, patch {dit.patch_size}, "
-                f"{(dit.sample_size // dit.patch_size) ** 2} tokens)"
+                f"{frames} tokens)"
             )
         lora = f", LoRA r={config.lora.r}" if config.lora.enabled else ""
         cached = ", latents cached" if self.latents is not None else ""
@@ -221,7 +227,8 @@ class DiffusionTask(TrainTask):
             )
         return [
             f"model: {unet}, {self._num_parameters / 1e6:.3f}M parameters ({self._num_trainable / 1e6:.3f}M "
-            f"trainable{lora}) | data: {len(self.dataset)} images of {section.image_size} px, "
+            f"trainable{lora}) | data: {len(self.dataset)} {'clips' if section.num_frames > 1 else 'images'} of "
+            f"{section.image_size} px, "
             f"{config.data.global_batch_size} per step{cached}",
             f"objective: {objective}{snr} | {ema}",
         ]
@@ -299,12 +306,17 @@ class DiffusionTask(TrainTask):
 
         if self.ema is not None:
             averaged = self.ema.full(to_rank=0)
+        elif ctx.plugin.mesh_shape(ctx.world_size).get("tp", 1) > 1:  # tensor-parallel shards: gathered by name
+            averaged = full_weights(ctx.booster.engine, to_rank=0)
         else:
             averaged = ctx.booster.full_state_dict(to_rank=0)
         if ctx.rank != 0:
             return None
         config, section = self.config, self.section
         seeds = list(range(section.samples_per_prompt))
+        if section.denoiser == "dit" and section.num_frames > 1:  # one clip a row, its frames left to right
+            clips = self._sample_video(ctx, averaged, seeds)
+            return self._save_grid(ctx, step, frames_as_images(clips), columns=section.num_frames)
         if section.denoiser == "dit":
             return self._save_grid(ctx, step, self._sample_dit(ctx, averaged, seeds), columns=len(seeds))
         unet = initial_unet(config)  # a LoRA run's frozen base is still this one
@@ -369,6 +381,29 @@ class DiffusionTask(TrainTask):
             steps=section.sample_steps,
             guidance_scale=section.guidance_scale,
             size=section.image_size,
+        )
+
+    def _sample_video(self, ctx: TaskContext, averaged: dict, seeds: list[int]) -> torch.Tensor:
+        """Clips from the averaged DiT weights (no diffusers pipeline samples video): colo's transformer holding them,
+        Euler flow steps (`sample_flow_video`)."""
+        from ..models.dit import DiffusionTransformer
+        from .sampling import sample_flow_video
+
+        section = self.section
+        transformer = DiffusionTransformer(section.dit_config_object())
+        transformer.load_state_dict({name.removeprefix("transformer."): value for name, value in averaged.items()})
+        return sample_flow_video(
+            transformer=transformer.eval().to(ctx.device),
+            vae=self.vae if self.vae is not None else load_vae(self.config).to(ctx.device),
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            objective=self.objective,
+            prompts=section.sample_prompts,
+            seeds=seeds,
+            steps=section.sample_steps,
+            guidance_scale=section.guidance_scale,
+            size=section.image_size,
+            num_frames=section.num_frames,
         )
 
     def _save_grid(self, ctx: TaskContext, step: int, images: torch.Tensor, *, columns: int) -> str:

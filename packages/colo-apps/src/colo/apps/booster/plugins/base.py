@@ -15,7 +15,7 @@ from colo.comm.algorithms import current_table
 from colo.tensor.checkpoint import save_checkpoint
 
 from ...checkpointing import MODES as CHECKPOINTING_MODES
-from ...checkpointing import apply_activation_checkpointing
+from ...checkpointing import apply_activation_checkpointing, find_blocks
 from ..precision import check_precision
 from ..replicas import comm_device
 from ..timing import StepTimer, phase
@@ -62,7 +62,8 @@ class Plugin:
     max_grad_norm: float | None = None
     """Clip gradients to this global norm (``None``: no clipping; the norm is still reported)."""
     compile_blocks: bool = False
-    """`torch.compile` every block of the model (the children of its ``layers``), after parallelization, with
+    """`torch.compile` every block of the model (the children of its ``layers``, or its stacks of same-typed blocks
+    as `colo.apps.checkpointing.find_blocks` finds them: the diffusion transformer's), after parallelization, with
     ``fullgraph=True`` wherever a block is one graph, so that a graph break is an error rather than a silent
     slowdown: colo.kernels' ops are torch operators (``torch.ops.colo.*``) and, in compiled code, colo.comm's
     collectives are torch's functional collectives (`colo.comm.traced`), so a block with tensor parallelism (1D or
@@ -117,10 +118,15 @@ class Plugin:
         if not self.compile_blocks:
             return
         layers = getattr(model, "layers", None)
-        if not isinstance(layers, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        if isinstance(layers, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            blocks = list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)
+        else:  # another model's stack of same-typed blocks (the diffusion transformer's transformer_blocks)
+            blocks = [block for _, block in find_blocks(model)]
+        if not blocks:
             raise ValueError(
                 f"{type(self).__name__}.compile_blocks needs the model's blocks in a `layers` ModuleList or "
-                f"ModuleDict; {type(model).__name__} has none: compile the model yourself before boosting it"
+                "ModuleDict, or a stack of same-typed blocks (`colo.apps.checkpointing.find_blocks`); "
+                f"{type(model).__name__} has none: compile the model yourself before boosting it"
             )
         # a block is one graph, the plan's collectives inside it included, unless ring attention exchanges its
         # key/value chunks point to point inside it (dynamo breaks the graph at each P2POp unless
@@ -131,7 +137,7 @@ class Plugin:
             fullgraph = fullgraph and getattr(self, "tp", 1) == 1 and getattr(self, "sp", 1) == 1
         options = {"fullgraph": fullgraph, **(self.compile_options or {})}
         current_table()  # the collectives' algorithm table, loaded now: compiled code only reads it
-        for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
+        for block in blocks:
             block.compile(**options)
 
     blocks_trace_whole: ClassVar[bool] = True
