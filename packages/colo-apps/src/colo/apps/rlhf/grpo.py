@@ -37,6 +37,7 @@ from ..generation.rollout import (
     shared_prompt_rows,
 )
 from ..models.llama import Llama
+from .off_policy import truncated_importance_weights
 from .policy_loss import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -184,6 +185,10 @@ class GRPOCriterion(_TokenMetrics):
         eps_high (float | None): upper clip range (``None``: ``eps_low``). Default: ``None``.
         kl_ratio_correction (bool): weight the KL term by the importance ratio (DeepSeek-V3.2; TRL 1.16's
             ``use_bias_correction_kl``). Default: ``False``.
+        importance_sampling_cap (float): the cap of the behaviour importance weight applied when a microbatch
+            carries ``behaviour_logps`` (the sampling policy's log-probs of off-policy rollouts):
+            ``min(exp(old - behaviour), cap)`` multiplies the clipped surrogate, ``old`` being the proximal
+            log-probs (`colo.apps.rlhf.off_policy`). Default: ``2.0``.
     """
 
     def __init__(
@@ -195,6 +200,7 @@ class GRPOCriterion(_TokenMetrics):
         eps_low: float = 0.2,
         eps_high: float | None = None,
         kl_ratio_correction: bool = False,
+        importance_sampling_cap: float = 2.0,
     ) -> None:
         super().__init__()
         if loss_aggregation not in LOSS_AGGREGATIONS:
@@ -208,6 +214,7 @@ class GRPOCriterion(_TokenMetrics):
         self.loss_aggregation, self.beta, self.kl_estimator = loss_aggregation, beta, kl_estimator
         self.eps_low, self.eps_high = eps_low, eps_high
         self.kl_ratio_correction = kl_ratio_correction
+        self.importance_sampling_cap = importance_sampling_cap
         self.counts: AggregationCounts | None = None
         self.scale = 1.0
         self._forward_logps: list[torch.Tensor] = []
@@ -240,6 +247,11 @@ class GRPOCriterion(_TokenMetrics):
         if old_logps is None:  # on-policy: the rollout's weights are this forward's (module docstring)
             old_logps = logps.detach()
             self._forward_logps.append(old_logps * mask.to(old_logps.dtype))
+        weights = None
+        if batch.get("behaviour_logps") is not None:  # off-policy rollout: old_logps are the proximal log-probs
+            weights = truncated_importance_weights(
+                old_logps, batch["behaviour_logps"], cap=self.importance_sampling_cap
+            )
         terms = clipped_policy_loss(
             logps,
             old_logps,
@@ -250,6 +262,7 @@ class GRPOCriterion(_TokenMetrics):
             beta=self.beta,
             kl_estimator=self.kl_estimator,
             kl_ratio_correction=self.kl_ratio_correction,
+            importance_weights=weights,
         )
         share = aggregate_loss(terms.loss, mask, self.loss_aggregation, self.counts)
         stats = {"clip_fraction": terms.clipped, "entropy": output["entropy"], "ratio": terms.ratio}
