@@ -1,0 +1,186 @@
+"""Asynchronous (one-step off-policy) GRPO, ``grpo.max_staleness=1``: the decoupled-PPO correction and a run.
+
+The correction (`colo.apps.rlhf.off_policy`): with the behaviour log-probs equal to the proximal ones every importance
+weight is exactly 1 and `GRPOCriterion` gives the on-policy loss and gradient bit for bit; otherwise its loss and
+gradient equal a hand computation of ``sum_t M_t [min(exp(prox - behav), C) * -min(r A, clip(r) A) + beta k3] / N``
+in float64 (rtol 1e-12), with one token above the cap and one clipped ratio.
+
+The run: ``data.task: grpo`` on two ranks with ``grpo.max_staleness=1`` (and dynamic sampling, whose refill rounds
+generate on the main thread while the background thread generates the next step) reports staleness 0 on its first GRPO
+step (nothing in flight) and 1 after, importance weights around 1, and a checkpoint taken with a rollout in flight
+resumes bit for bit (fp32): the in-flight rollout is saved beside the checkpoint and trained on after the resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from colo.comm.testing import run_distributed
+
+CAP, BETA, EPS_LOW, EPS_HIGH = 1.5, 0.04, 0.2, 0.28
+
+
+def _criterion():
+    from colo.apps.rlhf import GRPOCriterion, global_counts
+
+    criterion = GRPOCriterion(
+        loss_aggregation="token-mean", beta=BETA, eps_low=EPS_LOW, eps_high=EPS_HIGH, importance_sampling_cap=CAP
+    )
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    criterion.prepare(global_counts(mask, max_new_tokens=3), num_microbatches=1, num_data_ranks=1)
+    return criterion, mask
+
+
+def _inputs():
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]], dtype=torch.float64)
+    return {
+        "logps": logps,
+        "ref_logps": logps + torch.tensor([[0.1, -0.2, 0.05], [0.3, -0.1, 0.0]], dtype=torch.float64),
+        "advantages": torch.tensor([1.0, -0.5], dtype=torch.float64),
+    }
+
+
+def _loss(batch: dict, logps: torch.Tensor):
+    criterion, mask = _criterion()
+    logps = logps.clone().requires_grad_(True)
+    output = {"logps": logps, "entropy": torch.zeros_like(logps)}
+    loss = criterion(output, {"response_mask": mask, **batch})
+    loss.backward()
+    return loss.detach(), logps.grad
+
+
+def test_equal_behaviour_and_proximal_log_probs_give_the_on_policy_loss():
+    inputs = _inputs()
+    logps = inputs["logps"]
+    base = {"advantages": inputs["advantages"], "ref_logps": inputs["ref_logps"]}
+    on_policy = _loss(base, logps)  # the update's own forward gives the old (proximal) log-probs
+    corrected = _loss({**base, "behaviour_logps": logps.clone()}, logps)
+    assert torch.equal(corrected[0], on_policy[0]) and torch.equal(corrected[1], on_policy[1])
+    proximal = logps + 0.1  # a separate proximal forward (several updates per rollout): the same identity
+    recompute = _loss({**base, "old_logps": proximal}, logps)
+    assert torch.equal(_loss({**base, "old_logps": proximal, "behaviour_logps": proximal}, logps)[0], recompute[0])
+    # mutation: stale behaviour log-probs change the loss
+    stale = _loss({**base, "behaviour_logps": logps - 0.2}, logps)
+    assert abs(float(stale[0] - on_policy[0])) > 1e-3
+
+
+def test_the_correction_matches_a_hand_computation():
+    inputs = _inputs()
+    logps, ref, advantages = inputs["logps"], inputs["ref_logps"], inputs["advantages"]
+    proximal = logps + torch.tensor([[0.0, 0.5, -0.1], [0.02, -0.3, 0.0]], dtype=torch.float64)  # r = 0.61 clips
+    behaviour = proximal - torch.tensor([[0.1, 0.9, -0.2], [0.0, 0.05, 0.0]], dtype=torch.float64)  # e^0.9 > CAP
+    loss, grad = _loss(
+        {"advantages": advantages, "ref_logps": ref, "old_logps": proximal, "behaviour_logps": behaviour}, logps
+    )
+    mask = [[1, 1, 1], [1, 1, 0]]
+    total, expected_grad, tokens = 0.0, torch.zeros(2, 3, dtype=torch.float64), 5.0
+    capped = 0
+    for i in range(2):
+        a = float(advantages[i])
+        for t in range(3):
+            if not mask[i][t]:
+                continue
+            lp, p, b, rf = (float(x[i, t]) for x in (logps, proximal, behaviour, ref))
+            r = math.exp(lp - p)
+            w = min(math.exp(p - b), CAP)
+            capped += math.exp(p - b) > CAP
+            clipped_r = min(max(r, 1 - EPS_LOW), 1 + EPS_HIGH)
+            unclipped_is_min = r * a <= clipped_r * a
+            surrogate = -min(r * a, clipped_r * a)
+            kl = math.exp(rf - lp) - (rf - lp) - 1
+            total += (w * surrogate + BETA * kl) / tokens
+            d_surrogate = -a * r if unclipped_is_min else 0.0
+            expected_grad[i, t] = (w * d_surrogate + BETA * (1 - math.exp(rf - lp))) / tokens
+    assert capped == 1  # the truncation is exercised
+    assert float(loss) == pytest.approx(total, rel=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_asynchronous_settings_are_checked_with_the_field_named():
+    from colo.apps.train import ConfigError, load_config
+
+    cases = [
+        (["grpo.max_staleness=2"], "staleness at most 1"),
+        (["grpo.max_staleness=1", "plugin.name=hybrid", "plugin.tp=2"], "grpo.max_staleness=1 .*plugin.tp=2"),
+        (["grpo.max_staleness=1", "grpo.importance_sampling_cap=1"], "importance_sampling_cap"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(preset="tiny-grpo", overrides=overrides)
+    assert load_config(preset="tiny-grpo").grpo.max_staleness == 0  # synchronous unless asked
+
+
+# --- the trainer ---------------------------------------------------------------------------------------------------
+
+
+def _config(output_dir: str, **changes) -> dict:
+    from colo.apps.train import load_config
+
+    overrides = [
+        f"output_dir={output_dir}",
+        "grpo.synthetic_prompts=48",
+        "grpo.group_size=4",
+        "grpo.sft_steps=1",
+        "grpo.max_staleness=1",
+        "grpo.dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_rounds=1",
+        "data.global_batch_size=4",
+        "schedule.total_steps=5",
+        "schedule.warmup_steps=1",
+        "eval.every_steps=100",
+        "logging.every_steps=1",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "sample.max_new_tokens=0",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=3",
+        *[f"{key}={value}" for key, value in changes.items()],
+    ]
+    return load_config(preset="tiny-grpo", overrides=overrides).model_dump(mode="json")
+
+
+def _train(config: dict) -> dict:
+    from colo.apps.train import train, validate_config
+
+    result = train(validate_config(config))
+    return {"losses": result.losses, "start_step": result.start_step}
+
+
+@pytest.mark.slow
+def test_asynchronous_grpo_reports_staleness_and_resumes_exactly(tmp_path):
+    from colo.apps.train.state import checkpoint_path
+
+    straight_dir, resumed_dir = str(tmp_path / "a"), str(tmp_path / "b")
+    straight = run_distributed(_train, _config(straight_dir), world_size=2, timeout=180)[0]
+    assert sorted(straight["losses"]) == list(range(1, 6))
+    with open(os.path.join(straight_dir, "metrics.jsonl")) as lines:
+        records = {r["step"]: r for r in map(json.loads, lines) if "grpo/staleness" in r}
+    assert sorted(records) == [2, 3, 4, 5]
+    assert records[2]["grpo/staleness_max"] == 0.0  # the first GRPO step: nothing in flight, sampled now
+    for step in (3, 4, 5):  # sampled before the previous update; weights one update old, close to 1
+        record = records[step]
+        assert record["grpo/staleness_max"] == 1.0 and record["grpo/staleness"] > 0, step
+        assert 0.5 < record["grpo/importance_weight_min"] <= record["grpo/importance_weight_mean"], step
+        assert record["grpo/importance_weight_mean"] <= record["grpo/importance_weight_max"] < 2.0, step
+        assert record["grpo/importance_weight_max"] != 1.0, step  # the weights did move: a real correction
+        assert record["grpo/time_rollout_background"] > 0, step
+    checkpoints = os.path.join(straight_dir, "checkpoints")
+    # the checkpoints after steps 2 and 4 hold the rollouts of steps 3 and 5 in flight; the last launches none
+    expected = [f"step-{step}-rank-{rank}.safetensors" for step in (2, 4) for rank in (0, 1)]
+    assert sorted(os.listdir(os.path.join(checkpoints, "grpo-pending"))) == expected
+
+    # the run again from its checkpoint after step 2 (the later ones removed), step 3's rollout in flight there
+    shutil.copytree(straight_dir, resumed_dir)
+    for step in (4, 5):
+        shutil.rmtree(checkpoint_path(os.path.join(resumed_dir, "checkpoints"), step))
+    config = _config(resumed_dir)
+    resumed = run_distributed(_train, config, world_size=2, timeout=180)[0]
+    assert resumed["start_step"] == 2
+    for step in (3, 4, 5):
+        assert resumed["losses"][step] == straight["losses"][step], step  # bit for bit, fp32
