@@ -124,6 +124,13 @@ class GRPOSection(RolloutSection):
         "min(pi_proximal / pi_behaviour, grpo.importance_sampling_cap) (colo.apps.rlhf.off_policy). Data-parallel "
         "layouts only (ddp, zero, gemini, hybrid with tp = sp = pp = 1).",
     )
+    rollout_worker: Literal["thread", "process"] = Field(
+        default="thread",
+        description="With grpo.max_staleness=1: where the background rollout runs. 'thread': a thread of each rank "
+        "(CPU or CUDA, on a side stream); 'process' (CPU only): a child process per rank holding the rollout copy in "
+        "shared memory, so the rollout and the update share no GIL (small CPU models, whose ops are mostly Python "
+        "overhead, overlap only this way).",
+    )
     importance_sampling_cap: float = Field(
         default=2.0,
         gt=1,

@@ -353,10 +353,10 @@ class GRPOTask(LanguageModelTask):
             staleness, seconds = 0, 0.0
         if step + 1 < self.config.schedule.total_steps:
             indices = self._next_indices(trainer)
-            generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step + 1, group.rank))
+            seed = _seed(self.config.seed, step + 1, group.rank)
             prompts = [dataset[i]["prompt_ids"] for i in indices]
             state = self.engine.full_state_dict()  # the weights before this step's update
-            background.launch(state, prompts, self.params, generator, step=step + 1, indices=indices)
+            background.launch(state, prompts, self.params, seed, step=step + 1, indices=indices)
         return records, rollout, staleness, seconds
 
     def _background(self, trainer) -> BackgroundRollouts:
@@ -367,9 +367,14 @@ class GRPOTask(LanguageModelTask):
                 with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's
                     return trainer.booster.frozen_copy(trainer.build_model(), state)
 
-            device = trainer.device
-            autocast = lambda: self.engine._autocast(device)  # noqa: E731 (the DDP plugin's bf16/fp16 autocast)
-            self.background = BackgroundRollouts(build_copy, device=device, autocast=autocast)
+            plugin = trainer.booster.plugin  # the DDP plugin computes in bf16/fp16 under autocast: generate likewise
+            mixed = type(plugin).__name__ == "DDP" and plugin.precision != "fp32"
+            self.background = BackgroundRollouts(
+                build_copy,
+                device=trainer.device,
+                worker=self.settings.rollout_worker,
+                autocast_dtype=plugin.compute_dtype if mixed else None,
+            )
         return self.background
 
     def _sft_step(self, trainer):
