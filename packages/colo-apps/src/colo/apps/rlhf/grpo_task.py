@@ -99,8 +99,6 @@ class GRPOTask(LanguageModelTask):
             kl_ratio_correction=grpo.kl_ratio_correction,
             importance_sampling_cap=grpo.importance_sampling_cap,
         )
-        self.background: BackgroundRollouts | None = None
-        self._pending_step: int | None = None
 
     def _init_rollout(self, config, settings, tokenizer) -> None:
         """What every online-RL task holds, from its section (``grpo`` / ``ppo``, a `RolloutSection`): the reward
@@ -125,6 +123,8 @@ class GRPOTask(LanguageModelTask):
         self._batches = None
         self._window: dict[str, float] = {}
         self._window_max: dict[str, float] = {}
+        self.background: BackgroundRollouts | None = None  # grpo.max_staleness=1: the rollout generated ahead
+        self._pending_step: int | None = None
 
     # --- hooks of the trainer -------------------------------------------------------------------------------------
 
