@@ -26,10 +26,11 @@ tensor-parallel shards) and written once to ``checkpoint_dir/grpo-reference.safe
 ``grpo-reference-tp{rank}-of-{tp}.safetensors`` per tp rank), so a resumed run scores against the same reference.
 A checkpointed, same-layout resume reproduces the uninterrupted run bit for bit (fp32).
 
-With ``grpo.max_staleness=1`` (asynchronous, one-step off-policy rollouts; `colo.apps.rlhf.async_rollouts`) step 1
-takes the rollout generated in a background thread from the weights before the previous update (the first GRPO step,
-with nothing in flight, generates its own), and launches the next step's rollout from a snapshot of the weights now,
-before its update runs; dynamic sampling's refill rounds generate on the main thread from the current weights. The
+With ``grpo.max_staleness=1`` (asynchronous, one-step off-policy rollouts; `colo.apps.rlhf.async_rollouts`) the
+rollout (1.) is the one generated in the background (``grpo.rollout_worker``: a thread or a child process) from the
+weights before the previous update (the first GRPO step, with nothing in flight, generates its own), and the step
+launches the next step's rollout from a snapshot of the weights now, before its update runs; dynamic sampling's
+refill rounds generate on the main thread from the current weights. The
 loss is decoupled PPO with the truncated behaviour importance weight (`colo.apps.rlhf.off_policy`): the proximal
 log-probs are the trainer's forward with the current weights (the update's own with one update per step, else the
 separate forward of step 3), the behaviour log-probs the rollout's own. Metrics: ``grpo/staleness`` (mean over the
@@ -248,7 +249,7 @@ class GRPOTask(LanguageModelTask):
             else:
                 trainer.log.print(
                     f"the checkpoint's in-flight rollout for step {pending} is dropped (grpo.max_staleness=0): "
-                    "step {pending} samples new prompts from the current weights"
+                    f"step {pending} samples new prompts from the current weights"
                 )
         step = (state or {}).get("reference_step")
         if step is not None:
@@ -344,10 +345,11 @@ class GRPOTask(LanguageModelTask):
         if pending is not None:
             if pending.step != step:
                 raise RuntimeError(f"GRPO: the rollout generated ahead is for step {pending.step}, not step {step}")
-            records, rollout = [dataset[i] for i in pending.indices], pending.rollout
+            # copies: dynamic sampling tells these first-round rows from the refills' by the records' identity
+            records, rollout = [dict(dataset[i]) for i in pending.indices], pending.rollout
             staleness, seconds = 1, pending.generate_seconds
         else:  # nothing in flight (the first GRPO step): sampled now from the current weights
-            records = self._next_records(trainer)
+            records = [dict(record) for record in self._next_records(trainer)]
             generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step, group.rank))
             rollout = self._generate(trainer, records, self.params, generator)
             staleness, seconds = 0, 0.0
@@ -536,7 +538,8 @@ class GRPOTask(LanguageModelTask):
         self._peak(mismatch_max=float(mismatch.max()) if mismatch.numel() else 0.0)
         if self.engine.last_report is not None:  # the rollout phase's weights + KV cache (CUDA: allocator peak)
             self._peak(rollout_peak_bytes=float(self.engine.last_report.peak_rollout_bytes))
-        self._window_max["rollout_seconds"] = self._window_max.get("rollout_seconds", 0.0) + (rolled - started)
+        generating = (rolled - started) + (background_seconds if asynchronous else 0.0)  # async: + the background's
+        self._window_max["rollout_seconds"] = self._window_max.get("rollout_seconds", 0.0) + generating
         result = type(outcome)(**{**_fields(outcome), "loss": sum(losses) / len(losses)})
         return result, int(rollout.attention_mask.sum())
 
