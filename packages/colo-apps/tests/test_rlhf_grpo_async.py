@@ -9,8 +9,10 @@ The run: ``data.task: grpo`` on two ranks with ``grpo.max_staleness=1`` (and dyn
 generate on the main thread while the background thread generates the next step) reports staleness 0 on its first GRPO
 step (nothing in flight) and 1 after, importance weights around 1, and a checkpoint taken with a rollout in flight
 resumes bit for bit (fp32): the in-flight rollout is saved beside the checkpoint and trained on after the resume.
-The run before the checkpoint generates in a child process per rank (``grpo.rollout_worker=process``), the resumed
-one in a thread (the default): equal losses also show that both workers sample the same rollouts.
+
+The workers: a thread and a child process (``grpo.rollout_worker``) sample the same rollout bit for bit from the same
+weights and seed, also after a refresh of the rollout copy with other weights (the process reads them from shared
+memory); a rollout in flight saved by a checkpoint loads back equal, and a missing one is an error naming the field.
 """
 
 from __future__ import annotations
@@ -159,9 +161,8 @@ def test_asynchronous_grpo_reports_staleness_and_resumes_exactly(tmp_path):
     from colo.apps.train.state import checkpoint_path
 
     straight_dir, resumed_dir = str(tmp_path / "a"), str(tmp_path / "b")
-    # the straight run generates in a child process per rank, the resumed one in a thread: the same rollouts
-    straight_config = _config(straight_dir, **{"grpo.rollout_worker": "process"})
-    straight = run_distributed(_train, straight_config, world_size=2, timeout=180)[0]
+    straight_config = _config(straight_dir)
+    straight = run_distributed(_train, straight_config, world_size=2, timeout=300)[0]
     assert sorted(straight["losses"]) == list(range(1, 5))
     with open(os.path.join(straight_dir, "metrics.jsonl")) as lines:
         records = {r["step"]: r for r in map(json.loads, lines) if "grpo/staleness" in r}
@@ -184,7 +185,58 @@ def test_asynchronous_grpo_reports_staleness_and_resumes_exactly(tmp_path):
     for step in (4,):
         shutil.rmtree(checkpoint_path(os.path.join(resumed_dir, "checkpoints"), step))
     config = _config(resumed_dir)
-    resumed = run_distributed(_train, config, world_size=2, timeout=180)[0]
+    resumed = run_distributed(_train, config, world_size=2, timeout=300)[0]
     assert resumed["start_step"] == 2
     for step in (3, 4):
         assert resumed["losses"][step] == straight["losses"][step], step  # bit for bit, fp32
+
+
+def _tiny_llama():
+    from colo.apps import Llama, get_preset
+
+    model = Llama(get_preset("tiny", num_hidden_layers=2, initializer_range=0.1))
+    model.init_weights(7)
+    return model.requires_grad_(False).eval()
+
+
+def test_thread_and_process_workers_sample_the_same_rollout_and_it_survives_a_checkpoint(tmp_path):
+    # the process worker: its own interpreter, the weights in shared memory, refreshed in place between launches
+    from colo.apps.generation import SamplingParams
+    from colo.apps.rlhf.async_rollouts import BackgroundRollouts
+
+    policy = _tiny_llama()
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, n=3, eos_token_id=2, pad_token_id=0, vocab_limit=100)
+    prompts = [[1, 17, 29, 33], [1, 45]]
+    rollouts = {}
+    for worker in ("thread", "process"):
+        background = BackgroundRollouts(lambda state: _tiny_llama(), device=torch.device("cpu"), worker=worker)
+        try:
+            for step, scale in ((4, 1.0), (5, 1.5)):  # the second launch refreshes the copy with other weights
+                state = {name: tensor * scale for name, tensor in policy.state_dict().items()}
+                background.launch(state, prompts, params, 1234 + step, step=step, indices=[3, 8])
+                pending = background.take()
+                assert pending.step == step and pending.indices == [3, 8] and pending.generate_seconds > 0
+                rollouts[worker, step] = pending.rollout
+        finally:
+            background.close()
+    for step in (4, 5):
+        thread, process = rollouts["thread", step], rollouts["process", step]
+        for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "prompt_index"):
+            assert torch.equal(getattr(thread, name), getattr(process, name)), (step, name)
+    assert not torch.equal(rollouts["thread", 4].logprobs, rollouts["thread", 5].logprobs)  # the refresh took
+
+    # a checkpoint waits for the rollout in flight and saves it; a new worker loads it as the next one to take
+    background = BackgroundRollouts(lambda state: _tiny_llama(), device=torch.device("cpu"))
+    background.launch(policy.state_dict(), prompts, params, 99, step=6, indices=[1, 2])
+    assert background.save(str(tmp_path), rank=0, keep=2) == 6
+    saved = background.take()
+    background.close()
+    restored = BackgroundRollouts(lambda state: _tiny_llama(), device=torch.device("cpu"))
+    restored.load(str(tmp_path), 6, rank=0)
+    loaded = restored.take()
+    assert loaded.step == 6 and loaded.indices == [1, 2] and restored.take() is None
+    for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "prompt_index"):
+        assert torch.equal(getattr(loaded.rollout, name), getattr(saved.rollout, name)), name
+    assert loaded.rollout.prompt_length == saved.rollout.prompt_length
+    with pytest.raises(FileNotFoundError, match="grpo.max_staleness"):
+        restored.load(str(tmp_path), 7, rank=0)
