@@ -37,6 +37,7 @@ from ..generation.rollout import (
     shared_prompt_rows,
 )
 from ..models.llama import Llama
+from .off_policy import truncated_importance_weights
 from .packing import pack_rollout_rows, packed_token_logps
 from .policy_loss import (
     KL_ESTIMATORS,
@@ -210,6 +211,10 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
             ``use_bias_correction_kl``). Default: ``False``.
         temperature (float): the sampling temperature; read only under a pipeline, where the last stage takes the
             log-probs from the logits itself (`colo.apps.rlhf.rollout_pipeline`). Default: ``1.0``.
+        importance_sampling_cap (float): the cap of the behaviour importance weight applied when a microbatch
+            carries ``behaviour_logps`` (the sampling policy's log-probs of off-policy rollouts):
+            ``min(exp(old - behaviour), cap)`` multiplies the clipped surrogate, ``old`` being the proximal
+            log-probs (`colo.apps.rlhf.off_policy`). Default: ``2.0``.
     """
 
     def __init__(
@@ -222,6 +227,7 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
         eps_high: float | None = None,
         kl_ratio_correction: bool = False,
         temperature: float = 1.0,
+        importance_sampling_cap: float = 2.0,
     ) -> None:
         super().__init__()
         self.temperature = temperature
@@ -236,6 +242,7 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
         self.loss_aggregation, self.beta, self.kl_estimator = loss_aggregation, beta, kl_estimator
         self.eps_low, self.eps_high = eps_low, eps_high
         self.kl_ratio_correction = kl_ratio_correction
+        self.importance_sampling_cap = importance_sampling_cap
         self.counts: AggregationCounts | None = None
         self.scale = 1.0
         self._forward_logps: list[torch.Tensor] = []
@@ -268,6 +275,11 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
         if old_logps is None:  # on-policy: the rollout's weights are this forward's (module docstring)
             old_logps = logps.detach()
             self._forward_logps.append(old_logps * mask.to(old_logps.dtype))
+        weights = None
+        if batch.get("behaviour_logps") is not None:  # off-policy rollout: old_logps are the proximal log-probs
+            weights = truncated_importance_weights(
+                old_logps, batch["behaviour_logps"], cap=self.importance_sampling_cap
+            )
         terms = clipped_policy_loss(
             logps,
             old_logps,
@@ -278,6 +290,7 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
             beta=self.beta,
             kl_estimator=self.kl_estimator,
             kl_ratio_correction=self.kl_ratio_correction,
+            importance_weights=weights,
         )
         share = aggregate_loss(terms.loss, mask, self.loss_aggregation, self.counts)
         stats = {"clip_fraction": terms.clipped, "entropy": output["entropy"], "ratio": terms.ratio}

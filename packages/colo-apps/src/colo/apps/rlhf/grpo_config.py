@@ -127,9 +127,39 @@ class GRPOSection(RolloutSection):
         "(DAPO's overlong filtering, TRL's mask_truncated_completions); their rows still count as sequences.",
     )
 
+    max_staleness: int = Field(
+        default=0,
+        ge=0,
+        description="Asynchronous (one-step off-policy) rollouts, verl's one-step off-policy / AReaL's "
+        "max_head_offpolicyness: 0 generates each step's rollout from the current weights, then updates (the "
+        "synchronous loop); 1 generates the rollout of step k+1 in a background thread from a copy of the weights "
+        "taken before update k, while update k runs, and corrects the loss with the truncated importance weight "
+        "min(pi_proximal / pi_behaviour, grpo.importance_sampling_cap) (colo.apps.rlhf.off_policy). Data-parallel "
+        "layouts only (ddp, zero, gemini, hybrid with tp = sp = pp = 1).",
+    )
+    rollout_worker: Literal["thread", "process"] = Field(
+        default="thread",
+        description="With grpo.max_staleness=1: where the background rollout runs. 'thread': a thread of each rank "
+        "(CPU or CUDA, on a side stream); 'process' (CPU only): a child process per rank holding the rollout copy in "
+        "shared memory, so the rollout and the update share no GIL (small CPU models, whose ops are mostly Python "
+        "overhead, overlap only this way).",
+    )
+    importance_sampling_cap: float = Field(
+        default=2.0,
+        gt=1,
+        description="With grpo.max_staleness=1: the cap C of the per-token behaviour importance weight "
+        "min(exp(logp_proximal - logp_behaviour), C) multiplying the clipped surrogate (verl's truncated importance "
+        "sampling, tis_imp_ratio_cap=2; TRL's vllm_importance_sampling_clip_max in 'token_truncate' mode).",
+    )
+
     @model_validator(mode="after")
     def _valid(self):
         check_group_size(self.group_size, self.advantage, field="grpo.group_size")
+        if self.max_staleness > 1:
+            raise ValueError(
+                f"grpo.max_staleness={self.max_staleness}: colo overlaps one rollout with one update (staleness at "
+                "most 1); set grpo.max_staleness to 0 (synchronous) or 1 (one-step off-policy)"
+            )
         if not self.reward_functions:
             raise ValueError("grpo.reward_functions is empty; name at least one 'module:function'")
         if self.overlong_buffer > self.max_new_tokens:

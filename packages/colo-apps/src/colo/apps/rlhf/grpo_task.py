@@ -25,6 +25,20 @@ the prompts' answers), replicated on every rank (under HybridParallel tp: laid o
 tensor-parallel shards) and written once to ``checkpoint_dir/grpo-reference.safetensors`` (under tp one
 ``grpo-reference-tp{rank}-of-{tp}.safetensors`` per tp rank), so a resumed run scores against the same reference.
 A checkpointed, same-layout resume reproduces the uninterrupted run bit for bit (fp32).
+
+With ``grpo.max_staleness=1`` (asynchronous, one-step off-policy rollouts; `colo.apps.rlhf.async_rollouts`) the
+rollout (1.) is the one generated in the background (``grpo.rollout_worker``: a thread or a child process) from the
+weights before the previous update (the first GRPO step, with nothing in flight, generates its own), and the step
+launches the next step's rollout from a snapshot of the weights now, before its update runs; dynamic sampling's
+refill rounds generate on the main thread from the current weights. The
+loss is decoupled PPO with the truncated behaviour importance weight (`colo.apps.rlhf.off_policy`): the proximal
+log-probs are the trainer's forward with the current weights (the update's own with one update per step, else the
+separate forward of step 3), the behaviour log-probs the rollout's own. Metrics: ``grpo/staleness`` (mean over the
+trained rows of the updates between the weights that sampled a row and the weights it trains: 0 or 1),
+``grpo/importance_weight_mean`` / ``_max`` / ``_min`` (untruncated) and ``grpo/importance_weight_capped`` (the
+fraction of tokens truncated), ``grpo/time_rollout`` (the rollout time the step waited for) and
+``grpo/time_rollout_background`` (the background generation's own time); ``grpo/logprob_mismatch`` then measures the
+policy's one-update drift as well as the engine-vs-trainer difference.
 """
 
 from __future__ import annotations
@@ -41,8 +55,10 @@ from ..data import IGNORE_INDEX
 from ..generation import SamplingParams, rollout_model_inputs
 from ..train.language_model import LanguageModelTask
 from .advantages import group_advantages
+from .async_rollouts import BackgroundRollouts
 from .dapo import fill_informative_groups, soft_overlong_punishment, truncated_rows
 from .grpo import GRPOCriterion, attach_rollout_forward
+from .off_policy import importance_weight_stats
 from .pair_pipeline import from_last_stage
 from .policy_loss import global_counts, keep_whole_microbatches, rows_with_gradient
 from .prompts import build_prompt_dataset
@@ -84,6 +100,7 @@ class GRPOTask(LanguageModelTask):
             eps_high=grpo.eps_high,
             kl_ratio_correction=grpo.kl_ratio_correction,
             temperature=grpo.temperature,  # read under a pipeline, where the last stage takes the log-probs
+            importance_sampling_cap=grpo.importance_sampling_cap,
         )
 
     def _init_rollout(self, config, settings, tokenizer) -> None:
@@ -110,6 +127,8 @@ class GRPOTask(LanguageModelTask):
         self._window: dict[str, float] = {}
         self._window_max: dict[str, float] = {}
         self._packed_models: list[torch.nn.Module] = []  # grpo.pack_rows: the policy and the reference
+        self.background: BackgroundRollouts | None = None  # grpo.max_staleness=1: the rollout generated ahead
+        self._pending_step: int | None = None
 
     # --- hooks of the trainer -------------------------------------------------------------------------------------
 
@@ -193,6 +212,19 @@ class GRPOTask(LanguageModelTask):
                 )
             if "skipped_rows" in total:  # rows whose loss is identically zero, left out of the update's compute
                 metrics[f"{prefix}/skipped_fraction"] = total["skipped_rows"] / rows
+            if "staleness_rows" in total:  # grpo.max_staleness=1 (colo.apps.rlhf.off_policy)
+                weight_tokens = max(total["importance_weight_tokens"], 1.0)
+                metrics.update(
+                    {
+                        f"{prefix}/staleness": total["staleness_sum"] / max(total["staleness_rows"], 1.0),
+                        f"{prefix}/staleness_max": peak["staleness_max"],
+                        f"{prefix}/importance_weight_mean": total["importance_weight_sum"] / weight_tokens,
+                        f"{prefix}/importance_weight_max": peak["importance_weight_max"],
+                        f"{prefix}/importance_weight_min": -peak["importance_weight_negmin"],
+                        f"{prefix}/importance_weight_capped": total["importance_weight_capped"] / weight_tokens,
+                        f"{prefix}/time_rollout_background": total["background_seconds"] / steps,
+                    }
+                )
             if "truncated_rows" in total:  # TRL's completions/clipped_ratio: rows that ran out of budget
                 metrics[f"{prefix}/truncated_fraction"] = total["truncated_rows"] / rows
             ranks = group.size if group is not None else 1  # "steps" counts each rank's steps
@@ -206,10 +238,36 @@ class GRPOTask(LanguageModelTask):
 
     def state(self) -> dict:
         """What a checkpoint keeps: whether (and after which step) the reference was taken; its weights are in
-        ``checkpoint_dir/grpo-reference.safetensors``, written once."""
-        return {"reference_step": self.reference_step}
+        ``checkpoint_dir/grpo-reference.safetensors``, written once. With ``grpo.max_staleness=1`` also the step of
+        the in-flight rollout saved beside the checkpoint (`save_beside`)."""
+        state = {"reference_step": self.reference_step}
+        if self._pending_step is not None:
+            state["pending_rollout_step"] = self._pending_step
+        return state
+
+    def save_beside(self, trainer, step: int, path: str) -> None:
+        """``grpo.max_staleness=1``: wait for the rollout in flight and save it (one file per rank under
+        ``checkpoint_dir/grpo-pending/``): the weights that generated it are not in the checkpoint."""
+        self._pending_step = None
+        if self.background is not None:
+            keep = self.config.checkpoint.keep_last + 1
+            self._pending_step = self.background.save(self.config.checkpoint_dir, rank=trainer.rank, keep=keep)
+
+    def close(self, trainer) -> None:
+        if self.background is not None:
+            self.background.close()
+        super().close(trainer)
 
     def load_state(self, trainer, state: dict | None) -> None:
+        pending = (state or {}).get("pending_rollout_step")
+        if pending is not None:
+            if getattr(self.settings, "max_staleness", 0):
+                self._background(trainer).load(self.config.checkpoint_dir, pending, rank=trainer.rank)
+            else:
+                trainer.log.print(
+                    f"the checkpoint's in-flight rollout for step {pending} is dropped (grpo.max_staleness=0): "
+                    f"step {pending} samples new prompts from the current weights"
+                )
         step = (state or {}).get("reference_step")
         if step is not None:
             from safetensors.torch import load_file
@@ -287,10 +345,58 @@ class GRPOTask(LanguageModelTask):
                     multiplier.total_steps = self.sft_steps + (total - self.sft_steps) * self.updates_per_step
 
     def _next_records(self, trainer) -> list[dict]:
+        dataset = trainer.data.train
+        return [dataset[i] for i in self._next_indices(trainer)]
+
+    def _next_indices(self, trainer) -> list[int]:
+        """The dataset indices of the sampler's next batch (this rank's)."""
         if self._batches is None:
             self._batches = _forever(trainer.data.sampler)
-        dataset = trainer.data.train
-        return [dataset[i] for i in next(self._batches)]
+        return [int(i) for i in next(self._batches)]
+
+    def _async_rollout(self, trainer, step: int):
+        """``grpo.max_staleness=1``: ``(records, rollout, staleness, background seconds)`` of this step (the rollout
+        generated ahead, or, with none in flight, generated now), after launching the next step's rollout from the
+        weights now (before this step's update). The last step launches none."""
+        group, device, dataset = trainer.sample_group, trainer.device, trainer.data.train
+        background = self._background(trainer)
+        pending = background.take()
+        if pending is not None:
+            if pending.step != step:
+                raise RuntimeError(f"GRPO: the rollout generated ahead is for step {pending.step}, not step {step}")
+            # copies: dynamic sampling tells these first-round rows from the refills' by the records' identity
+            records, rollout = [dict(dataset[i]) for i in pending.indices], pending.rollout
+            staleness, seconds = 1, pending.generate_seconds
+        else:  # nothing in flight (the first GRPO step): sampled now from the current weights
+            records = [dict(record) for record in self._next_records(trainer)]
+            generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step, group.rank))
+            rollout = self._generate(trainer, records, self.params, generator)
+            staleness, seconds = 0, 0.0
+        if step + 1 < self.config.schedule.total_steps:
+            indices = self._next_indices(trainer)
+            seed = _seed(self.config.seed, step + 1, group.rank)
+            prompts = [dataset[i]["prompt_ids"] for i in indices]
+            state = self.engine.full_state_dict()  # the weights before this step's update
+            background.launch(state, prompts, self.params, seed, step=step + 1, indices=indices)
+        return records, rollout, staleness, seconds
+
+    def _background(self, trainer) -> BackgroundRollouts:
+        """The background rollout generator and its copy of the weights (built on first use)."""
+        if self.background is None:
+
+            def build_copy(state):
+                with torch.random.fork_rng(devices=[]):  # building the model draws from the RNG: keep the run's
+                    return trainer.booster.frozen_copy(trainer.build_model(), state)
+
+            plugin = trainer.booster.plugin  # the DDP plugin computes in bf16/fp16 under autocast: generate likewise
+            mixed = type(plugin).__name__ == "DDP" and plugin.precision != "fp32"
+            self.background = BackgroundRollouts(
+                build_copy,
+                device=trainer.device,
+                worker=self.settings.rollout_worker,
+                autocast_dtype=plugin.compute_dtype if mixed else None,
+            )
+        return self.background
 
     def _sft_step(self, trainer):
         """Next-token loss on ``prompt + answer + eos`` (labels on the answer and eos), rows padded to the budget."""
@@ -322,11 +428,21 @@ class GRPOTask(LanguageModelTask):
 
     def _grpo_step(self, trainer, step: int):
         booster, group, device = trainer.booster, trainer.sample_group, trainer.device
-        records = self._next_records(trainer)
-        started = time.perf_counter()
-        generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step, group.rank))
         settings = self.settings
-        rollout = self._generate(trainer, records, self.params, generator)
+        asynchronous = bool(getattr(settings, "max_staleness", 0))
+        if asynchronous:  # the rollout generated ahead from the weights before the last update, the next launched
+            started = time.perf_counter()
+            records, rollout, first_staleness, background_seconds = self._async_rollout(trainer, step)
+            # dynamic sampling's refill rounds sample on this thread from the current weights, with a stream of
+            # their own (the step's own seed sampled the rollout in the background)
+            seed = _seed(self.config.seed, step, group.rank) ^ 0x5EED
+            generator = torch.Generator(device=device).manual_seed(seed)
+        else:
+            records = self._next_records(trainer)
+            started = time.perf_counter()
+            generator = torch.Generator(device=device).manual_seed(_seed(self.config.seed, step, group.rank))
+            rollout = self._generate(trainer, records, self.params, generator)
+        first_records = records
         first_rewards = rewards = self._train_rewards(records, rollout)
         first_rows, generated = rollout.num_rows, int(rollout.response_mask.sum())
         if settings.dynamic_sampling:
@@ -360,6 +476,12 @@ class GRPOTask(LanguageModelTask):
             "response_mask": mask,
             "advantages": advantages.to(device),
         }
+        if asynchronous:  # the sampling (behaviour) policy's log-probs: the loss's importance weights
+            batch["behaviour_logps"] = rollout.logprobs * mask.to(rollout.logprobs.dtype)
+            first = {id(record) for record in first_records}  # rows of refill rounds were sampled just now
+            staleness = torch.tensor(
+                [float(first_staleness) if id(record) in first else 0.0 for record in records], dtype=torch.float64
+            ).repeat_interleave(settings.group_size)
         minibatches = self.settings.minibatches
         microbatches = booster.plugin.num_microbatches
         if rollout.num_rows % (minibatches * microbatches):
@@ -374,6 +496,8 @@ class GRPOTask(LanguageModelTask):
             if not bool(keep.all()):
                 batch = {key: value[keep.to(value.device)] for key, value in batch.items()}
                 rollout_logps = rollout.logprobs[keep.to(rollout.logprobs.device)]
+                if asynchronous:
+                    staleness = staleness[keep.cpu()]
             self._add(skipped_rows=float((~keep).sum()))
         on_policy = self.updates_per_step == 1  # the update's own forward gives the old log-probs (grpo.py)
         if not on_policy:
@@ -402,6 +526,23 @@ class GRPOTask(LanguageModelTask):
                 f"{None if old_logps is None else tuple(old_logps.shape)} for a batch of {tuple(trained_mask.shape)}"
             )
         mismatch = (old_logps - rollout_logps).abs() * trained_mask
+        if asynchronous:  # the proximal (old) vs behaviour (rollout) weights of the update, untruncated
+            weights = importance_weight_stats(
+                old_logps, rollout_logps, trained_mask, cap=settings.importance_sampling_cap
+            )
+            self._add(
+                staleness_sum=float(staleness.sum()),
+                staleness_rows=float(staleness.numel()),
+                importance_weight_sum=weights.weight_sum,
+                importance_weight_tokens=weights.num_tokens,
+                importance_weight_capped=weights.capped_tokens,
+                background_seconds=background_seconds,
+            )
+            self._peak(
+                staleness_max=float(staleness.max()) if staleness.numel() else 0.0,
+                importance_weight_max=weights.weight_max,
+                importance_weight_negmin=-weights.weight_min if weights.num_tokens else -1.0,
+            )
         self._add(
             steps=1.0,
             rows=float(first_rows),  # the rewards of the step's own prompts: what the policy earns on them
@@ -419,7 +560,8 @@ class GRPOTask(LanguageModelTask):
         self._peak(mismatch_max=float(mismatch.max()) if mismatch.numel() else 0.0)
         if self.engine.last_report is not None:  # the rollout phase's weights + KV cache (CUDA: allocator peak)
             self._peak(rollout_peak_bytes=float(self.engine.last_report.peak_rollout_bytes))
-        self._window_max["rollout_seconds"] = self._window_max.get("rollout_seconds", 0.0) + (rolled - started)
+        generating = (rolled - started) + (background_seconds if asynchronous else 0.0)  # async: + the background's
+        self._window_max["rollout_seconds"] = self._window_max.get("rollout_seconds", 0.0) + generating
         result = type(outcome)(**{**_fields(outcome), "loss": sum(losses) / len(losses)})
         return result, int(rollout.attention_mask.sum())
 
@@ -510,7 +652,7 @@ class GRPOTask(LanguageModelTask):
 
     def _peak(self, **values: float) -> None:
         for name, value in values.items():
-            self._window_max[name] = max(self._window_max.get(name, 0.0), value)
+            self._window_max[name] = max(self._window_max.get(name, -math.inf), value)
 
 
 def _reference_path(trainer) -> str:

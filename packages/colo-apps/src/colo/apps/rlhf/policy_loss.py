@@ -98,6 +98,7 @@ def clipped_policy_loss(
     beta: float = 0.0,
     kl_estimator: str = "k3",
     kl_ratio_correction: bool = False,
+    importance_weights: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
     """The per-token clipped surrogate plus the KL penalty (module docstring).
 
@@ -111,6 +112,9 @@ def clipped_policy_loss(
         beta (float): the KL coefficient. Default: ``0.0``.
         kl_estimator (str): ``"k1"``, ``"k2"`` or ``"k3"``. Default: ``"k3"``.
         kl_ratio_correction (bool): weight the KL term by ``rho`` (module docstring). Default: ``False``.
+        importance_weights (torch.Tensor | None): ``(R, T)`` detached weights multiplying the clipped surrogate
+            (not the KL term): the behaviour importance weights of off-policy rollouts
+            (`colo.apps.rlhf.off_policy.truncated_importance_weights`). ``None``: no weighting. Default: ``None``.
 
     Returns:
         PolicyLossTerms: the per-token loss and its statistics.
@@ -122,6 +126,8 @@ def clipped_policy_loss(
     ratio = torch.exp(logps - old_logps)
     clipped_ratio = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if importance_weights is not None:  # decoupled PPO: the surrogate anchored at the proximal policy, reweighted
+        loss = importance_weights.detach().to(loss.dtype) * loss
     clipped = ((ratio < 1 - eps_low) & (advantages < 0)) | ((ratio > 1 + eps_high) & (advantages > 0))
     if beta != 0.0:
         if ref_logps is None:

@@ -366,6 +366,27 @@ def critic_plugin_section(config):
     return section
 
 
+def _async_rule(axis: str) -> TaskRule:
+    """``grpo.max_staleness=1`` generates in a background thread that runs no collective: tp, sp, pp, ep stay 1."""
+
+    def size(c) -> int:
+        return getattr(c.plugin, axis, 1) or 1
+
+    return TaskRule(
+        "grpo.max_staleness",
+        lambda c: c.grpo.max_staleness > 0 and size(c) > 1,
+        lambda c: (
+            f"grpo.max_staleness={c.grpo.max_staleness} generates in a background thread, which runs no collective, "
+            f"but generation under plugin.{axis}={size(c)} runs collectives at every decode step; set plugin.{axis}=1 "
+            "(data parallelism: ddp, zero, gemini) or grpo.max_staleness=0"
+        ),
+        summary=f"grpo.max_staleness > 0 with plugin.{axis} > 1 (asynchronous rollouts: data parallelism only)",
+    )
+
+
+_GRPO_ASYNC_RULES = tuple(_async_rule(axis) for axis in ("tp", "sp", "pp", "ep"))
+
+
 def _preference_task():
     from .task import PreferenceTask
 
@@ -413,6 +434,7 @@ RLHF_TASKS = (
         rules=(
             *_rollout_rules("grpo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True, pipeline=True),
             *_GRPO_RULES,
+            *_GRPO_ASYNC_RULES,
         ),
     ),
     TaskSpec(
