@@ -564,7 +564,8 @@ def test_ep2_x_ulysses_sp2_matches_the_single_process(tmp_path):
     1.4e-5, grad norms 1.1e-4, parameters 6.6e-4 (median 2.5e-6; ep2 x dp2 without sp drifts to 5.7e-5 on the same
     model: Ulysses' attention sums in another order and Adam amplifies it). With the balance loss counting only each
     rank's piece the first step is already off (losses 5.6e-5 / 1.6e-4 relative, grad norms 1.1e-4 / 5.7e-5) and
-    after 5 steps 1.3e-3 / 1.9e-2 (grad norms 3.5e-2 / 0.23)."""
+    after 5 steps 1.3e-3 / 1.9e-2 (grad norms 3.5e-2 / 0.23); with the aux losses weighted by the shard's next-token
+    weight (16/15 and 14/15 here), first-step grad norms 7.4e-6 / 2.2e-5 and after 5 steps 5.2e-2 / 8.8e-2."""
     settings = {"ep": 2, "sp": 2, "sp_mode": "ulysses", "zero_stage": 1, "num_microbatches": 2}
     cases = [(shape, settings, os.fspath(tmp_path / shape)) for shape in ("deepseek", "mixtral")]
     per_rank = run_distributed(_sequence_parallel_runs, cases, world_size=4)
