@@ -276,14 +276,14 @@ def test_bad_moe_settings_name_the_field(settings, message):
     [
         ({"num_experts": 6, "ep": 4, "data_parallel_size": 4}, r"ep=4 does not divide num_experts=6.*\[1, 2, 3, 6\]"),
         ({"num_experts": 8, "ep": 4, "data_parallel_size": 6}, "ep=4 does not divide the 6 data-parallel ranks"),
-        ({"num_experts": 8, "ep": 2, "data_parallel_size": 2, "sp": 2}, r"ep=2\) with sp=2 is not supported"),
     ],
 )
 def test_bad_expert_parallel_layouts_name_the_field(settings, message):
     with pytest.raises(ValueError, match=message):
         check_expert_parallel(**settings)
-    # tensor and pipeline parallelism compose with ep (colo.apps' HybridParallel(ep=...))
+    # tensor, pipeline and sequence parallelism compose with ep (colo.apps' HybridParallel(ep=...))
     check_expert_parallel(num_experts=8, ep=2, data_parallel_size=2, tp=2, pp=2)
+    check_expert_parallel(num_experts=8, ep=2, data_parallel_size=2, sp=2)
 
 
 @requires_cuda

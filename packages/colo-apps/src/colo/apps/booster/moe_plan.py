@@ -9,7 +9,12 @@
   that computes the loss needs nothing from the others. The reported loss is the next-token loss of the last stage.
 - Multi-head latent attention under tp: its heads split, its latents replicated
   (`colo.apps.models.moe_llama.parallelize`).
-- Refused: sequence parallelism (sequence-parallel ranks would route different pieces of one sequence), a grid
+- Ulysses sequence parallelism with ``ep > 1`` and ``pp=1``: each sp rank routes its piece of every sequence; the
+  sp ranks are data ranks of the experts' gradient groups (`colo.tensor.moe.parallel`), the load-balancing loss
+  counts the whole sequences' assignments (`colo.tensor.moe.route_sequence_pieces`), and the aux losses enter each
+  rank's loss unweighted by the shard's next-token weight (`MoELlamaPlan.prepare_batch`).
+- Refused: other sequence parallelism (ring, Megatron-SP, Ulysses without ``ep`` or with ``pp``), an expert capacity
+  with ``sp`` (each rank would drop by its own piece's count), a grid
   ``tp_mode`` with multi-head latent attention, fp16 with a pipeline (the aux losses' gradient is not loss-scaled),
   and ``ep`` not dividing the experts.
 """
@@ -34,16 +39,21 @@ class MoELlamaPlan(LlamaPlan):
 
     def check(self, model: nn.Module, plugin) -> None:
         config = model.config
-        for name in ("sp",):
-            size = getattr(plugin, name, 1)
-            if size > 1 or getattr(plugin, "sp_mode", None) is not None:
-                raise UnsupportedLayout(
-                    f"HybridParallel.{name}={size} (sp_mode={plugin.sp_mode!r}): {type(model).__name__} has "
-                    "mixture-of-experts blocks, and sequence-parallel ranks would route different pieces of one "
-                    f"sequence to experts (the per-sequence balance loss needs whole sequences); set {name}=1 and "
-                    "sp_mode=None (tp, pp and ep compose with the experts)",
-                    field=name,
-                )
+        sp, sp_mode, ep = getattr(plugin, "sp", 1), getattr(plugin, "sp_mode", None), getattr(plugin, "ep", 1)
+        if (sp > 1 or sp_mode is not None) and not (sp_mode == "ulysses" and ep > 1):
+            raise UnsupportedLayout(
+                f"HybridParallel.sp={sp} (sp_mode={sp_mode!r}): {type(model).__name__} has mixture-of-experts blocks, "
+                "which compose with Ulysses sequence parallelism under expert parallelism only (the sp ranks join the "
+                "experts' gradient groups); set ep > 1 with sp_mode='ulysses', or sp=1 and sp_mode=None",
+                field="sp",
+            )
+        if sp > 1 and config.capacity_factor is not None:
+            raise UnsupportedLayout(
+                f"HybridParallel.sp={sp} with model.capacity_factor={config.capacity_factor}: each sequence-parallel "
+                "rank would drop assignments by its own piece's count, not the whole sequences'; use "
+                "capacity_factor=None (dropless) with sp",
+                field="sp",
+            )
         if plugin.tp > 1 and config.latent_attention and plugin.tp_mode != "1d":
             raise UnsupportedLayout(
                 f"HybridParallel.tp_mode={plugin.tp_mode!r}: multi-head latent attention (model.kv_lora_rank) has a "
@@ -74,6 +84,15 @@ class MoELlamaPlan(LlamaPlan):
                 field="ep",
             )
         super().check(model, plugin)
+
+    def prepare_batch(self, batch, *, mesh: Mesh, plugin):
+        """`LlamaPlan.prepare_batch`; under sequence parallelism the aux losses are scaled by the inverse of the
+        shard's weight (``aux_loss_scale``), so the weighted loss is ``weight * next-token loss + aux loss``: the
+        mean over the sp ranks of the aux losses is the whole sequences' (`colo.tensor.moe.load_balancing_loss`)."""
+        local, weight = super().prepare_batch(batch, mesh=mesh, plugin=plugin)
+        if getattr(plugin, "sp", 1) > 1 and weight and local is not batch:
+            local = {**local, "aux_loss_scale": 1.0 / weight}
+        return local, weight
 
     def apply(self, model: nn.Module, *, mesh: Mesh, plugin) -> nn.Module:
         self._materialize_as_moe(model, plugin)

@@ -24,6 +24,7 @@ from .parallel import (
     dense_data_axes,
     expert_data_axes,
     is_expert_param,
+    route_sequence_pieces,
     shard_experts,
     split_expert_ffns,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "permute",
     "recomputing",
     "router_stats",
+    "route_sequence_pieces",
     "shard_experts",
     "split_expert_ffns",
     "unpermute",

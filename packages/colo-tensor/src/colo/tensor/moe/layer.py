@@ -49,6 +49,9 @@ class MoEBlock(nn.Module):
             self.shared_experts = SharedExperts(hidden_size, shared)
         self.ep_group: Group | None = None
         """The expert-parallel group once `shard_experts` split the experts over it."""
+        self.sp_group: Group | None = None
+        """The sequence-parallel group once `route_sequence_pieces` set it: the ranks holding the other pieces of
+        this rank's sequences, over which the load-balancing loss counts its assignments (`load_balancing_loss`)."""
         self.last_routing: Routing | None = None
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
@@ -98,6 +101,7 @@ class MoEBlock(nn.Module):
             num_experts=config.num_experts,
             batch_size=batch if config.aux_loss_type == "sequence" else None,
             score_func=config.score_func,
+            sequence_group=self.sp_group,
         )
         router_z = z_loss(routing.logits)
         aux_loss = config.aux_loss_coef * balance + config.z_loss_coef * router_z

@@ -14,12 +14,19 @@ token). Perfect balance gives ``k``. This is Hugging Face's ``load_balancing_los
   over all sequences of the global batch: the loss and its gradient do not depend on the data-parallel size or the
   number of microbatches (DeepSeek-V3's sequence-wise balance loss has this form).
 
+**Sequence parallelism** (``sequence_group``): each rank of the group holds a piece of every sequence. The
+assignment counts (not differentiable) are summed over the group, so ``f`` is the whole sequences'; ``P`` stays
+this rank's mean over its own tokens. The mean of the loss over the group's ranks (equal pieces) is then the
+loss of the whole sequences, and so is the mean of its gradient: what averaging gradients over the group computes.
+
 **z-loss**: ``mean over tokens of logsumexp(logits)^2`` (Zoph et al., 2022), keeps the logits small.
 """
 
 from __future__ import annotations
 
 import torch
+
+from colo.comm import Group, all_reduce
 
 
 def _balance_probs(scores: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -35,6 +42,7 @@ def load_balancing_loss(
     num_experts: int,
     batch_size: int | None = None,
     score_func: str = "softmax",
+    sequence_group: Group | None = None,
 ) -> torch.Tensor:
     """The Switch / GShard load-balancing loss (see the module docstring), an fp32 scalar.
 
@@ -45,6 +53,8 @@ def load_balancing_loss(
         batch_size (int | None): ``None``: one set of all ``T`` tokens (the ``"batch"`` form); else the tokens are
             ``batch_size`` sequences of ``T / batch_size`` (the ``"sequence"`` form).
         score_func (str): ``"softmax"`` or ``"sigmoid"``.
+        sequence_group (Group | None): the sequence-parallel group holding the other equal pieces of the same
+            sequences (module docstring); ``None``: the tokens are whole sequences.
     """
     probs = _balance_probs(scores.to(torch.promote_types(scores.dtype, torch.float32)), score_func)
     groups = 1 if batch_size is None else batch_size
@@ -53,7 +63,11 @@ def load_balancing_loss(
     assigned = torch.zeros(groups, num_experts, dtype=probs.dtype, device=probs.device)
     ones = torch.ones(top_k_index.numel(), dtype=probs.dtype, device=probs.device)
     assigned.scatter_add_(1, top_k_index.reshape(groups, -1), ones.view(groups, -1))
-    fraction = assigned / tokens
+    if sequence_group is not None and sequence_group.size > 1:  # whole sequences' counts; P stays this piece's
+        assigned = all_reduce(assigned, group=sequence_group)
+        fraction = assigned / (tokens * sequence_group.size)
+    else:
+        fraction = assigned / tokens
     mean_prob = probs.mean(dim=1)
     return num_experts * (fraction * mean_prob).sum(dim=-1).mean()
 

@@ -16,6 +16,12 @@ tokens reaching an MoE block are replicated over tp, so every tp rank routes and
 experts (the experts are replicated over tp, counted once in the gradient norm). With a pipeline (``pp``) each stage
 splits the experts of its own blocks over the ep group inside the stage, so the all-to-alls never cross a stage.
 
+With sequence parallelism (Ulysses, an ``sp`` axis of size > 1) every rank of an sp group holds a piece of the same
+sequences, routed on that rank: the sp ranks count as data ranks for the gradients (dense over ``dp x ep x sp``,
+experts over ``dp x sp``: the ep groups are the ranks of one sp coordinate, so each expert's ``1 / ep`` scale still
+holds), the expert bias counts are summed over them too, and the load-balancing loss counts its assignments over the
+whole sequences (`route_sequence_pieces`).
+
 Group-limited routing (`MoEConfig.num_groups`) splits the experts into contiguous groups as ``shard_experts`` splits
 them over ranks, so with ``num_groups == ep`` group ``g`` is exactly rank ``g``'s experts and ``top_k_groups`` bounds
 the ranks each token's rows are sent to (DeepSeek-V3's node-limited routing, with ep ranks for nodes).
@@ -46,9 +52,9 @@ def check_expert_parallel(
         ep (int): the expert-parallel size.
         data_parallel_size (int): all data ranks (``dp * ep``).
         tp, pp, sp (int): tensor, pipeline and sequence-parallel sizes. Expert parallelism composes with ``tp``
-            (the experts whole on every tp rank, which see the same tokens) and ``pp`` (each stage splits its own
-            blocks' experts over its own ep group), not with ``sp`` (the sequence ranks would route different tokens
-            to experts whose gradients nothing sums over sp).
+            (the experts whole on every tp rank, which see the same tokens), ``pp`` (each stage splits its own
+            blocks' experts over its own ep group) and ``sp`` (module docstring; the caller averages gradients over
+            `dense_data_axes` / `expert_data_axes` and calls `route_sequence_pieces`).
     """
     if ep < 1:
         raise ValueError(f"ep={ep} must be a positive integer (1: experts replicated)")
@@ -63,21 +69,37 @@ def check_expert_parallel(
             f"ep={ep} does not divide the {data_parallel_size} data-parallel ranks: experts are split over a "
             f"sub-axis of data parallelism; choose ep dividing {data_parallel_size}"
         )
-    if ep > 1 and sp > 1:
-        raise ValueError(
-            f"expert parallelism (ep={ep}) with sp={sp} is not supported: sequence-parallel ranks route different "
-            "tokens to the same experts; use sp=1 with ep (tensor and pipeline parallelism compose), or set ep=1"
-        )
+
+
+def _sequence_axes(mesh: Mesh) -> tuple[str, ...]:
+    return ("sp",) if "sp" in mesh.axis_names and mesh.size("sp") > 1 else ()
 
 
 def dense_data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The data axes dense gradients are averaged over: ``("dp", "ep")``, those of the two the mesh has."""
-    return tuple(axis for axis in ("dp", "ep") if axis in mesh.axis_names)
+    """The data axes dense gradients are averaged over: ``("dp", "ep")``, those of the two the mesh has, and
+    ``"sp"`` when the mesh splits sequences over it (size > 1)."""
+    return tuple(axis for axis in ("dp", "ep") if axis in mesh.axis_names) + _sequence_axes(mesh)
 
 
 def expert_data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The data axes expert gradients are averaged over: ``("dp",)`` (the ranks holding the same experts)."""
-    return tuple(axis for axis in ("dp",) if axis in mesh.axis_names)
+    """The data axes expert gradients are averaged over: ``("dp",)`` (the ranks holding the same experts), and
+    ``"sp"`` when the mesh splits sequences over it (size > 1)."""
+    return tuple(axis for axis in ("dp",) if axis in mesh.axis_names) + _sequence_axes(mesh)
+
+
+def route_sequence_pieces(model: nn.Module, *, mesh: Mesh, axis: str = "sp") -> nn.Module:
+    """Sequence parallelism: every `MoEBlock` of ``model`` counts its load-balancing loss's assignments over the
+    mesh axis ``axis`` (its ranks hold equal pieces of the same sequences; `load_balancing_loss`), in place.
+
+    Returns:
+        ``model``.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"route_sequence_pieces: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    group = mesh.group(axis)
+    for _, block in moe_blocks(model):
+        block.sp_group = group
+    return model
 
 
 def is_expert_param(name: str) -> bool:

@@ -13,7 +13,7 @@ from torch import nn
 from colo.comm import Mesh, all_gather_object, init_distributed, world_group
 from colo.pipeline import GENERATORS, PipelineExecutor, make_schedule
 from colo.tensor import layout_of
-from colo.tensor.moe import moe_blocks, shard_experts, split_expert_ffns
+from colo.tensor.moe import moe_blocks, route_sequence_pieces, shard_experts, split_expert_ffns
 from colo.tensor.tp_grid import GRID_AXES, TP_MODES, check_tp_size
 from colo.zero import ExpertParallelZero, ZeroOptimizer
 from colo.zero.state import OPTIM_PREFIX, OPTIMIZER_KEY
@@ -62,7 +62,10 @@ class HybridParallel(Plugin):
     ``(pp, dp, ep, tp)``): each stage splits its MoE blocks' experts over its ep group (`colo.tensor.moe.shard_experts`)
     and the optimizer is `colo.zero.ExpertParallelZero` (dense parameters over ``dp x ep``, experts over ``dp``, both
     with the tp and pp axes above); the routers' expert biases are updated after every step from the counts of all
-    data ranks (`colo.apps.booster.plugins.expert.ExpertBiases`).
+    data ranks (`colo.apps.booster.plugins.expert.ExpertBiases`). With Ulysses ``sp`` (``pp=1``) the sequence ranks
+    count as data ranks too (mesh ``(pp, dp, ep, sp, tp)``: dense parameters over ``dp x ep x sp``, experts over
+    ``dp x sp``, bias counts summed over all of them) and the load-balancing loss counts its assignments over the
+    whole sequences (`colo.tensor.moe.route_sequence_pieces`).
     """
 
     tp: int = 1
@@ -85,9 +88,10 @@ class HybridParallel(Plugin):
     and tp coordinate) splits every MoE block's experts (tokens reach them by all-to-all); it must divide the data
     ranks (``dp`` counts them all: the mesh is ``(pp, dp / ep, ep, tp)``) and the experts. Dense parameters are
     averaged and sharded over ``dp x ep``, experts over ``dp`` (`colo.zero.ExpertParallelZero`). Composes with
-    ``pp`` (each stage's blocks use the ep group inside the stage) and 1D ``tp`` (attention and dense layers split
-    over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``); not with ``sp``
-    / ``sp_mode``, nor fp16 with ``pp`` (fp16 otherwise: one loss scaler for dense and expert parts)."""
+    ``pp`` (each stage's blocks use the ep group inside the stage), 1D ``tp`` (attention and dense layers split
+    over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``) and Ulysses
+    ``sp`` without ``pp``; not with ring or Megatron ``sp_mode``, nor fp16 with ``pp`` (fp16 otherwise: one loss
+    scaler for dense and expert parts)."""
     expert_tensor_parallel: bool = False
     """With ``tp > 1`` and a mixture-of-experts model: split each expert's FFN over the tp group as well (its gate and
     up projections by columns, its down projection by rows; Megatron-Core's expert tensor parallelism,
@@ -164,7 +168,9 @@ class HybridParallel(Plugin):
         return ("tp",) if self.tp_mode == "1d" else GRID_AXES[self.tp_mode]
 
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
-        return ("dp", "ep") if self.ep > 1 else self.dims.data_axes()
+        if self.ep > 1:  # Ulysses ranks hold pieces of the same sequences: data ranks for gradients and counts
+            return ("dp", "ep", "sp") if self.sp > 1 else ("dp", "ep")
+        return self.dims.data_axes()
 
     def sample_axes(self, mesh: Mesh) -> tuple[str, ...]:
         # sequence-parallel ranks share their samples, each holding a piece of every sequence; ep ranks are data ranks
@@ -228,6 +234,8 @@ class HybridParallel(Plugin):
         attach_lora_layers(lora, mesh=mesh, axis="tp")
         if self.ep > 1 and moe_blocks(target):  # each stage splits its own blocks' experts over its ep group
             shard_experts(target, mesh=mesh)
+        if self.sp > 1 and moe_blocks(target):  # the balance loss counts the whole sequences' assignments
+            route_sequence_pieces(target, mesh=mesh)
         if self.expert_tensor_parallel and moe_blocks(target):  # and each expert's FFN over tp
             split_expert_ffns(target, mesh=mesh, axis="tp")
         for module in [model] if part is None else part.chunks:
@@ -368,14 +376,16 @@ _RULES: tuple[LayoutRule, ...] = (
     LayoutRule(
         "ep",
         UnsupportedLayout,
-        lambda p: not _not_positive(p.ep) and p.ep > 1 and (p.sp > 1 or p.sp_mode is not None),
         lambda p: (
-            f"HybridParallel.ep={p.ep} with sp={p.sp}, sp_mode={p.sp_mode!r} is not supported: sequence-parallel ranks "
-            "(and Megatron-SP's tp ranks) route different tokens of one sequence to experts whose gradients nothing "
-            "sums over them, and the per-sequence balance loss needs whole sequences; use sp=1 and sp_mode=None with "
-            "ep, or ep=1"
+            not _not_positive(p.ep) and p.ep > 1 and (p.sp_mode in ("ring", "megatron") or (p.sp > 1 and p.pp > 1))
         ),
-        summary="`ep` > 1 with `sp` > 1 or an `sp_mode`",
+        lambda p: (
+            f"HybridParallel.ep={p.ep} with sp={p.sp}, sp_mode={p.sp_mode!r}, pp={p.pp} is not supported: experts "
+            "compose with Ulysses sequence parallelism without a pipeline only (ring attention's zigzag pieces, "
+            "Megatron-SP's tp pieces and a pipeline's stages under sp are not wired to the experts' gradient groups "
+            "and balance loss); use sp_mode='ulysses' with pp=1, or sp=1 and sp_mode=None"
+        ),
+        summary="`ep` > 1 with `sp_mode` ring / megatron, or with `sp` > 1 and `pp` > 1",
     ),
     LayoutRule(
         "ep",

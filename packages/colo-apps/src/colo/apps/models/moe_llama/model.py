@@ -100,11 +100,19 @@ class MoELlama(Llama):
         for name, module in self.named_modules():
             init_moe_llama_module(name, module, config=self.config, seed=seed)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *args, **kwargs) -> LlamaOutput:
-        """`Llama.forward`; with ``labels`` the loss also holds the MoE layers' weighted aux losses."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *args,
+        aux_loss_scale: float = 1.0,
+        **kwargs,
+    ) -> LlamaOutput:
+        """`Llama.forward`; with ``labels`` the loss also holds the MoE layers' weighted aux losses, times
+        ``aux_loss_scale`` (a sequence-parallel plan sets it to undo the shard weight it puts on the whole loss)."""
         out = super().forward(input_ids, labels, *args, **kwargs)
         if out.loss is not None:
             aux = moe_aux_loss(self)
             if aux is not None:
-                out.loss = out.loss + aux.to(out.loss.dtype)
+                out.loss = out.loss + aux.to(out.loss.dtype) * aux_loss_scale
         return out
