@@ -296,13 +296,18 @@ def test_an_ep2_deepseek_v3_shaped_run_converts_to_a_deepseek_v3_with_the_same_l
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_the_planner_refuses_the_deepseek_block_naming_the_field():
+def test_the_planner_takes_the_deepseek_block_and_names_what_it_does_not_model():
+    """`colo plan` models the DeepSeek-style block (measured against the model in test_plan_moe_layouts.py); an MoE
+    model under sequence parallelism, which HybridParallel runs (ep x Ulysses sp) but the planner does not model, is
+    refused naming the field."""
     from colo.apps.models.moe_llama import get_moe_preset
     from colo.apps.plan.layout import Layout
     from colo.apps.plan.memory import check_layout
 
-    with pytest.raises(ValueError, match="n_shared_experts=1: colo plan models Mixtral-shaped MoE layers"):
-        check_layout(get_moe_preset("tiny-deepseek"), Layout(plugin="expert", ep=2))
+    config = get_moe_preset("tiny-deepseek")
+    check_layout(config, Layout(plugin="expert", ep=2))
+    with pytest.raises(ValueError, match=r"Layout.sp=2 \(sp_mode='ulysses'\): colo plan does not model"):
+        check_layout(config, Layout(plugin="hybrid", ep=2, sp=2, sp_mode="ulysses"))
 
 
 @pytest.mark.parametrize("dims", [MLA, WIDE_MLA], ids=["kernel", "wide"])

@@ -65,7 +65,7 @@ def expert_parallel(layout: Layout) -> bool:
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
     """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
     plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
-    model and must divide its experts; an MoE model refuses sequence parallelism, tp not dividing multi-head latent
+    model and must divide its experts; an MoE model under sequence parallelism is not modelled, nor tp not dividing multi-head latent
     attention's heads, and expert tensor parallelism whose tp does not divide the experts' width."""
     if layout.ep > 1 and not is_moe(config):
         raise ValueError(
@@ -85,8 +85,9 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         raise ValueError(f"Layout.ep={layout.ep} does not divide num_local_experts={experts}; choose ep in {choices}")
     if layout.sp > 1 or layout.sp_mode is not None:
         raise ValueError(
-            f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}): mixture-of-experts models refuse sequence "
-            "parallelism (sequence-parallel ranks would route pieces of one sequence); set sp=1 and sp_mode=None"
+            f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}): colo plan does not model a mixture-of-experts "
+            "model under sequence parallelism (HybridParallel runs ep x Ulysses sp; its memory and all-to-alls are "
+            "not modelled yet); plan it with sp=1 and sp_mode=None"
         )
     if layout.tp > 1 and config.latent_attention:
         from ..models.moe_llama.parallelize import check_latent_attention_tp
