@@ -65,8 +65,8 @@ def expert_parallel(layout: Layout) -> bool:
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
     """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
     plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
-    model and must divide its experts; an MoE model under sequence parallelism is not modelled, nor tp not dividing multi-head latent
-    attention's heads, and expert tensor parallelism whose tp does not divide the experts' width."""
+    model and must divide its experts; an MoE model under sequence parallelism is not modelled; tp must divide
+    multi-head latent attention's heads, and with expert tensor parallelism the experts' width."""
     if layout.ep > 1 and not is_moe(config):
         raise ValueError(
             f"Layout.ep={layout.ep} splits the experts of a mixture-of-experts model and this model is a dense Llama; "
