@@ -10,7 +10,9 @@ own (positions from 0, `colo.kernels.document_mask`: attention never crosses two
 colo's `Llama` once over the packed rows and scatters the per-token log-probs and entropies back to ``(R, T)``, so the
 loss, its aggregation and the microbatches are unchanged. Causal attention within a segment sees exactly what it saw in
 its padded row, so the values are the padded forward's up to rounding (`tests/test_rlhf_grpo_pack.py`: log-probs, loss
-and every gradient equal).
+and every gradient equal). Under Ulysses or ring attention the packed rows (their length rounded up to the layout's
+chunks, `packing_budget`) are split over ``sp`` like any row and the values gathered before they are scattered back
+(`tests/test_rlhf_grpo_pack_sp.py`: the same equalities at sp2).
 """
 
 from __future__ import annotations
