@@ -38,7 +38,7 @@ from ..generation.rollout import (
 )
 from ..models.llama import Llama
 from .off_policy import truncated_importance_weights
-from .packing import pack_rollout_rows, packed_token_logps
+from .packing import pack_rollout_rows, packed_token_logps, packing_budget
 from .policy_loss import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -77,7 +77,9 @@ def attach_rollout_forward(
         pack_rows (bool): colo's `Llama` runs the rows packed into rows of twice the batch's width, each row's
             segment a document of its own, and the values are scattered back (`colo.apps.rlhf.packing`): no compute
             on padding. The tokens it computes against the padded forward's are counted in ``model.pack_tokens``
-            (``[padded, packed]``). Under sequence parallelism the rows are split as they are. Default: ``False``.
+            (``[padded, packed]``). Under Ulysses or ring attention each packed row (its length rounded up to the
+            layout's chunks) is split over sp as any row is and the values gathered before they are scattered back
+            (`colo.apps.rlhf.packing.packed_token_logps`). Default: ``False``.
 
     Returns:
         nn.Module: ``model``, changed in place.
@@ -107,6 +109,17 @@ def attach_rollout_forward(
         if native:  # under tensor parallelism from this rank's vocabulary columns (token_logps)
             inputs.pop("attention_mask", None)
             split = sequence_split_of(self)
+            if pack_rows:  # the rows' segments packed, each a document of its own, the values scattered back
+                positions = inputs.get("position_ids")
+                if positions is None:
+                    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+                budget = packing_budget(input_ids.shape[1], split)  # under sp: split into the layout's chunks
+                packed = pack_rollout_rows(input_ids, positions.expand_as(input_ids), response_mask, budget=budget)
+                self.pack_tokens[0] += packed.padded_tokens
+                self.pack_tokens[1] += packed.packed_tokens
+                shape = tuple(response_mask.shape)
+                logps, entropy = packed_token_logps(self, packed, shape, temperature=temperature, split=split)
+                return {"logps": logps, "entropy": entropy}
             if split is not None:  # Ulysses / ring: this rank's piece of each row, the values gathered over sp
                 logps, entropy = split_token_logps(
                     self,
@@ -119,16 +132,6 @@ def attach_rollout_forward(
                     temperature=temperature,
                     entropy=True,
                 )
-                return {"logps": logps, "entropy": entropy}
-            if pack_rows:  # the rows' segments packed, each a document of its own, the values scattered back
-                positions = inputs.get("position_ids")
-                if positions is None:
-                    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-                packed = pack_rollout_rows(input_ids, positions.expand_as(input_ids), response_mask)
-                self.pack_tokens[0] += packed.padded_tokens
-                self.pack_tokens[1] += packed.packed_tokens
-                shape = tuple(response_mask.shape)
-                logps, entropy = packed_token_logps(self, packed, shape, temperature=temperature)
                 return {"logps": logps, "entropy": entropy}
             shared = None
             if share_prompts and "document_ids" in inputs and "position_ids" in inputs and can_share_prompts(self):

@@ -119,7 +119,8 @@ class GRPOSection(RolloutSection):
         description="Pack the rollout rows of each update microbatch (and of the reference's forward) into rows of "
         "the batch's width, each row's prompt and response a document of its own, so no compute goes to padding "
         "(colo.apps.rlhf.packing; the same log-probs, loss and gradients as the padded rows). Metric: "
-        "grpo/pack_padding_saved, the share of the padded forward's positions not computed. colo's Llama, sp=1.",
+        "grpo/pack_padding_saved, the share of the padded forward's positions not computed. colo's Llama; under "
+        "plugin.sp > 1 (Ulysses, ring) each packed row is split over sp like any row; not under plugin.pp > 1.",
     )
     mask_truncated: bool = Field(
         default=False,

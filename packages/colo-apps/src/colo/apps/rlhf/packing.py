@@ -10,7 +10,9 @@ own (positions from 0, `colo.kernels.document_mask`: attention never crosses two
 colo's `Llama` once over the packed rows and scatters the per-token log-probs and entropies back to ``(R, T)``, so the
 loss, its aggregation and the microbatches are unchanged. Causal attention within a segment sees exactly what it saw in
 its padded row, so the values are the padded forward's up to rounding (`tests/test_rlhf_grpo_pack.py`: log-probs, loss
-and every gradient equal).
+and every gradient equal). Under Ulysses or ring attention the packed rows (their length rounded up to the layout's
+chunks, `packing_budget`) are split over ``sp`` like any row and the values gathered before they are scattered back
+(`tests/test_rlhf_grpo_pack_sp.py`: the same equalities at sp2).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from colo.tensor.zigzag import padded_seq_len
+
+from ..booster.llama_plan import SequenceSplit
 from ..models.llama import Llama
+from .sequence_logps import split_selected_token_logps
 from .token_logps import llama_token_logps
 
 
@@ -123,27 +129,60 @@ def pack_rollout_rows(
 
 
 def packed_token_logps(
-    model: Llama, packed: PackedRows, shape: tuple[int, int], *, temperature: float = 1.0, entropy: bool = True
+    model: Llama,
+    packed: PackedRows,
+    shape: tuple[int, int],
+    *,
+    temperature: float = 1.0,
+    entropy: bool = True,
+    split: SequenceSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps, entropy)``, each ``(R, T)`` float32 and 0 past each row's response: colo's `Llama` over the packed
     rows (one forward), the log-probs (under tensor parallelism from this rank's vocabulary columns,
     `colo.apps.rlhf.token_logps.llama_token_logps`) and detached entropies of the scored tokens, scattered back.
 
+    Under Ulysses or ring attention (``split``) each packed row is split over ``sp`` as any row is: each rank runs its
+    piece (its tokens and positions; the whole rows' document ids, which each attention core cuts as it cuts the
+    sequence), scores the tokens its piece predicts, and the values are gathered over ``sp``
+    (`colo.apps.rlhf.sequence_logps.split_selected_token_logps`) before they are scattered back; the same on every
+    sp rank.
+
     Args:
         model (Llama): the policy.
-        packed (PackedRows): from `pack_rollout_rows`.
+        packed (PackedRows): from `pack_rollout_rows` (under ``split``, with a budget that divides into the layout's
+            chunks, `packing_budget`, else the rows are padded at their end).
         shape (tuple[int, int]): ``(R, T)``.
         temperature (float): the sampling temperature. Default: ``1.0``.
         entropy (bool): also the entropies. Default: ``True``.
+        split (SequenceSplit | None): the sequence-parallel group and layout of ``model``
+            (`colo.apps.booster.llama_plan.sequence_split_of`); ``None``: whole rows. Default: ``None``.
     """
-    hidden = model.hidden_states(packed.input_ids, packed.position_ids, document_ids=packed.document_ids)
-    scored = hidden[packed.rows, packed.columns].unsqueeze(0)
-    logps, entropies = llama_token_logps(
-        model, scored, packed.targets.unsqueeze(0), temperature=temperature, entropy=entropy
-    )
+    if split is not None:
+        logps, entropies = split_selected_token_logps(
+            model, split, packed.input_ids, rows=packed.rows, columns=packed.columns, targets=packed.targets,
+            position_ids=packed.position_ids, document_ids=packed.document_ids, temperature=temperature,
+            entropy=entropy,
+        )  # fmt: skip
+    else:
+        hidden = model.hidden_states(packed.input_ids, packed.position_ids, document_ids=packed.document_ids)
+        scored = hidden[packed.rows, packed.columns].unsqueeze(0)
+        logps, entropies = llama_token_logps(
+            model, scored, packed.targets.unsqueeze(0), temperature=temperature, entropy=entropy
+        )
+        logps, entropies = logps[0], (entropies[0].detach() if entropies is not None else None)
     where = (packed.source_rows, packed.source_columns)
-    zeros = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
-    logps = zeros.index_put(where, logps[0].float())
+    zeros = torch.zeros(shape, dtype=torch.float32, device=packed.input_ids.device)
+    logps = zeros.index_put(where, logps.float())
     if entropies is not None:
-        entropies = zeros.index_put(where, entropies[0].detach().float())
+        entropies = zeros.index_put(where, entropies.float())
     return logps, entropies
+
+
+def packing_budget(width: int, split: SequenceSplit | None = None) -> int:
+    """The packed rows' length for rollout rows of ``width`` tokens: twice it (`pack_rollout_rows`), rounded up
+    under sequence parallelism to the chunks its layout splits a row into (``sp`` for Ulysses, ``2 sp`` for ring's
+    zigzag), so the packed rows split without padding."""
+    budget = 2 * width
+    if split is None:
+        return budget
+    return padded_seq_len(budget, split.group.size, split.layout)

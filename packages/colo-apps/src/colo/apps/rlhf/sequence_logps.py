@@ -87,6 +87,57 @@ def _split_positions(model, split, input_ids, first, last, position_ids, documen
     return _gather_rows(local, split, padded)[:, :, first:last]
 
 
+def split_selected_token_logps(
+    model: Llama,
+    split: SequenceSplit,
+    input_ids: torch.Tensor,
+    *,
+    rows: torch.Tensor,
+    columns: torch.Tensor,
+    targets: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and detached entropies) of ``targets`` at scattered positions ``(rows[i], columns[i])`` of whole
+    rows (packed rows, where each row scores other columns: `colo.apps.rlhf.packing`), computed on this rank's piece
+    of the rows, only at the positions it holds, and gathered over the ``sp`` group in one all-gather of ``(k, rows,
+    length)`` values (the backward sums the ranks' gradients, module docstring). The rows' ``document_ids`` go to the
+    model whole, as the pretraining path passes them (each attention core takes its piece's), and their
+    ``position_ids`` are split with the tokens.
+
+    Args:
+        model, split, input_ids, position_ids, document_ids, temperature: as `split_token_logps` (``input_ids``
+            padded at the end to the layout's chunks if they do not split into them).
+        rows (torch.Tensor): ``(n,)`` the row of each scored position.
+        columns (torch.Tensor): ``(n,)`` its column in the row.
+        targets (torch.Tensor): ``(n,)`` the token it is scored on.
+        entropy (bool): also return the (detached) entropies. Default: ``False``.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor | None]: ``(logps, entropy)``, each ``(n,)`` float32, the same on every rank;
+        ``logps`` differentiable.
+    """
+    num_rows = input_ids.shape[0]
+    hidden, held, padded = _local_hidden(model, split, input_ids, position_ids, document_ids)
+    local_column = torch.full((padded,), -1, dtype=torch.long, device=held.device)
+    local_column[held] = torch.arange(held.numel(), device=held.device)
+    where = local_column[columns]
+    mine = (where >= 0).nonzero().flatten()  # the scored positions this rank holds
+    local_rows, local_columns = rows[mine], where[mine]
+    logps, entropies = llama_token_logps(
+        model, hidden[local_rows, local_columns].unsqueeze(0), targets[mine].unsqueeze(0), temperature=temperature,
+        entropy=entropy,
+    )  # fmt: skip
+    values = [logps[0]] + ([entropies[0].detach()] if entropies is not None else [])
+    local = torch.zeros(num_rows, held.numel(), len(values), dtype=torch.float32, device=input_ids.device)
+    local = local.index_put((local_rows, local_columns), torch.stack([v.float() for v in values], dim=-1))
+    local = local.permute(2, 0, 1)  # (k, rows, this rank's positions)
+    whole = _gather_rows(local, split, padded)[:, rows, columns]
+    return whole[0], (whole[1] if entropy else None)
+
+
 def split_token_logps(
     model: Llama,
     split: SequenceSplit,

@@ -292,15 +292,6 @@ def _rollout_rules(
 _GRPO_RULES = (
     TaskRule(
         "grpo.pack_rows",
-        lambda c: c.grpo.pack_rows and c.plugin.name == "hybrid" and c.plugin.sp > 1,
-        lambda c: (
-            f"grpo.pack_rows under plugin.sp={c.plugin.sp} is not supported yet (the sequence-parallel forward splits "
-            "the padded rows); set grpo.pack_rows=false or plugin.sp=1"
-        ),
-        summary="grpo.pack_rows with plugin.sp > 1",
-    ),
-    TaskRule(
-        "grpo.pack_rows",
         lambda c: c.grpo.pack_rows and c.plugin.name == "hybrid" and c.plugin.pp > 1,
         lambda c: (
             f"grpo.pack_rows under plugin.pp={c.plugin.pp} is not supported yet (the pipelined update scores the "
