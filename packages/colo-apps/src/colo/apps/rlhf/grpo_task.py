@@ -316,7 +316,8 @@ class GRPOTask(LanguageModelTask):
         _all_reduce(sums, group, "sum")
         reward = float(sums[0] / max(sums[1], 1.0))
         record = {"step": step, f"eval_{self.metric_prefix}/greedy_reward": reward}
-        line = f"eval at step {step}: held-out greedy reward (exact match) {reward:.3f} over {int(sums[1])} prompts"
+        names = " + ".join(path.rsplit(":", 1)[-1] for path in self.reward_functions)  # the rewards that score
+        line = f"eval at step {step}: held-out greedy reward ({names}) {reward:.3f} over {int(sums[1])} prompts"
         if self.settings.eval_samples:
             sampled_reward = float(sums[2] / max(sums[3], 1.0))
             record[f"eval_{self.metric_prefix}/sampled_reward"] = sampled_reward
