@@ -13,7 +13,13 @@ every rank of the pipeline, so GAE and the whitening run on whole rows on every 
    log-probs and values after the updates, and every parameter of both models (gathered from the stages).
    Tolerances as ``test_rlhf_ppo_train``'s (rtol 1e-5): the pipeline's microbatch sums and the gradient's sum over
    stages add in another order than one process's backward.
-2. The value head on the actor's backbone (``ppo.critic: shared``) is refused under a pipeline, by the run config
+2. The trainer: ``data.task: ppo`` under ``plugin.name: hybrid, pp: 2`` (1 SFT step, then 2 PPO steps of 2
+   minibatch updates each of the actor and the separate critic, AdamW, clipping; the rollout from the stages'
+   weights gathered over pp, the frozen reference pipelined as the actor, the critic started from it) logs the same
+   per-step losses, gradient norms (the actor's and the critic's, before clipping) and experience statistics as the
+   single-process DDP run (rtol 1e-5), and its last checkpoints hold the same actor and critic parameters (rtol 1e-5,
+   atol 1e-5).
+3. The value head on the actor's backbone (``ppo.critic: shared``) is refused under a pipeline, by the run config
    and by the criterion, naming ``ppo.critic`` and the fix.
 """
 
@@ -83,7 +89,52 @@ def test_shared_critic_is_refused_under_a_pipeline():
 
     with pytest.raises(ValueError, match=r"ppo.critic='shared'.*set ppo.critic='separate'"):
         PPOCriterion("actor_critic").pipeline_split({"input_ids": torch.zeros(2, 4, dtype=torch.long)})
-    overrides = ["plugin.name=hybrid", "plugin.pp=2", "ppo.critic=shared"]
+    overrides = ["plugin.name=hybrid", "plugin.pp=2", "schedule.num_microbatches=2", "ppo.critic=shared"]
     with pytest.raises(ValueError, match=r"ppo.critic='shared'.*ppo.critic='separate'"):
         load_config(preset="tiny-ppo", overrides=overrides)
-    load_config(preset="tiny-ppo", overrides=["plugin.name=hybrid", "plugin.pp=2", "ppo.critic=separate"])
+    load_config(preset="tiny-ppo", overrides=[*overrides[:-1], "ppo.critic=separate"])
+
+
+# --- 2. the trainer ------------------------------------------------------------------------------------------------
+
+
+def _sp_test():
+    return load_beside(__file__, "test_rlhf_ppo_sp.py", module_name="colo_apps_test_rlhf_ppo_sp")
+
+
+def varied_reward(prompts, completions, **_) -> list[float]:
+    """A reward that varies between completions from the first PPO step on: the share of digits."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def _trainer_config(output_dir: str, **changes) -> dict:
+    # both runs take each rank's 8 rows of a step as 2 minibatches of 2 microbatches (the SFT step's token means are
+    # per microbatch)
+    changes = {"schedule.num_microbatches": 2, "ppo.reward_functions": f"[{__name__}:varied_reward]", **changes}
+    return _sp_test()._trainer_config(output_dir, **changes)
+
+
+def test_ppo_run_under_hybrid_pp2_matches_ddp(tmp_path):
+    sp = _sp_test()
+    one_dir, pp_dir = tmp_path / "one", tmp_path / "pp2"
+    one = run_distributed(sp._train, _trainer_config(str(one_dir)), world_size=1, timeout=180)[0]["losses"]
+    hybrid = {"plugin.name": "hybrid", "plugin.pp": 2, "plugin.zero_stage": 1}
+    pp2 = run_distributed(sp._train, _trainer_config(str(pp_dir), **hybrid), world_size=2, timeout=180)
+    assert pp2[0]["losses"] == pp2[1]["losses"]
+    assert sorted(one) == sorted(pp2[0]["losses"]) == [1, 2, 3]
+    expected, actual = sp._metrics(one_dir), sp._metrics(pp_dir)
+    ppo = ["grad_norm", "ppo/critic_loss", "ppo/critic_grad_norm", "ppo/kl", "ppo/values", "ppo/returns",
+           "ppo/entropy", "ppo/reward_mean", "ppo/clip_fraction", "ppo/value_loss"]  # fmt: skip
+    for step in (1, 2, 3):  # an SFT step, then 2 PPO steps
+        assert pp2[0]["losses"][step] == pytest.approx(one[step], rel=1e-5, abs=1e-6), step
+        for name in ["grad_norm"] if step == 1 else ppo:
+            close = {"rel": 1e-5, "abs": 1e-6 if name == "ppo/kl" else 1e-7}  # (test_rlhf_ppo_sp's bounds)
+            assert actual[step][name] == pytest.approx(expected[step][name], **close), (step, name)
+    for step in (2, 3):
+        assert actual[step]["grad_norm"] > 1e-3 and actual[step]["ppo/critic_grad_norm"] > 1e-3  # real updates
+    assert any(actual[step]["ppo/reward_std"] > 0 for step in (2, 3))  # a score that varies
+    for root in ("checkpoints", "checkpoints/critic"):  # the actor's and the critic's parameters after 3 / 2 steps
+        wanted, got = sp._last_checkpoint(one_dir / root), sp._last_checkpoint(pp_dir / root)
+        assert sorted(got) == sorted(wanted) and len(got) > 10, root
+        for name, value in wanted.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{root}: {name}")

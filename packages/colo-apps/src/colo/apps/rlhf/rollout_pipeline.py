@@ -28,6 +28,7 @@ import torch
 from ..models.llama.loss import causal_lm_loss
 from .token_logps import token_logps
 
+
 class RolloutPipeline:
     """Mixin of `GRPOCriterion`: its `PipelineCriterion` methods (module docstring). The subclass holds ``sft`` and
     ``temperature`` (the sampling temperature the log-probs are taken at)."""
