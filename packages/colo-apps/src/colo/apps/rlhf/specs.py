@@ -337,8 +337,8 @@ def critic_plugin_section(config):
     """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
     actor's ``plugin``. The critic scores the actor's rows, so its data-parallel ranks must see the actor's rows: a
     ``ddp`` / ``zero`` critic over every rank (tensor- and sequence-parallel peers of the actor hold the same rows),
-    or, beside a ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp``, ``sp`` and ``sp_mode`` (its own plan
-    on the actor's mesh). Raises a
+    or, beside a ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp``, ``sp``, ``sp_mode`` and ``pp`` (its
+    own plan on the actor's mesh; under a pipeline its stages are the actor's). Raises a
     `ValueError` naming ``ppo.critic_plugin`` otherwise."""
     from pydantic import TypeAdapter
 
@@ -461,7 +461,8 @@ RLHF_TASKS = (
         check=critic_plugin_section,
         check_summary=(
             "ppo.critic_plugin",
-            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp, sp)",
+            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp, sp, "
+            "pp)",
         ),
     ),
 )
