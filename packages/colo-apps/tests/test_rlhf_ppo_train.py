@@ -45,11 +45,16 @@ def _plugin(name: str):
 
     if name.startswith("sp2-"):  # (test_rlhf_ppo_sp.py)
         return HybridParallel(sp=2, sp_mode=name[4:])
+    if name.startswith("pp2"):  # (test_rlhf_ppo_pp.py): "pp2" or "pp2-zero1" (ZeRO over the dp ranks beside pp)
+        stage = int(name[-1]) if "zero" in name else 0
+        return HybridParallel(pp=2, num_microbatches=2, zero_stage=stage)
     return {"ddp": DDP(), "zero3": Zero(stage=3), "tp2": HybridParallel(tp=2)}[name]
 
 
-def _ppo_case(actor_plugin: str, critic_plugin: str | None) -> dict:
-    """One PPO iteration; ``critic_plugin=None``: the value head on the actor's backbone."""
+def _ppo_case(actor_plugin: str, critic_plugin: str | None, with_params: bool = False, critic_lr: float = 0.5) -> dict:
+    """One PPO iteration; ``critic_plugin=None``: the value head on the actor's backbone. ``with_params``: the
+    models' whole parameters after the updates too (under a pipeline gathered from the stages). ``critic_lr``: the
+    separate critic's SGD step (at 0.5 its value loss grows from update to update)."""
     from colo.apps import Booster, Llama, get_preset
     from colo.apps.rlhf import make_reward_model
     from colo.apps.rlhf.critic import add_value_head, attach_ppo_forward
@@ -67,7 +72,10 @@ def _ppo_case(actor_plugin: str, critic_plugin: str | None) -> dict:
         add_value_head(actor_model, seed=1)
     attach_ppo_forward(actor_model, role="actor_critic" if shared else "actor", temperature=TEMPERATURE)
     options = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0, value_clip=0.2)
-    actor_criterion = PPOCriterion("actor_critic" if shared else "actor", entropy_coef=0.01, **options)
+    # (the temperature is the criterion's under a pipeline, where the last stage takes the log-probs itself)
+    actor_criterion = PPOCriterion(
+        "actor_critic" if shared else "actor", entropy_coef=0.01, temperature=TEMPERATURE, **options
+    )
     actor = Booster(_plugin(actor_plugin))
     lr = 0.1 if shared else 0.5  # (the shared backbone also takes the value loss' larger gradients)
     actor.boost(actor_model, torch.optim.SGD(actor_model.parameters(), lr=lr), criterion=actor_criterion)
@@ -76,7 +84,7 @@ def _ppo_case(actor_plugin: str, critic_plugin: str | None) -> dict:
         critic_model = attach_ppo_forward(make_reward_model(llama(SEED + 1), seed=1), role="critic")
         critic_criterion = PPOCriterion("critic", **options)
         critic = Booster(_plugin(critic_plugin))
-        critic.boost(critic_model, torch.optim.SGD(critic_model.parameters(), lr=0.5), criterion=critic_criterion)
+        critic.boost(critic_model, torch.optim.SGD(critic_model.parameters(), lr=critic_lr), criterion=critic_criterion)
     group = actor.mesh.group("dp")
     controller = AdaptiveKLController(0.05, target=0.5, horizon=100)
     settings = PPOHyperparameters(gamma=0.99, lam=0.9, epochs=2, minibatches=2, max_new_tokens=RESPONSE)
@@ -105,13 +113,32 @@ def _ppo_case(actor_plugin: str, critic_plugin: str | None) -> dict:
         "values": values.detach(),
         "kl_coef": controller.value,
         "metrics": metrics,
+        "actor_grad_norms": [float(norm) for norm in outcome["actor_grad_norms"]],
+        "critic_grad_norms": [float(norm) for norm in outcome["critic_grad_norms"]],
+        **({"actor_params": _whole_params(actor), "critic_params": _whole_params(critic)} if with_params else {}),
     }
 
 
-def _check(cases: dict, reference: dict) -> None:
+def _whole_params(booster) -> dict[str, torch.Tensor] | None:
+    """The boosted model's whole parameters (under a pipeline each stage's, all-gathered over pp)."""
+    from colo.comm import all_gather_object
+
+    if booster is None:
+        return None
+    own = {name: value.detach().clone() for name, value in booster.unwrap().named_parameters()}
+    mesh = booster.mesh
+    if "pp" not in mesh.shape or mesh.size("pp") == 1:
+        return own
+    whole: dict[str, torch.Tensor] = {}
+    for part in all_gather_object(own, group=mesh.group("pp")):
+        whole.update(part)
+    return whole
+
+
+def _check(cases: dict, reference: dict, *, atol: float = 1e-6) -> None:
     for name, case in cases.items():
         for key in ("advantages", "returns", "old_logps"):
-            torch.testing.assert_close(case[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+            torch.testing.assert_close(case[key], reference[key], rtol=1e-5, atol=atol, msg=f"{name}: {key}")
         for key in ("actor_losses", "critic_losses"):  # rtol 1e-5 of the largest (a loss may be near 0)
             scale = max([abs(value) for value in reference[key]], default=0.0)
             assert case[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-5 * scale), f"{name}: {key}"

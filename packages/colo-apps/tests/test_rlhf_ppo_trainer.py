@@ -43,7 +43,7 @@ def test_bad_ppo_runs_name_the_field(tmp_path):
         (["ppo.critic_plugin={name: gemini}"], "name='gemini' cannot hold the critic"),
         (["ppo.critic_plugin={name: nothing}"], "ppo.critic_plugin=.* is not a plugin section"),
         (["ppo.critic=shared", "ppo.critic_plugin={name: ddp}"], "drop ppo.critic_plugin"),
-        (["plugin.name=hybrid", "plugin.tp=2", "plugin.pp=2", "schedule.num_microbatches=2"], "set plugin.pp=1"),
+        (["plugin.name=hybrid", "plugin.tp=2", "plugin.pp=2", "schedule.num_microbatches=2"], "set plugin.tp=1"),
         (["ppo.synthetic_prompts=0"], "needs data.paths"),
         (["ppo.sft_steps=600"], "leaves no PPO step"),
         (["ppo.reward_functions=[]"], "give the policy a reward"),

@@ -35,6 +35,7 @@ import torch
 
 from .grpo import _TokenMetrics
 from .policy_loss import LOSS_AGGREGATIONS, AggregationCounts, aggregate_loss, clipped_policy_loss
+from .ppo_pipeline import PPOPipeline
 
 KL_CONTROLLERS = ("fixed", "adaptive")
 """The ``kind`` values of `build_kl_controller`."""
@@ -296,7 +297,7 @@ def _check_kind(controller, state: dict) -> None:
         )
 
 
-class PPOCriterion(_TokenMetrics):
+class PPOCriterion(PPOPipeline, _TokenMetrics):
     """The PPO loss of one model, aggregated over the update batch like `colo.apps.rlhf.grpo.GRPOCriterion`.
 
     Called as ``criterion(output, microbatch)`` on the output of `colo.apps.rlhf.critic.attach_ppo_forward`; the
@@ -315,6 +316,10 @@ class PPOCriterion(_TokenMetrics):
         eps_low, eps_high, dual_clip, entropy_coef: see `ppo_policy_loss`.
         value_clip (float | None): ``eps_v`` of `clipped_value_loss` (``None``: unclipped). Default: ``0.2``.
         value_coef (float): the value loss' weight beside the policy loss (``"actor_critic"``). Default: ``0.5``.
+        temperature (float): the sampling temperature; read only under a pipeline, where the last stage takes the
+            actor's log-probs from the logits itself (`colo.apps.rlhf.ppo_pipeline`). Default: ``1.0``.
+        vocab_limit (int | None): the ids generation samples from (`attach_ppo_forward`'s); read only under a
+            pipeline, as ``temperature``. Default: ``None`` (the whole vocabulary).
     """
 
     def __init__(
@@ -328,6 +333,8 @@ class PPOCriterion(_TokenMetrics):
         entropy_coef: float = 0.0,
         value_clip: float | None = 0.2,
         value_coef: float = 0.5,
+        temperature: float = 1.0,
+        vocab_limit: int | None = None,
     ) -> None:
         super().__init__()
         from .critic import ROLES
@@ -343,6 +350,7 @@ class PPOCriterion(_TokenMetrics):
         self.role, self.loss_aggregation = role, loss_aggregation
         self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
         self.entropy_coef, self.value_clip, self.value_coef = entropy_coef, value_clip, value_coef
+        self.temperature, self.vocab_limit = temperature, vocab_limit
         self.counts: AggregationCounts | None = None
         self.scale = 1.0
         self.sft = False

@@ -8,7 +8,11 @@ the advantages whitened over every data-parallel rank's tokens. `PPOLearner.upda
 ``minibatches`` optimizer updates of the actor and of the critic (one update of the shared model when the critic
 shares the actor's backbone), each loss aggregated with the minibatch's global counts, and steps the KL controller
 with the rollout's global mean per-sequence KL. Every data-parallel rank calls both with its own share of the batch;
-the result does not depend on that split (tests/test_rlhf_ppo_train.py).
+the result does not depend on that split (tests/test_rlhf_ppo_train.py). Under a pipeline (``HybridParallel(pp > 1)``,
+a separate critic boosted over the actor's stages) every rank of the pipeline calls both with the same rows: the
+forwards' log-probs and values reach every rank from the last stage
+(`colo.apps.booster.plugins.runner.PipelineRunner.forward`), so the experience is the same on each, and each update's
+loss is reduced on the last stage (`colo.apps.rlhf.ppo_pipeline`; tests/test_rlhf_ppo_pp.py).
 """
 
 from __future__ import annotations

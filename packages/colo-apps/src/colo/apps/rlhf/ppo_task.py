@@ -33,6 +33,15 @@ rows a rank's critic scores and averages over ``dp`` are the rows its actor hold
 rows, so its mean over all ranks equals the mean over the data-parallel ranks (at tp times the critic's compute).
 Either way the critic starts from the reference's weights module by module
 (`colo.apps.rlhf.critic.critic_from_policy`: tp shards all-gathered, re-split by the critic's layout).
+
+Under a `HybridParallel` pipeline (pp x dp, ``ppo.critic: separate``) the rollout runs on the stages' weights
+gathered over pp (GRPO's), the frozen reference is pipelined as the actor (`Booster.frozen_copy`), and the separate
+critic, under the actor's plugin section by default, is pipelined over the same stages (its scalar head on the last
+stage), started from the whole weights the reference was loaded with. `PPOCriterion` is then a `PipelineCriterion`
+(`colo.apps.rlhf.ppo_pipeline`): the experience's forwards return their per-token outputs on every rank of the
+pipeline (sent from the last stage), so GAE and whitening run on whole rows everywhere, and the losses are reduced on
+the last stage, whose criterion metrics are handed to the other ranks for logging. The value head on the actor's
+backbone (``ppo.critic: shared``) is refused under pp (the run config names the field).
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ from ..generation import rollout_model_inputs
 from ..runs import load_reward_model, run_of
 from ..train.language_model import LanguageModelTask
 from .critic import add_value_head, attach_ppo_forward, critic_from_policy
-from .grpo_task import GRPOTask, _fields, _seed
+from .grpo_task import GRPOTask, _axis_size, _fields, _seed
+from .pair_pipeline import from_last_stage
 from .ppo import PPOCriterion, build_kl_controller
 from .ppo_learner import PPOLearner
 from .rewards import compute_rewards
@@ -80,6 +90,8 @@ class PPOTask(GRPOTask):
         self.reward_run = None if ppo.reward_model is None else check_reward_model(ppo.reward_model, config)
         self.shared = ppo.critic == "shared"
         losses = dict(
+            temperature=ppo.temperature,  # (read under a pipeline: the last stage takes the log-probs itself)
+            vocab_limit=self.tokenizer.vocab_size,
             loss_aggregation=ppo.loss_aggregation,
             eps_low=ppo.eps_low,
             eps_high=ppo.eps_high,
@@ -98,6 +110,7 @@ class PPOTask(GRPOTask):
         self.critic_booster = None
         self.learner: PPOLearner | None = None
         self._stats: dict[str, float] = {}
+        self._policy_state: dict[str, torch.Tensor] | None = None  # under pp: the separate critic's start
 
     # --- hooks of the trainer -------------------------------------------------------------------------------------
 
@@ -128,7 +141,10 @@ class PPOTask(GRPOTask):
         means of this logging window."""
         metrics = super().take_metrics(trainer)
         if self.critic_criterion is not None:
-            metrics.update({f"ppo/{k}": v for k, v in self.critic_criterion.take_metrics(trainer.sample_group).items()})
+            critic = self.critic_criterion.take_metrics(trainer.sample_group)
+            if self.critic_booster is not None:  # under a pipeline the last stage's ranks ran the loss
+                critic = from_last_stage(critic, self.critic_booster.mesh)
+            metrics.update({f"ppo/{k}": v for k, v in critic.items()})
         count = self._stats.pop("_count", 0.0)
         if count:
             metrics.update({f"ppo/{k}": v / count for k, v in self._stats.items()})
@@ -189,6 +205,9 @@ class PPOTask(GRPOTask):
         state = {name: tensor for name, tensor in state.items() if not name.startswith("value_head.")}
         with torch.random.fork_rng(devices=[]):
             model = trainer.booster.frozen_copy(trainer.build_model(), state)  # under tp: laid out as the policy
+        if _axis_size(trainer, "pp") > 1:  # a FrozenPipeline: the actor criterion's pipeline_outputs are its forward
+            self._policy_state = state  # (the separate critic starts from it: no rank holds the whole reference)
+            return model
         return attach_ppo_forward(
             model, role="actor", temperature=self.settings.temperature, vocab_limit=self.tokenizer.vocab_size
         )
@@ -227,7 +246,9 @@ class PPOTask(GRPOTask):
             with torch.random.fork_rng(devices=[]):
                 model = trainer.build_model()
             device = None if plugin.materializes_meta_models else trainer.device
-            critic_from_policy(model, self.reference, seed=config.seed + 2, device=device)
+            source = self.reference if self._policy_state is None else self._whole_policy(trainer)
+            critic_from_policy(model, source, seed=config.seed + 2, device=device)
+            self._policy_state = None
         lr = config.ppo.critic_lr or config.optimizer.lr
         optimizer = build_optimizer(
             model,
@@ -247,6 +268,17 @@ class PPOTask(GRPOTask):
             + f", lr {lr:g}"
         )
         return booster
+
+    def _whole_policy(self, trainer) -> torch.nn.Module:
+        """Under a pipeline: the reference's weights as a whole model on this rank (each rank's critic stages are
+        filled from it, then it is freed), from the state the frozen reference was loaded with."""
+        with torch.random.fork_rng(devices=[]):
+            model = trainer.build_model()
+            if any(p.is_meta for p in model.parameters()):
+                model.to_empty(device=trainer.device)
+                model.init_weights(self.config.seed)  # the buffers outside the state dict (rotary tables)
+        model.load_state_dict(self._policy_state)
+        return model
 
     def _score(self, records, rollout):
         """``(scores, completions)``: the reward functions' sum plus the reward model's score."""

@@ -28,8 +28,6 @@ import torch
 from ..models.llama.loss import causal_lm_loss
 from .token_logps import token_logps
 
-_ROW_KEYS = ("response_mask", "advantages", "old_logps", "ref_logps")
-
 
 class RolloutPipeline:
     """Mixin of `GRPOCriterion`: its `PipelineCriterion` methods (module docstring). The subclass holds ``sft`` and
@@ -39,6 +37,8 @@ class RolloutPipeline:
     sft: bool = False
     pipeline_shapes_vary = True
     """Rollout rows differ in width (and the SFT warm-up's rows in layout) from step to step."""
+    pipeline_row_keys: tuple[str, ...] = ("response_mask", "advantages", "old_logps", "ref_logps")
+    """The per-row tensors of a batch that travel with its rows to the last stage (those the batch holds)."""
 
     def pipeline_split(self, batch: Mapping[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
         """The first stage's inputs and the last stage's targets of a rollout (or, in the SFT warm-up, LM) batch."""
@@ -51,7 +51,7 @@ class RolloutPipeline:
             if batch.get(name) is not None:
                 inputs[name] = batch[name].expand(rows, -1)
         targets = {"tokens": ids[:, length - mask.shape[1] :]}
-        targets.update({name: batch[name] for name in _ROW_KEYS if batch.get(name) is not None})
+        targets.update({name: batch[name] for name in self.pipeline_row_keys if batch.get(name) is not None})
         return inputs, targets
 
     def pipeline_outputs(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

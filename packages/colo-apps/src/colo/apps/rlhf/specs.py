@@ -116,7 +116,7 @@ def _preference_rules(task: str) -> tuple[TaskRule, ...]:
 
 _HYBRID_ROLLOUT = (
     # (field, the value it must have, how to write the fix, why)
-    ("plugin.pp", 1, "1", "the PPO update and its critic are not pipelined; GRPO's update is"),
+    ("plugin.pp", 1, "1", "this task's update is not pipelined"),
     ("plugin.tp_mode", "1d", "'1d'", "the grid layouts have no rollout path"),
     ("lora.enabled", False, "false", "the tp reference is built without adapters"),
 )
@@ -311,6 +311,16 @@ _PPO_RULES = (
         ),
         summary="lora.enabled: the critic and the value head train whole",
     ),
+    TaskRule(
+        "ppo.critic",
+        lambda c: c.ppo.critic == "shared" and c.plugin.name == "hybrid" and c.plugin.pp > 1,
+        lambda c: (
+            f"data.task='ppo' with ppo.critic='shared' does not run under plugin.pp={c.plugin.pp} (the value head "
+            "sits beside lm_head, and the pipeline's last stage outputs only the logits); set ppo.critic='separate' "
+            "(a critic pipelined as the actor), or plugin.pp=1"
+        ),
+        summary="ppo.critic='shared' with plugin.pp > 1 (the separate critic is pipelined as the actor)",
+    ),
 )
 
 
@@ -318,8 +328,8 @@ def critic_plugin_section(config):
     """The separate critic's plugin section: ``ppo.critic_plugin`` validated as a ``plugin`` section, or the
     actor's ``plugin``. The critic scores the actor's rows, so its data-parallel ranks must see the actor's rows: a
     ``ddp`` / ``zero`` critic over every rank (tensor- and sequence-parallel peers of the actor hold the same rows),
-    or, beside a ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp``, ``sp`` and ``sp_mode`` (its own plan
-    on the actor's mesh). Raises a
+    or, beside a ``hybrid`` actor, a ``hybrid`` critic with the actor's ``tp``, ``sp``, ``sp_mode`` and ``pp`` (its
+    own plan on the actor's mesh; under a pipeline its stages are the actor's). Raises a
     `ValueError` naming ``ppo.critic_plugin`` otherwise."""
     from pydantic import TypeAdapter
 
@@ -333,14 +343,14 @@ def critic_plugin_section(config):
         raise ValueError(f"ppo.critic_plugin={config.ppo.critic_plugin!r} is not a plugin section: {error}") from None
     actor = config.plugin
     if section.name == "hybrid":
-        layout = ("tp", "sp", "sp_mode")
-        if actor.name != "hybrid" or section.pp != 1 or any(getattr(section, n) != getattr(actor, n) for n in layout):
+        layout = ("tp", "sp", "sp_mode", "pp")  # (under a pipeline the critic's stages are the actor's)
+        if actor.name != "hybrid" or any(getattr(section, n) != getattr(actor, n) for n in layout):
             raise ValueError(
                 "ppo.critic_plugin: a hybrid critic runs on the actor's mesh, so it needs a hybrid actor with the "
-                f"same tp, sp and sp_mode, and pp=1 (actor: name={actor.name!r}, "
+                f"same tp, sp, sp_mode and pp (actor: name={actor.name!r}, "
                 + ", ".join(f"{n}={getattr(actor, n, None)!r}" for n in layout)
                 + "; critic: "
-                + ", ".join(f"{n}={getattr(section, n)!r}" for n in (*layout, "pp"))
+                + ", ".join(f"{n}={getattr(section, n)!r}" for n in layout)
                 + "); match them, or use name 'ddp' or 'zero'"
             )
     elif section.name not in ("ddp", "zero"):
@@ -436,13 +446,14 @@ RLHF_TASKS = (
         section="ppo",
         section_type=PPOSection,
         rules=(
-            *_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True),
+            *_rollout_rules("ppo", plugins=("ddp", "zero", "gemini", "hybrid"), sequence_parallel=True, pipeline=True),
             *_PPO_RULES,
         ),
         check=critic_plugin_section,
         check_summary=(
             "ppo.critic_plugin",
-            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp, sp)",
+            "a layout whose data ranks are not the actor's rows (gemini, expert; hybrid other than the actor's tp, sp, "
+            "pp)",
         ),
     ),
 )
