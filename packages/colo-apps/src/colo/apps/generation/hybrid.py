@@ -25,9 +25,11 @@ ones while it runs (`colo.apps.booster.llama_plan.whole_sequence_attention`), an
 from the first rank of the ``sp`` group (after the ``tp`` group's), so the ranks that share samples continue the same
 sequences. Each sp rank generates every row of its data-parallel rank (the decode work is repeated, not split).
 
-Under pipeline parallelism (``HybridParallel`` with ``pp`` > 1, ``tp=1``, ``zero_stage`` <= 2) the rollout engine
+Under pipeline parallelism (``HybridParallel`` with ``pp`` > 1, ``tp=1``, ``zero_stage`` 0-3) the rollout engine
 takes the full weights: each rank's stage weights are all-gathered over the ``pp`` group into a whole model built by
-``build_model`` (the rollout copy), every rank of the pipeline generates its data-parallel rank's rows on it (tokens
+``build_model`` (the rollout copy); under ``zero_stage=3`` the stage's chunks are first all-gathered over ``dp`` one
+at a time (each chunk's full buffer given back before the next, as the gathered layout above does), so a rank holds
+its stage whole before the pp gather. Every rank of the pipeline generates its data-parallel rank's rows on it (tokens
 broadcast from the group's first rank), and the copy is freed after. Generating across the stages instead would pass
 activations between ranks at every decode step (a latency-bound p2p per token per stage, with the stages idle in
 turn); the copy costs the full weights per rank during the rollout only, and the decode runs at one process's speed.
@@ -136,11 +138,13 @@ class RolloutEngine:
         self.pp_group = mesh.group("pp") if "pp" in mesh.shape and mesh.size("pp") > 1 else None
         if self.pp_group is not None:
             tp = mesh.size("tp") if "tp" in mesh.shape else 1
-            if build_model is None or tp > 1 or getattr(engine.optimizer, "gatherer", None) is not None:
+            zero_stage = getattr(booster.plugin, "zero_stage", 0)
+            sharded = zero_stage == 3 and getattr(engine.optimizer, "gatherer", None) is None  # e.g. ep's two parts
+            if build_model is None or tp > 1 or sharded:
                 raise ValueError(
                     f"RolloutEngine under pp={mesh.size('pp')} gathers the stages' weights into a whole model per "
-                    f"rank: it needs build_model, tp=1 and zero_stage <= 2 (got build_model="
-                    f"{'set' if build_model else None}, tp={tp}, zero_stage={getattr(booster.plugin, 'zero_stage', 0)})"
+                    f"rank: it needs build_model, tp=1 and, under zero_stage=3, one chunk gatherer (no ep) (got "
+                    f"build_model={'set' if build_model else None}, tp={tp}, zero_stage={zero_stage})"
                 )
         self.build_model = build_model
         self.booster, self.model = booster, model
@@ -229,13 +233,14 @@ class RolloutEngine:
     @contextlib.contextmanager
     def _pipeline_gathered(self) -> Iterator[tuple[nn.Module, dict]]:
         """The whole model on every rank of the pipeline: each stage's weights (``state_dict``, the whole model's
-        names) all-gathered over ``pp`` into a model from ``build_model``; freed when the context ends."""
+        names; under ZeRO-3 gathered over dp first, `_stage_state`) all-gathered over ``pp`` into a model from
+        ``build_model``; freed when the context ends."""
         from colo.comm import all_gather_object
 
         stage = self.booster.unwrap()  # waits for a parameter all-gather still in flight (ZeRO 1/2)
         device = next(stage.parameters()).device
         with torch.no_grad():
-            own = {name: tensor.detach().cpu() for name, tensor in stage.state_dict().items()}
+            own = self._stage_state(stage)
             state: dict[str, torch.Tensor] = {}
             for part in all_gather_object(own, group=self.pp_group):
                 state.update(part)
@@ -261,6 +266,29 @@ class RolloutEngine:
             )
         finally:
             del model, state  # the rollout copy is freed here
+
+    def _stage_state(self, stage: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's pipeline stage's ``state_dict`` on the CPU, every parameter whole: under ZeRO-3 its chunks are
+        all-gathered over dp one at a time through the optimizer's gatherer, each parameter copied out of the full
+        buffer and the buffer given back before the next chunk (ZeRO-3 holds only shards outside a forward)."""
+        own = {name: tensor.detach().cpu() for name, tensor in stage.state_dict().items()}
+        optimizer = self._chunk_optimizer
+        if optimizer is None:
+            return own
+        names: dict[int, list[str]] = {}  # a tied parameter is saved under each of its names
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        gatherer = optimizer.gatherer
+        for chunk in optimizer.chunks:
+            gatherer.gather(chunk)
+            for slot in chunk.slots:
+                whole = slot.param.detach().to("cpu", copy=True)
+                for name in names.get(id(slot.param), ()):
+                    own[name] = whole
+            gatherer.release(chunk)
+            if self.on_sync_step is not None:
+                self.on_sync_step()
+        return own
 
     @contextlib.contextmanager
     def _in_place(self) -> Iterator[tuple[nn.Module, dict]]:

@@ -145,8 +145,14 @@ _PIPELINED_ROLLOUT = (
 )
 
 
+_PIPELINE_ZERO3_TASKS = ("grpo",)
+"""The online-RL tasks that run ``plugin.pp > 1`` with ``zero_stage=3`` (the rollout copy gathers each stage's chunks
+over dp, then the stages over pp: `colo.apps.generation.RolloutEngine`; test_rlhf_grpo_tp's pp2 x dp2 ZeRO-3 case)."""
+
+
 def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
-    """With ``plugin.pp > 1``: what the pipelined update and the rollout copy gathered over pp support."""
+    """With ``plugin.pp > 1``: what the pipelined update and the rollout copy gathered over pp support (ZeRO-3 for
+    the tasks of `_PIPELINE_ZERO3_TASKS`)."""
     rules = tuple(
         TaskRule(
             field,
@@ -161,15 +167,17 @@ def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
         )
         for field, allowed, fix, why in _PIPELINED_ROLLOUT
     )
+    if task in _PIPELINE_ZERO3_TASKS:
+        return rules
     return rules + (
         TaskRule(
             "plugin.zero_stage",
             lambda c: c.plugin.name == "hybrid" and c.plugin.pp > 1 and c.plugin.zero_stage == 3,
             lambda c: (
-                f"data.task='{task}' under plugin.pp={c.plugin.pp} gathers each stage's weights for the rollout from "
-                "its ranks in place; zero_stage=3 shards them over dp: set plugin.zero_stage <= 2, or plugin.pp=1"
+                f"data.task='{task}' under plugin.pp={c.plugin.pp} does not support plugin.zero_stage=3 (pp x ZeRO-3 "
+                f"runs for data.task in {list(_PIPELINE_ZERO3_TASKS)} only): set plugin.zero_stage <= 2, or plugin.pp=1"
             ),
-            summary="plugin.pp > 1 with zero_stage 3 (the rollout copy is gathered from the stages in place)",
+            summary="plugin.pp > 1 with zero_stage 3 (pp x ZeRO-3 runs for grpo only)",
         ),
     )
 
