@@ -248,6 +248,27 @@ def test_moe_search_spans_expert_parallelism_and_equals_brute_force():
     assert states[4] < states[2] < states[1]
 
 
+def test_moe_search_adds_expert_parallelism_with_ulysses_sp():
+    """With ``max_sp`` the MoE search adds HybridParallel's ep x Ulysses sp (no pipeline; modelled against the run in
+    test_plan_moe_layouts.py): on 4 ranks ep2 x sp2 at ZeRO 0-3, nothing with sp otherwise; the pruned search still
+    equals brute force; ep2 x sp2 holds the model states of ep2 x dp2 per device (the sp ranks are data ranks of
+    both gradient groups)."""
+    from colo.apps.plan.search import brute_force, candidate_structures, search
+
+    workload, cluster = _moe_workload(), _small_cluster(0.1, devices=4)
+    structures = candidate_structures(workload, cluster, max_sp=2)
+    fields = ("plugin", "ep", "dp", "tp", "pp", "sp", "sp_mode", "zero_stage")
+    with_sp = {tuple(getattr(s, f) for f in fields) for s in structures if s.sp > 1}
+    assert with_sp == {("hybrid", 2, 1, 1, 1, 2, "ulysses", stage) for stage in (0, 1, 2, 3)}
+    without = candidate_structures(workload, cluster)
+    assert len(structures) == len(without) + 4
+    pruned = search(workload, cluster, top=1000, max_sp=2)
+    assert [r.layout for r in pruned] == [r.layout for r in brute_force(workload, cluster, top=1000, max_sp=2)]
+    assert any(r.layout.sp == 2 for r in pruned)
+    by_layout = {(s.dp, s.sp, s.pp, s.zero_stage): s for s in structures if s.ep == 2 and s.tp == 1}
+    assert _states(workload, by_layout[(1, 2, 1, 1)]) == _states(workload, by_layout[(2, 1, 1, 1)])
+
+
 def _states(workload, layout):
     from colo.apps.plan import static_memory
 
@@ -292,8 +313,11 @@ def test_moe_layouts_are_checked_against_the_model():
         static_memory(moe, Layout(plugin="expert", dp=1, ep=3, zero_stage=2))
     with pytest.raises(ValueError, match="dense Llama"):
         static_memory(get_preset("tiny"), Layout(plugin="expert", dp=1, ep=2, zero_stage=2))
-    with pytest.raises(ValueError, match="Layout.sp=2 .*colo plan does not model a mixture-of-experts model"):
+    with pytest.raises(ValueError, match="Layout.sp=2 .*sequence parallelism as Ulysses under expert parallelism"):
         static_memory(moe, Layout(plugin="hybrid", sp=2, sp_mode="ulysses", zero_stage=1))
+    dropping = get_moe_preset("tiny-moe", capacity_factor=1.0)
+    with pytest.raises(ValueError, match="Layout.sp=2 with capacity_factor=1.0: .* use capacity_factor=None"):
+        static_memory(dropping, Layout(plugin="hybrid", ep=2, sp=2, sp_mode="ulysses", zero_stage=1))
     deepseek = get_moe_preset("tiny-deepseek", hidden_size=96, num_attention_heads=6, num_key_value_heads=6)
     with pytest.raises(ValueError, match=r"tp=4 cannot shard num_attention_heads=6"):
         static_memory(deepseek, Layout(plugin="hybrid", tp=4, zero_stage=1))
