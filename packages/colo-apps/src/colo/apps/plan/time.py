@@ -110,8 +110,10 @@ def _chunk_compute(
     layers = len(layer_ids)
     tokens = layout.micro_batch_size * seq_len // sp
     latent = is_moe(config) and config.latent_attention
-    if latent:  # multi-head latent attention: its projections (the heads' split over tp, the latents' whole)
-        layer_params = sum(entry.numel for entry in _latent_attention_parameters(config, "", 0, 0, tp))
+    if latent:  # multi-head latent attention: its projections (the heads' split over tp, the latents' whole), not
+        # its latents' RMSNorm weights (elementwise, as the MFU's FLOP count leaves them out)
+        entries = _latent_attention_parameters(config, "", 0, 0, tp)
+        layer_params = sum(entry.numel for entry in entries if "layernorm" not in entry.name)
     else:
         layer_params = (config.num_attention_heads + config.num_key_value_heads) * hd * h * 2 // tp
     layer_params += 3 * h * config.intermediate_size // tp
