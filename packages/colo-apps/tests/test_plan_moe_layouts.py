@@ -62,7 +62,18 @@ LAYOUTS = [
     (
         "ep2-sp2-ulysses-zero2-bf16",
         "tiny-deepseek-gqa",
-        {"plugin": "hybrid", "ep": 2, "sp": 2, "sp_mode": "ulysses", "dp": 1, "zero_stage": 2, "precision": "bf16"},
+        # chunks of 60000 elements: the expert weights share padded chunks, whose padding lies in the last shards, so
+        # each rank's place in the dense (dp x ep x sp) and the expert (dp x sp) groups decides its share
+        {
+            "plugin": "hybrid",
+            "ep": 2,
+            "sp": 2,
+            "sp_mode": "ulysses",
+            "dp": 1,
+            "zero_stage": 2,
+            "precision": "bf16",
+            "chunk_numel": 60000,
+        },
         1,
     ),
 ]
