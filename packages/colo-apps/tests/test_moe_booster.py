@@ -159,8 +159,6 @@ def test_hybrid_parallel_refuses_ep_layouts_it_cannot_run_naming_the_field():
     assert error.value.field == "ep"
     with pytest.raises(LayoutError, match="HybridParallel.ep=2 with tp_mode='2d'"):
         HybridParallel(ep=2, tp=4, tp_mode="2d")
-    with pytest.raises(LayoutError, match="HybridParallel.precision='fp16' with ep=2 and pp=2"):
-        HybridParallel(ep=2, pp=2, precision="fp16", num_microbatches=2)
     with pytest.raises(LayoutError, match="HybridParallel.ep=0 must be a positive integer"):
         HybridParallel(ep=0)
     assert HybridParallel(ep=2, tp=2, pp=2, num_microbatches=2).mesh_shape(16) == {
@@ -542,6 +540,68 @@ def test_expert_parallel_fp16_scales_the_loss_over_both_parts_and_skips_an_exper
         # sees what step 1 saw and the run is one update behind from there
         expected = [reference[0], reference[1], reference[1], reference[2]]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=0)
+
+
+DENSE_FIRST_STAGE = {**DEEPSEEK, "num_hidden_layers": 2}
+"""The DeepSeek-style model in 2 layers: under pp2 stage 0 holds the dense layer 0 only (no expert part), stage 1
+the MoE layer 1."""
+SHAPES["deepseek-dense-stage"] = DENSE_FIRST_STAGE
+
+
+def _train_ep_pp_fp16(overflow_step: int):
+    """ep2 x pp2 fp16 (ZeRO-2, 1F1B, 2 microbatches of one sequence per data rank) of the 2-layer DeepSeek-style
+    model: at ``overflow_step`` the rank at pp 1 / ep 1 alone turns its first expert weight's gradient to inf (stage 0
+    has no experts and every dense gradient stays finite). Returns the losses, the skipped flags, the grad norms, the
+    loss scale after each step and whether the overflow step left every weight of the rank as it was."""
+    model = _shaped_model("deepseek-dense-stage")
+    plugin = HybridParallel(ep=2, pp=2, zero_stage=2, precision="fp16", num_microbatches=2, max_grad_norm=MAX_NORM)
+    booster = Booster(plugin)
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    zero = booster.engine.optimizer
+    zero.loss_scaler.scale = 2.0**8  # no natural overflow at this scale: only the injected inf overflows
+    mesh = booster.mesh
+    poison = {"on": False}
+    blocks = moe_blocks(booster.engine.model)
+    assert bool(blocks) == (mesh.rank("pp") == 1) and (zero.experts is None) == (mesh.rank("pp") == 0)
+    if mesh.rank("pp") == 1 and mesh.rank("ep") == 1:
+        blocks[0][1].experts.w1.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
+    rank = mesh.rank("ep")
+    losses, skipped, norms, scales, unchanged = [], [], [], [], False
+    for step in range(4):
+        poison["on"] = step == overflow_step
+        before = zero.full_params()
+        x = _sequences(step)[2 * rank : 2 * rank + 2]
+        result = booster.train_step({"input_ids": x, "labels": x})
+        losses.append(result.loss)
+        skipped.append(result.skipped)
+        norms.append(result.grad_norm)
+        scales.append(zero.loss_scaler.scale)
+        if step == overflow_step:
+            after = zero.full_params()
+            unchanged = all(torch.equal(after[name], value) for name, value in before.items())
+    return losses, skipped, norms, scales, unchanged
+
+
+def test_ep2_x_pp2_fp16_makes_one_loss_scaler_decision_over_every_stage():
+    """fp16 with ep2 x pp2 on 4 ranks, stage 0 without MoE blocks: one loss scaler over every rank (both stages, dense
+    and expert parts) scales the loss and the stages' aux losses alike. An inf in one rank's expert gradient on stage
+    1 skips the step on all 4 ranks, leaves every weight as it was and halves the scale; the other steps track the
+    fp32 single process: next-token losses rtol 2e-3 and gradient norms before clipping rtol 1e-2 (fp16 compute).
+    Measured: losses within 3.4e-4, norms within 2.0e-3; with the schedule's backward not loss-scaled the norms are
+    0.047 for 1.93 (the gradients divided by a scale never applied), with the aux losses not loss-scaled 5.30 for
+    5.11 (3.8%)."""
+    _, next_token, _, _, ref_norms = _hybrid_reference("deepseek-dense-stage", 1)
+    for losses, skipped, norms, scales, unchanged in run_distributed(_train_ep_pp_fp16, 1, world_size=4):
+        assert skipped == [False, True, False, False] and unchanged
+        assert scales == [2.0**8, 2.0**7, 2.0**7, 2.0**7]
+        assert norms[1] == float("inf")
+        # the skipped step 1 did not move the weights: step 2 sees what step 1 saw, one update behind from there
+        expected = [next_token[0], next_token[1], next_token[1], next_token[2]]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-3, atol=0)
+        expected_norms = [ref_norms[0], ref_norms[1], ref_norms[2]]
+        torch.testing.assert_close(
+            torch.tensor([norms[0], norms[2], norms[3]]), torch.tensor(expected_norms), rtol=1e-2, atol=0
+        )
 
 
 def _sequence_parallel_runs(cases: list[tuple[str, dict, str]]):

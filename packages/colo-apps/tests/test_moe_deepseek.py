@@ -297,17 +297,20 @@ def test_an_ep2_deepseek_v3_shaped_run_converts_to_a_deepseek_v3_with_the_same_l
 
 
 def test_the_planner_takes_the_deepseek_block_and_names_what_it_does_not_model():
-    """`colo plan` models the DeepSeek-style block (measured against the model in test_plan_moe_layouts.py); an MoE
-    model under sequence parallelism, which HybridParallel runs (ep x Ulysses sp) but the planner does not model, is
-    refused naming the field."""
+    """`colo plan` models the DeepSeek-style block (measured against the model in test_plan_moe_layouts.py), under ep
+    x Ulysses sp too with Llama's attention; multi-head latent attention under sp, which the planner does not model,
+    is refused naming the field."""
     from colo.apps.models.moe_llama import get_moe_preset
     from colo.apps.plan.layout import Layout
     from colo.apps.plan.memory import check_layout
 
     config = get_moe_preset("tiny-deepseek")
     check_layout(config, Layout(plugin="expert", ep=2))
-    with pytest.raises(ValueError, match=r"Layout.sp=2 \(sp_mode='ulysses'\): colo plan does not model"):
-        check_layout(config, Layout(plugin="hybrid", ep=2, sp=2, sp_mode="ulysses"))
+    ulysses = Layout(plugin="hybrid", ep=2, sp=2, sp_mode="ulysses")
+    latent = dict(kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None)
+    check_layout(get_moe_preset("tiny-deepseek", num_key_value_heads=2, **latent), ulysses)
+    with pytest.raises(ValueError, match=r"Layout.sp=2: colo plan does not model multi-head latent attention"):
+        check_layout(config, ulysses)
 
 
 @pytest.mark.parametrize("dims", [MLA, WIDE_MLA], ids=["kernel", "wide"])

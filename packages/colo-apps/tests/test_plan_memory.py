@@ -358,7 +358,8 @@ def measured():
 
 
 def _data_rank(layout, coord):
-    return coord.get("dp", 0) * layout.sp * layout.ep + coord.get("sp", 0) + coord.get("ep", 0)
+    """The rank's place among the data ranks, the mesh's (dp, ep, sp) in order (sp fastest)."""
+    return (coord.get("dp", 0) * layout.ep + coord.get("ep", 0)) * layout.sp + coord.get("sp", 0)
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[case[0] for case in LAYOUTS])

@@ -130,6 +130,9 @@ class PipelineExecutor:
         self.timer = None
         """An optional step timer (``timer.phase(kind, label)`` is a context timing its block as ``"forward"``,
         ``"backward"`` or ``"comm_wait"``), e.g. colo.apps's per-rank timing; ``None``: nothing is timed."""
+        self.loss_scale = 1.0
+        """The gradient the last stage's backward starts from (each microbatch's loss times ``loss_scale``): a
+        dynamic loss scaler's current scale under fp16, set before each `step`; 1 otherwise."""
 
     # --- tied parameters ---------------------------------------------------------------------------------------
 
@@ -411,7 +414,7 @@ class PipelineExecutor:
     def _backward(self, action: Action, key: tuple[int, int], stage: int) -> None:
         slot = self._slots[key]
         if stage == self.last_stage:
-            grads = [torch.ones_like(slot.outputs[0])]
+            grads = [torch.full_like(slot.outputs[0], self.loss_scale)]
         else:
             grads = self._grads_in.pop(key)
         pairs = [(o, g) for o, g in zip([o for o in slot.outputs if o.requires_grad], grads)]

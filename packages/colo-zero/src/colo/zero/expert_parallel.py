@@ -18,10 +18,12 @@ At stage 3 each part gathers its own chunks over its own group (dense over ``dp 
 its own hooks; the weights autograd saves are stored as positions in either part's chunks (one chain of saved-tensor
 hooks), so both parts free their full copies after use.
 
-fp16: one `DynamicLossScaler` over every rank of the model (``dp x ep`` and the model-parallel axes) serves both
-parts: the loss is scaled once, each part checks its own gradients for inf / nan over that whole group (so every rank
-sees an overflow in any rank's experts), the step is skipped everywhere when either part overflowed, and the scale is
-updated once per step. Not with a pipeline (a stage without MoE blocks has no expert part to join the check).
+fp16: one `DynamicLossScaler` over every rank of the model (``dp x ep``, the model-parallel axes and the pipeline
+stages) serves both parts: the loss is scaled once, each part checks its own gradients for inf / nan over that whole
+group (so every rank sees an overflow in any rank's experts, on any stage), the step is skipped everywhere when either
+part overflowed, and the scale is updated once per step. A pipeline stage without MoE blocks has no expert part: it
+joins the expert check with no gradients of its own (`_expert_overflow`), so every rank makes the same two checks
+and the same decision.
 """
 
 from __future__ import annotations
@@ -130,13 +132,9 @@ class ExpertParallelZero:
         mixed = config_fields.get("mixed_precision")
         pipeline_axis = config_fields.get("pipeline_axis")
         fp16 = mixed is not None and mixed.param_dtype == torch.float16
-        if fp16 and pipeline_axis is not None:
-            raise ValueError(
-                "ExpertParallelZero: fp16 with a pipeline axis is not supported (a stage without MoE blocks has no "
-                "expert part to join the overflow check); use bf16"
-            )
         # fp16: one loss scaler for both parts, over every rank of the model (module docstring)
         model_parallel = tuple(config_fields.get("tensor_parallel_axes", ()))
+        model_parallel += (pipeline_axis,) if pipeline_axis is not None else ()
         self.loss_scaler = (
             DynamicLossScaler(group=mesh.group(*dense_data_axes(mesh), *model_parallel)) if fp16 else None
         )
@@ -186,6 +184,8 @@ class ExpertParallelZero:
             part.optimizer = optimizer
         self.config = self.dense.config
         self.last_grad_norm: float | None = None
+        self._expert_overflow: bool | None = None
+        """fp16 on a stage without an expert part: this step's answer of the expert overflow check it joins."""
 
     @property
     def reduces_every_microbatch(self) -> bool:
@@ -214,12 +214,22 @@ class ExpertParallelZero:
 
     def reduce_gradients(self) -> bool:
         """Reduce both parts' gradients now; returns whether the step will be skipped (an fp16 overflow in either)."""
-        return any([part.reduce_gradients() for part in self.parts])
+        return self._prepare_grads()
+
+    def _prepare_grads(self) -> bool:
+        """Each part's sync, overflow check and unscaling (idempotent within a step); a stage without an expert part
+        joins the expert check with no gradients (every rank of the scaler's group makes the same checks)."""
+        skipped = any([part._prepare_grads() for part in self.parts])
+        if self.experts is None and self.loss_scaler is not None:
+            if self._expert_overflow is None:
+                self._expert_overflow = self.loss_scaler.found_inf([], device=self.dense.device)
+            skipped = skipped or self._expert_overflow
+        return skipped
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether this step's gradients overflowed (fp16) in either part."""
-        return any(part.last_step_skipped for part in self.parts)
+        return any(part.last_step_skipped for part in self.parts) or bool(self._expert_overflow)
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
         """The global 2-norm over dense and expert gradients, every parameter element counted once."""
@@ -251,7 +261,8 @@ class ExpertParallelZero:
     def step(self) -> bool:
         """Reduce gradients, step every master with the one torch optimizer, refresh the compute copies; under fp16
         skip all of it when either part overflowed, and update the loss scale once. Returns whether it skipped."""
-        skipped = any([part._prepare_grads() for part in self.parts])
+        skipped = self._prepare_grads()
+        self._expert_overflow = None
         if self.loss_scaler is not None:
             self.loss_scaler.update(skipped)
         if not skipped:
@@ -267,6 +278,7 @@ class ExpertParallelZero:
         return skipped
 
     def zero_grad(self) -> None:
+        self._expert_overflow = None
         for part in self.parts:
             part.zero_grad()
 

@@ -5,8 +5,9 @@
   route and compute the same tokens (the experts are split over ``ep`` only, `HybridParallel.ep`), or, with
   ``expert_tensor_parallel``, each expert's FFN split over tp too (`colo.tensor.moe.split_expert_ffns`).
 - A pipeline cuts the layers as for Llama; each stage's output carries its MoE blocks' aux losses into backward
-  (`colo.tensor.moe.attach_aux_loss`, weighted ``1 / num_microbatches`` like the microbatch's loss), so the stage
-  that computes the loss needs nothing from the others. The reported loss is the next-token loss of the last stage.
+  (`colo.tensor.moe.attach_aux_loss`, weighted ``1 / num_microbatches`` like the microbatch's loss, times the loss
+  scale under fp16: `set_aux_loss_scale`), so the stage that computes the loss needs nothing from the others. The
+  reported loss is the next-token loss of the last stage.
 - Multi-head latent attention under tp: its heads split, its latents replicated
   (`colo.apps.models.moe_llama.parallelize`).
 - Ulysses sequence parallelism with ``ep > 1`` and ``pp=1``: each sp rank routes its piece of every sequence; the
@@ -15,8 +16,7 @@
   rank's loss unweighted by the shard's next-token weight (`MoELlamaPlan.prepare_batch`).
 - Refused: other sequence parallelism (ring, Megatron-SP, Ulysses without ``ep`` or with ``pp``), an expert capacity
   with ``sp`` (each rank would drop by its own piece's count), a grid
-  ``tp_mode`` with multi-head latent attention, fp16 with a pipeline (the aux losses' gradient is not loss-scaled),
-  and ``ep`` not dividing the experts.
+  ``tp_mode`` with multi-head latent attention, and ``ep`` not dividing the experts.
 """
 
 from __future__ import annotations
@@ -59,12 +59,6 @@ class MoELlamaPlan(LlamaPlan):
                 f"HybridParallel.tp_mode={plugin.tp_mode!r}: multi-head latent attention (model.kv_lora_rank) has a "
                 "1D tensor-parallel plan only; use tp_mode='1d'",
                 field="tp_mode",
-            )
-        if plugin.pp > 1 and plugin.precision == "fp16":
-            raise UnsupportedLayout(
-                f"HybridParallel.precision='fp16' with pp={plugin.pp}: the MoE aux losses enter each stage's backward "
-                "unscaled by the loss scaler; use precision='bf16' or 'fp32'",
-                field="precision",
             )
         width = config.expert_intermediate_size
         if getattr(plugin, "expert_tensor_parallel", False) and width % plugin.tp:
@@ -116,9 +110,21 @@ class MoELlamaPlan(LlamaPlan):
             set_materialize_fn(model, init)
 
 
+_AUX_LOSS_SCALE = "_colo_aux_loss_scale"
+
+
+def set_aux_loss_scale(stage: nn.Module, scale: float) -> None:
+    """Multiply the gradient a pipeline stage's aux losses enter backward with by ``scale`` from its next forward
+    on: the loss scaler's scale under fp16, as the schedule's backward starts from it
+    (`colo.pipeline.PipelineExecutor.loss_scale`)."""
+    stage.__dict__[_AUX_LOSS_SCALE] = float(scale)
+
+
 def _carry_aux_losses(stage: nn.Module, args, output, *, scale: float):
-    """Forward hook of a pipeline stage: its output carries the stage's MoE blocks' aux losses into backward."""
+    """Forward hook of a pipeline stage: its output carries the stage's MoE blocks' aux losses into backward, with
+    the microbatch's weight ``scale`` times the loss scale (`set_aux_loss_scale`)."""
     aux = moe_aux_loss(stage)
+    scale = scale * stage.__dict__.get(_AUX_LOSS_SCALE, 1.0)
     if isinstance(output, dict):
         return {**output, "x": attach_aux_loss(output["x"], aux, scale)}
     return attach_aux_loss(output, aux, scale)

@@ -11,7 +11,9 @@ Presets (peak dense FLOP/s from the vendors' data sheets; link figures per GPU a
 - ``a100``: DGX A100 80 GB nodes (312 TFLOP/s bf16, 2.0 TB/s HBM2e), NVLink 3 (300 GB/s per direction), 8 x 200 Gb/s
   HDR InfiniBand per node (torchtitan's A100 runs, Narayanan et al. 2021's Selene);
 - ``cpu``: this machine: one node, 2 ranks sharing its cores, gloo over loopback; figures from
-  ``benchmarks/plan_cpu.py``'s calibration.
+  ``benchmarks/plan_cpu.py``'s calibration. Its peak is a measured matmul rate, reached at efficiency 1.0, so the MFU
+  `colo plan` prints for it is the share of the step spent computing at that rate (96% for tiny-deepseek at seq
+  128), not a share of a hardware peak.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
 - ``ep`` (mixture of experts, the ``expert`` plugin): per MoE layer and microbatch the int64 token counts, then the
   routed rows to the experts' ranks and back (uneven all-to-alls: the rows sent to other ranks), again in backward;
   the volumes follow the routing (even routing unless a run's own is given); dense chunks sync over ``dp+ep``,
-  expert chunks over ``dp``;
+  expert chunks over ``dp``; with Ulysses sp (HybridParallel's ep x sp) the sp ranks join both (``dp+ep+sp``,
+  ``dp+sp``), each block routes the rank's piece of the sequences and its load-balancing loss all-reduces its fp32
+  assignment counts (``E`` per sequence, or per microbatch) over ``sp`` in every forward;
 - full and selective activation checkpointing rerun each layer's forward collectives in backward up to the last
   saved tensor (selective keeps matmul and attention outputs only, so collectives are recomputed too): tp the
   o_proj all-reduce (Megatron-SP: the layer's three input gathers and o_proj's reduce-scatter), Ulysses its four
@@ -136,11 +138,14 @@ def step_communication(
     microbatches = layout.num_microbatches
     ec = layout.compute_bytes
     er = ec  # gradients are reduced in the compute dtype
-    data_axes = ("dp", "sp") if layout.sp > 1 else ("dp",)
+    sequence_axes = ("sp",) if layout.sp > 1 else ()
+    data_axes = ("dp", *sequence_axes)
     expert = expert_parallel(layout)
-    if expert:  # the data ranks (dp, ep): dense chunks over both, expert chunks over dp
-        data_axes = ("dp", "ep")
+    if expert:  # the data ranks (dp, ep, sp): dense chunks over all, expert chunks over dp (and sp)
+        data_axes = ("dp", "ep", *sequence_axes)
+    expert_axes = ("dp", *sequence_axes)
     tokens = layout.micro_batch_size * seq_len
+    routed = tokens // layout.sp  # the tokens an MoE block routes: under Ulysses the rank's piece of the sequences
     h = config.hidden_size
     chunks = stage_layers(config, layout, pp_rank)
     num_layers = sum(len(layers) for layers, _, _ in chunks)
@@ -154,7 +159,7 @@ def step_communication(
         syncs = 1 if (stage == 1 or layout.pp > 1) else microbatches
         dense_chunks = static.num_chunks - static.expert_chunks
         for index, numel in enumerate(static.chunk_numels):
-            axes = data_axes if index < dense_chunks else ("dp",)
+            axes = data_axes if index < dense_chunks else expert_axes
             if stage == 0:
                 add("all_reduce", axes, numel * er, syncs)
                 continue
@@ -164,7 +169,7 @@ def step_communication(
         # stage 3: each part (dense chunks, then expert chunks) gathers its own chunks over its own axes; a pipeline
         # gathers each chunk once per step (held until the step's reduction); otherwise every chunk before forward
         # and all but the part's last-used one again in backward (Gemini: all of them), every microbatch
-        parts = [(static.chunk_numels[:dense_chunks], data_axes), (static.chunk_numels[dense_chunks:], ("dp",))]
+        parts = [(static.chunk_numels[:dense_chunks], data_axes), (static.chunk_numels[dense_chunks:], expert_axes)]
         for numels, axes in parts if stage == 3 else ():
             if layout.pp > 1:
                 for numel in numels:
@@ -242,7 +247,7 @@ def step_communication(
     layers = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
     if layout.ep > 1 and layers:
         if routing is None:
-            routing = [expected_routing(config, layout, tokens)] * (microbatches * layers)
+            routing = [expected_routing(config, layout, routed)] * (microbatches * layers)
         elif len(routing) != microbatches * layers:
             raise ValueError(
                 f"routing has {len(routing)} entries; give one (kept, sent, received) per microbatch and MoE layer "
@@ -260,10 +265,17 @@ def step_communication(
     # input gradient all-reduced in backward) and leave summed over tp (forward), in the compute dtype
     if layout.expert_tensor_parallel and layers:
         if routing is None:
-            routing = [expected_routing(config, layout, tokens)] * (microbatches * layers)
+            routing = [expected_routing(config, layout, routed)] * (microbatches * layers)
         rows = sum(kept - sent + received for kept, sent, received in routing)
         forwards = 1 + (1 if layout.activation_checkpointing in ("full", "selective") else 0)
         add("all_reduce", ("tp",), rows * h * ec, forwards + 1)
+
+    # Ulysses under expert parallelism: each MoE block's load-balancing loss sums its fp32 assignment counts (one row
+    # of E per sequence, or one for the microbatch) over sp, in every forward (a checkpoint's recomputation too)
+    if layout.sp > 1 and layers:
+        groups = layout.micro_batch_size if config.aux_loss_type == "sequence" else 1
+        forwards = 1 + (1 if layout.activation_checkpointing in ("full", "selective") else 0)
+        add("all_reduce", ("sp",), groups * config.num_local_experts * 4, microbatches * layers * forwards)
 
     # --- pipeline -------------------------------------------------------------------------------------------
     if layout.pp > 1:
@@ -280,9 +292,9 @@ def step_communication(
     # --- scalars --------------------------------------------------------------------------------------------
     add("all_reduce", data_axes, 8)  # the step's mean loss over the data ranks (fp64)
     if expert:  # the expert part of the squared norm within the stage (dp when sharded, tp), then over ep (and pp)
-        expert_axes = (("dp",) if layout.stage != 0 else ()) + (("tp",) if layout.tp > 1 else ())
-        if expert_axes and layers:
-            add("all_reduce", expert_axes, 8)
+        within = (expert_axes if layout.stage != 0 else ()) + (("tp",) if layout.tp > 1 else ())
+        if within and layers:
+            add("all_reduce", within, 8)
         add("all_reduce", ("ep", "pp") if layout.pp > 1 else ("ep",), 8)
         if config.expert_bias:  # the tokens per expert of the stage's blocks, over the data ranks
             add("all_reduce", data_axes, 4 * config.num_local_experts, layers)

@@ -36,7 +36,8 @@ class Layout:
     pp: int = 1
     """Pipeline stages (hybrid only)."""
     sp: int = 1
-    """Sequence-parallel degree of Ulysses / ring attention (hybrid only; Megatron-SP runs on tp)."""
+    """Sequence-parallel degree of Ulysses / ring attention (hybrid only; Megatron-SP runs on tp). A
+    mixture-of-experts model takes Ulysses with ``ep > 1`` and ``pp=1`` (mesh ``(dp, ep, sp, tp)``)."""
     sp_mode: str | None = None
     """``None``, ``"megatron"``, ``"ulysses"`` or ``"ring"``."""
     zero_stage: int = 1
@@ -105,7 +106,7 @@ class Layout:
     @property
     def data_ranks(self) -> int:
         """Ranks ZeRO shards the dense parameters over: ``dp * sp`` (Ulysses and ring attention replicate the weights
-        over sp), ``dp * ep`` under expert parallelism (the experts' chunks are sharded over ``dp`` only)."""
+        over sp), ``dp * ep * sp`` under expert parallelism (the experts' chunks are sharded over ``dp * sp``)."""
         return self.dp * self.sp * self.ep
 
     @property

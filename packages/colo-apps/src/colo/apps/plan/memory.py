@@ -20,7 +20,8 @@ Mixture of experts (`colo.apps.models.moe_llama`): the router, the routed expert
 in registration order, dense first-k layers, multi-head latent attention (its heads split over ``tp``, its latents
 whole); `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``) and the experts (sharded
 over ``dp``) into separate chunks, per pipeline stage; an MoE layer's saved tensors are `moe_saved_bytes`'s, MLA's
-`_latent_attention_saved_elements`'.
+`_latent_attention_saved_elements`'. Under ep x Ulysses sp the sp ranks are data ranks of both parts (dense over
+``dp x ep x sp``, experts over ``dp x sp``) and each MoE block routes the rank's piece of the sequences.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def expert_parallel(layout: Layout) -> bool:
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
     """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
     plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
-    model and must divide its experts; an MoE model under sequence parallelism is not modelled; tp must divide
-    multi-head latent attention's heads, and with expert tensor parallelism the experts' width."""
+    model and must divide its experts; an MoE model takes sequence parallelism as Ulysses with ``ep > 1`` only, dropless
+    (multi-head latent attention under sp is not modelled); tp must divide multi-head latent attention's heads, and
+    with expert tensor parallelism the experts' width."""
     if layout.ep > 1 and not is_moe(config):
         raise ValueError(
             f"Layout.ep={layout.ep} splits the experts of a mixture-of-experts model and this model is a dense Llama; "
@@ -83,12 +85,29 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
     if experts % layout.ep:
         choices = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ValueError(f"Layout.ep={layout.ep} does not divide num_local_experts={experts}; choose ep in {choices}")
-    if layout.sp > 1 or layout.sp_mode is not None:
+    if (layout.sp > 1 or layout.sp_mode is not None) and not (layout.sp_mode == "ulysses" and layout.ep > 1):
         raise ValueError(
-            f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}): colo plan does not model a mixture-of-experts "
-            "model under sequence parallelism (HybridParallel runs ep x Ulysses sp; its memory and all-to-alls are "
-            "not modelled yet); plan it with sp=1 and sp_mode=None"
+            f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}) with ep={layout.ep}: a mixture-of-experts model runs "
+            "sequence parallelism as Ulysses under expert parallelism only (`MoELlamaPlan`); set sp_mode='ulysses' "
+            "with ep > 1, or sp=1 and sp_mode=None"
         )
+    if layout.sp > 1 and config.capacity_factor is not None:
+        raise ValueError(
+            f"Layout.sp={layout.sp} with capacity_factor={config.capacity_factor}: each sequence-parallel rank would "
+            "drop assignments by its own piece's count, and HybridParallel refuses it; use capacity_factor=None "
+            "(dropless) with sp"
+        )
+    if layout.sp > 1 and config.latent_attention:
+        raise ValueError(
+            f"Layout.sp={layout.sp}: colo plan does not model multi-head latent attention under Ulysses sequence "
+            "parallelism (its saved tensors and all-to-alls after the heads are padded); plan it with sp=1, or a "
+            "model with Llama's attention (kv_lora_rank=None)"
+        )
+    if layout.sp > 1:  # `LlamaPlan.check`: each rank attends with num_heads / (tp * sp) heads
+        from colo.tensor.ulysses import check_ulysses_heads
+
+        heads, kv_heads = config.num_attention_heads // layout.tp, max(1, config.num_key_value_heads // layout.tp)
+        check_ulysses_heads(layout.sp, heads, kv_heads, f"Layout.sp={layout.sp} (Ulysses, tp={layout.tp})")
     if layout.tp > 1 and config.latent_attention:
         from ..models.moe_llama.parallelize import check_latent_attention_tp
 
@@ -376,13 +395,14 @@ def _static_memory(
     sharded = stage != 0
     gemini = layout.plugin == "gemini"
     # the parts colo packs apart (`colo.zero.ExpertParallelZero`: the expert plugin, HybridParallel with ep > 1):
-    # dense parameters sharded over dp x ep and experts over dp (rank data_rank // ep there, the data ranks being
-    # (dp, ep)); a pipeline stage without MoE layers has no expert part; otherwise one part over all the data ranks
+    # dense parameters sharded over dp x ep (x sp under Ulysses) and experts over dp (x sp), this rank's place in each
+    # (`expert_data_rank`); a pipeline stage without MoE layers has no expert part; otherwise one part over all the
+    # data ranks
     if expert_parallel(layout):
         dense = [e for e in entries if not e.expert]
         experts = [e for e in entries if e.expert]
         parts = [(dense, layout.data_ranks, data_rank)]
-        parts += [(experts, layout.dp, data_rank // layout.ep)] if experts else []
+        parts += [(experts, layout.dp * layout.sp, expert_data_rank(layout, data_rank))] if experts else []
     else:
         parts = [(entries, layout.data_ranks, data_rank)]
     totals = {"params": 0, "grads": 0, "masters": 0, "optimizer_states": 0}
@@ -420,6 +440,13 @@ def _static_memory(
         expert_chunks=expert_chunks,
         **totals,
     )
+
+
+def expert_data_rank(layout: Layout, data_rank: int) -> int:
+    """The rank among the experts' data ranks (``dp x sp``) of the rank ``data_rank`` among all data ranks
+    (``dp x ep x sp`` in mesh order: sp fastest, then ep)."""
+    sp, ep = layout.sp, layout.ep
+    return data_rank // (ep * sp) * sp + data_rank % sp
 
 
 def _chunk_buffers(layout: Layout, plans: list[ChunkShape], shards: int, rank: int) -> tuple[dict, int, int]:
@@ -661,13 +688,14 @@ def activation_memory(
     head = head_saved_bytes(config, layout, tokens, first=first, last=last)
     num_moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
     extra = 0.0
+    routed = tokens // layout.sp  # Ulysses: each rank routes its piece of every sequence
     if num_moe and mode in (None, "selective"):
         if routing is None or mode == "selective":
-            extra = moe_saved_bytes(config, layout, tokens, batch, selective=mode == "selective")
+            extra = moe_saved_bytes(config, layout, routed, batch, selective=mode == "selective")
         else:  # the mean over the layers of each one's own bytes
-            extra = sum(moe_saved_bytes(config, layout, tokens, batch, routing=r) for r in routing) / len(routing)
+            extra = sum(moe_saved_bytes(config, layout, routed, batch, routing=r) for r in routing) / len(routing)
     elif num_moe and mode == "offload":
-        host += moe_saved_bytes(config, layout, tokens, batch)
+        host += moe_saved_bytes(config, layout, routed, batch)
     return ActivationMemory(per_layer, head, num_layers, _in_flight(layout, pp_rank), host, num_moe, round(extra))
 
 
@@ -681,7 +709,8 @@ def moe_saved_bytes(
     routing: tuple[float, float, float] | None = None,
 ) -> float:
     """Bytes an MoE layer saves for backward beyond a dense layer (`colo.tensor.moe.MoEBlock`'s saved tensors, read
-    off ``saved_tensors_hooks``).
+    off ``saved_tensors_hooks``), for the ``tokens`` this rank routes (under Ulysses sequence parallelism its piece
+    of the ``batch`` sequences).
 
     Saved: the router's fp32 input and, below fp32, its fp32 weight copy (a bf16 model saves no other copy of the
     norm's output: the dense MLP's matmuls saved it); the fp32 scores, the top-k indices (int64), weights and their

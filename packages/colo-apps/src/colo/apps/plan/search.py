@@ -91,7 +91,7 @@ def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 
     layouts = []
     precision = workload.precision
     if is_moe(config):
-        return _moe_structures(workload, cluster)
+        return _moe_structures(workload, cluster, max_sp=max_sp)
     for tp in _divisors(min(world, cluster.devices_per_node)):
         try:
             check_tp_size(config, tp)
@@ -125,11 +125,13 @@ def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 
     return result
 
 
-def _moe_structures(workload: Workload, cluster: Cluster) -> list[Layout]:
+def _moe_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) -> list[Layout]:
     """A mixture-of-experts model's structures, as the trainer runs them: the ``expert`` plugin (every ``ep``
     dividing the experts and the world, ``dp = world / ep``, ZeRO 0-2) and ``hybrid`` with ``ep > 1``: tp within a
     node (whole experts, or split with ``expert_tensor_parallel``), pp dividing the layers, ``ep`` dividing the
-    experts and the data ranks, ZeRO 0-3 (sequence parallelism is refused for MoE models)."""
+    experts and the data ranks, ZeRO 0-3; without a pipeline also Ulysses ``sp`` up to ``max_sp`` (the sp ranks
+    count as data ranks of both gradient groups; `check_layout` drops what colo does not run or plan: a capacity
+    factor, multi-head latent attention)."""
     from ..models.llama.parallelize import check_tp_size
 
     config = workload.config
@@ -148,12 +150,15 @@ def _moe_structures(workload: Workload, cluster: Cluster) -> list[Layout]:
         for pp in _divisors(world // tp):
             if config.num_hidden_layers % pp:
                 continue
-            for ep in _divisors(world // (tp * pp))[1:]:
-                dp = world // (tp * pp * ep)
+            for ep, sp in itertools.product(_divisors(world // (tp * pp))[1:], _divisors(world // (tp * pp))):
+                if sp > max_sp or (sp > 1 and pp > 1) or (world // (tp * pp)) % (ep * sp):
+                    continue
+                dp = world // (tp * pp * ep * sp)
                 if config.num_local_experts % ep or workload.global_batch_size % (dp * ep):
                     continue
                 for split, stage in itertools.product((False, True) if tp > 1 else (False,), (0, 1, 2, 3)):
-                    structure = dict(plugin="hybrid", dp=dp, ep=ep, tp=tp, pp=pp, zero_stage=stage)
+                    structure = dict(plugin="hybrid", dp=dp, ep=ep, tp=tp, pp=pp, sp=sp, zero_stage=stage)
+                    structure["sp_mode"] = "ulysses" if sp > 1 else None
                     structure["expert_tensor_parallel"] = split
                     if pp > 1:
                         structure["num_microbatches"] = pp  # placeholder, set per microbatch size

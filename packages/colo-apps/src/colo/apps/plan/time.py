@@ -110,8 +110,10 @@ def _chunk_compute(
     layers = len(layer_ids)
     tokens = layout.micro_batch_size * seq_len // sp
     latent = is_moe(config) and config.latent_attention
-    if latent:  # multi-head latent attention: its projections (the heads' split over tp, the latents' whole)
-        layer_params = sum(entry.numel for entry in _latent_attention_parameters(config, "", 0, 0, tp))
+    if latent:  # multi-head latent attention: its projections (the heads' split over tp, the latents' whole), not
+        # its latents' RMSNorm weights (elementwise, as the MFU's FLOP count leaves them out)
+        entries = _latent_attention_parameters(config, "", 0, 0, tp)
+        layer_params = sum(entry.numel for entry in entries if "layernorm" not in entry.name)
     else:
         layer_params = (config.num_attention_heads + config.num_key_value_heads) * hd * h * 2 // tp
     layer_params += 3 * h * config.intermediate_size // tp
@@ -162,8 +164,8 @@ def step_time(config: LlamaConfig, layout: Layout, cluster: Cluster, seq_len: in
     if layout.tp > 1:  # five all-reduces per dense layer, two per MoE layer (its block reads replicated tokens)
         num_moe = moe_layers(config, [i for layers, _, _ in chunks for i in layers])
         latency_calls += microbatches * (num_layers * 5 - num_moe * 3)
-    if layout.sp > 1:
-        latency_calls += microbatches * num_layers * 8
+    if layout.sp > 1:  # Ulysses' eight all-to-alls per layer; MoE layers' balance-loss counts (one all-reduce each)
+        latency_calls += microbatches * (num_layers * 8 + moe_layers(config, [i for ls, _, _ in chunks for i in ls]))
     if layout.expert_tensor_parallel:  # per MoE layer: the split experts' forward and backward all-reduces
         latency_calls += microbatches * moe_layers(config, [i for layers, _, _ in chunks for i in layers]) * 2
     mp_comm += latency_calls * cluster.link(_span(layout, "tp"))[1]

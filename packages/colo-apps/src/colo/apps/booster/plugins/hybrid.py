@@ -25,6 +25,7 @@ from ...lora.tensor_parallel import (
     restore_lora_layers,
 )
 from ..grid_plan import grid_plan_for
+from ..moe_plan import set_aux_loss_scale
 from ..parallel_dims import LayoutError, ParallelDims, UnsupportedLayout
 from ..plans import materialize_device, plan_for
 from ..replicas import broadcast_model_state, model_tensors
@@ -90,8 +91,8 @@ class HybridParallel(Plugin):
     averaged and sharded over ``dp x ep``, experts over ``dp`` (`colo.zero.ExpertParallelZero`). Composes with
     ``pp`` (each stage's blocks use the ep group inside the stage), 1D ``tp`` (attention and dense layers split
     over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``) and Ulysses
-    ``sp`` without ``pp``; not with ring or Megatron ``sp_mode``, nor fp16 with ``pp`` (fp16 otherwise: one loss
-    scaler for dense and expert parts)."""
+    ``sp`` without ``pp``; not with ring or Megatron ``sp_mode``. fp16: one loss scaler for dense and expert parts
+    over every rank, pipeline stages included (`colo.zero.ExpertParallelZero`)."""
     expert_tensor_parallel: bool = False
     """With ``tp > 1`` and a mixture-of-experts model: split each expert's FFN over the tp group as well (its gate and
     up projections by columns, its down projection by rows; Megatron-Core's expert tensor parallelism,
@@ -407,17 +408,6 @@ _RULES: tuple[LayoutRule, ...] = (
         ),
     ),
     LayoutRule(
-        "precision",
-        UnsupportedLayout,
-        lambda p: not _not_positive(p.ep) and p.ep > 1 and p.precision == "fp16" and p.pp > 1,
-        lambda p: (
-            f"HybridParallel.precision='fp16' with ep={p.ep} and pp={p.pp}: a stage without MoE blocks has no expert "
-            "part to join the loss scaler's overflow check (and the stages' aux losses are not loss-scaled); use "
-            "precision='bf16' or 'fp32' with pp"
-        ),
-        summary="`precision: fp16` with `ep` > 1 and `pp` > 1",
-    ),
-    LayoutRule(
         "tp_mode",
         LayoutError,
         lambda p: p.tp_mode not in TP_MODES,
@@ -660,6 +650,22 @@ class PipelineEngine(OptimizerDriver, Engine):
         (`PipelineRunner.forward`; only with a `PipelineCriterion`)."""
         return self.runner.forward(micro)
 
+    def train_step(self, batch):
+        """`Engine.train_step`; under fp16 the schedule's backward starts from the loss scaler's scale (the
+        executor's ``loss_scale``), which the optimizer divides out after its overflow check."""
+        self.set_loss_scale(self.loss_scale)
+        return super().train_step(batch)
+
+    @property
+    def loss_scale(self) -> float:
+        """The optimizer's current loss scale (1 without a loss scaler)."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        return 1.0 if scaler is None else scaler.scale
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Scale the gradients of this step's backward by ``scale``."""
+        self.executor.loss_scale = scale
+
     def backward(self, loss):
         raise RuntimeError("with pp > 1 the pipeline runs backward itself: use booster.train_step(batch)")
 
@@ -690,4 +696,10 @@ class MoEHybridEngine(ExpertBiases, HybridEngine):
 
 class MoEPipelineEngine(ExpertBiases, PipelineEngine):
     """`PipelineEngine` for a model with MoE blocks: each stage updates its own blocks' expert biases after each
-    step, and the checkpoint holds every stage's (`ExpertBiases`)."""
+    step, and the checkpoint holds every stage's (`ExpertBiases`); under fp16 the stages' aux losses enter backward
+    loss-scaled like the loss (`colo.apps.booster.moe_plan.set_aux_loss_scale`)."""
+
+    def set_loss_scale(self, scale: float) -> None:
+        super().set_loss_scale(scale)
+        for chunk in self.executor.chunks:
+            set_aux_loss_scale(chunk, scale)
