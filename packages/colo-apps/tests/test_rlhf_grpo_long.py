@@ -6,13 +6,16 @@ sp2.
    with another final number 0.
 2. The preset validates as written (hybrid sp2 Ulysses, 36 new tokens, the math-answer reward), and a 2-rank run of
    it (1 SFT step, then 1 GRPO step, on fewer prompts) trains, generates responses longer than tiny-grpo's whole
-   budget, and logs the GRPO metrics with the rollout's log-probs equal to the sp trainer's recompute. (The learning
-   run and its figures are in the colo-apps README.)
+   budget, and logs the GRPO metrics with the rollout's log-probs equal to the sp trainer's recompute; the GRPO step
+   runs at the preset's own RL learning rate (``grpo.lr``). (The learning runs and their figures are in the colo-apps
+   README.)
 """
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from colo.comm.testing import run_distributed
 
@@ -67,3 +70,4 @@ def test_tiny_grpo_long_preset_runs_under_sp2(tmp_path):
     assert records[1]["grpo/sft_loss"] > 0
     assert records[2]["grpo/response_length"] > 4  # longer than tiny-grpo's whole budget
     assert records[2]["grpo/logprob_mismatch_max"] < 1e-5  # rollout log-probs == the sp trainer's recompute
+    assert records[2]["lr"] == pytest.approx(config.grpo.lr, rel=1e-12)  # the RL steps' own LR (grpo.lr)

@@ -35,6 +35,13 @@ class RolloutSection(BaseModel):
         description="First train this many steps of next-token loss on the prompts' answers (the 'answer' column; "
         "the SFT the policy starts from); the reference is the policy after them.",
     )
+    lr: float | None = Field(
+        default=None,
+        gt=0,
+        description="The policy's learning rate of the RL steps (after sft_steps), constant (colo.apps.rlhf.rl_lr: "
+        "the SFT warm-up keeps optimizer.lr and the schedule; layer-wise scales kept). None: the run's schedule "
+        "throughout.",
+    )
     reward_functions: list[str] = Field(
         default_factory=lambda: ["colo.apps.rlhf.rewards:exact_answer"],
         description="Reward functions as 'module:function', called fn(prompts=, completions=, **columns) -> one "

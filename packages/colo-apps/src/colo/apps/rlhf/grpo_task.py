@@ -63,6 +63,7 @@ from .pair_pipeline import from_last_stage
 from .policy_loss import global_counts, keep_whole_microbatches, rows_with_gradient
 from .prompts import build_prompt_dataset
 from .rewards import compute_rewards, load_reward_function
+from .rl_lr import use_rl_lr
 
 STATE_KEY = "grpo"
 REFERENCE_FILE = "grpo-reference.safetensors"
@@ -344,6 +345,8 @@ class GRPOTask(LanguageModelTask):
             for multiplier in scheduler.lr_lambdas:
                 if hasattr(multiplier, "total_steps"):
                     multiplier.total_steps = self.sft_steps + (total - self.sft_steps) * self.updates_per_step
+        if self.settings.lr is not None and scheduler is not None:  # the RL steps' own LR (rlhf/rl_lr.py)
+            use_rl_lr(scheduler, from_step=self.sft_steps, ratio=self.settings.lr / self.config.optimizer.lr)
 
     def _next_records(self, trainer) -> list[dict]:
         dataset = trainer.data.train

@@ -238,8 +238,12 @@ RUN_PRESETS: dict[str, dict] = {
     # worked solution in GSM8K's form ('12+9=' -> '2+9=11, 10+0=10, 10+11=21 #### 21', up to 34 tokens and eos: ~9x
     # tiny-grpo's answers), rewarded by the math-answer checker (the number after '####'). Both ranks are one
     # sequence-parallel pair (HybridParallel sp2, Ulysses): the update splits every rollout row between them and
-    # gathers the per-token log-probs. 200 SFT steps, then 150 GRPO steps (G = 8, 16 prompts, sampled at 0.7: at 1.0
-    # the sampled reward stayed ~0.2 and the held-out reward was 0.250 at step 250, measured).
+    # gathers the per-token log-probs. 200 SFT steps at the schedule's LR (3e-3 cosine), then 150 GRPO steps (G = 8,
+    # 16 prompts, sampled at 0.7: at 1.0 the sampled reward stayed ~0.2) at their own constant grpo.lr 3e-4
+    # (rlhf/rl_lr.py). Measured (README): with the schedule's ~1.5e-3 -> 3e-4 the GRPO phase fell below the SFT
+    # policy first and ended within noise of it (held-out greedy 0.375 -> 0.400); grpo.lr 1e-3 fell to 0.237 / 0.075
+    # (seeds 0 / 1) at step 250; grpo.lr 3e-4 gains +0.200 / +0.125 / +0.225 / +0.163 / +0.213 over the post-SFT
+    # value by step 350 (seeds 0-4; e.g. 0.375 -> 0.575).
     "tiny-grpo-long": {
         "name": "tiny-grpo-long",
         "output_dir": "runs/tiny-grpo-long",
@@ -258,8 +262,10 @@ RUN_PRESETS: dict[str, dict] = {
             "max_prompt_len": 7,
             "max_new_tokens": 36,
             "sft_steps": 200,
+            "lr": 3e-4,
             "beta": 0.04,
             "temperature": 0.7,
+            "eval_samples": 4,
         },
         "checkpoint": {"every_steps": 50, "keep_last": 2, "resume": "auto"},
         "logging": {"every_steps": 10},
