@@ -38,6 +38,9 @@ Rows (``--impls``), each in fresh processes, interleaved over ``--repeats`` with
   ``--fresh-compile-cache`` starts the run on an empty inductor cache, so the first repeat of each compiled row
   compiles cold and later ones reuse what it wrote. Ratios are given against every peer row in the run.
 
+``--profile`` runs torch.profiler on rank 0 of every row over the timed steps and prints (and stores) its table of
+ops by self CPU time and the matmuls' share; the profiler slows the steps, so ratios come from a run without it.
+
 Run::
 
     python benchmarks/diffusion_dit_train.py [--batch 8] [--heads 6] [--head-dim 64] [--layers 6] [--repeats 3]
