@@ -29,10 +29,23 @@ Rows (``--impls``), each in fresh processes, interleaved over ``--repeats`` with
 - ``diffusers_ddp_view`` (not in the default rows): ``diffusers_ddp`` with colo DDP's gradient handling
   (``DistributedDataParallelKwargs(gradient_as_bucket_view=True)``, ``zero_grad(set_to_none=False)``), to separate
   that from the models' own speed.
+- Compiled rows (not in the default rows), inductor on both sides, gcc's C++ codegen on CPU: ``colo_ddp_compiled``
+  / ``colo_zero2_compiled`` (the plugin's ``compile_blocks=True``: one ``torch.compile`` per DiT block, after
+  parallelization), ``diffusers_ddp_compiled`` (the same granularity for the peer: ``block.compile()`` on each of
+  PixArt's ``transformer_blocks`` before ``accelerator.prepare``) and ``diffusers_ddp_dynamo`` (accelerate's own
+  switch, ``Accelerator(dynamo_backend="inductor")``: the whole prepared model compiled). Compilation falls in the
+  warm-up steps, reported apart (``warmup_s``, and ``warmup_excess_s`` over as many steady steps);
+  ``--fresh-compile-cache`` starts the run on an empty inductor cache, so the first repeat of each compiled row
+  compiles cold and later ones reuse what it wrote. Ratios are given against every peer row in the run.
+
+``--profile`` runs torch.profiler on rank 0 of every row over the timed steps and prints (and stores) its table of
+ops by self CPU time and the matmuls' share; the profiler slows the steps, so ratios come from a run without it.
 
 Run::
 
     python benchmarks/diffusion_dit_train.py [--batch 8] [--heads 6] [--head-dim 64] [--layers 6] [--repeats 3]
+    python benchmarks/diffusion_dit_train.py --impls colo_ddp colo_ddp_compiled diffusers_ddp diffusers_ddp_compiled \
+        --fresh-compile-cache --out benchmarks/results/diffusion_dit_train_compiled_cpu.json
 
 Writes ``benchmarks/results/diffusion_dit_train_cpu.json`` (``--out``).
 """
@@ -61,7 +74,13 @@ IMPLS = {
     "colo_zero3": "colo Booster(Zero(stage=3)), 2 processes",
     "diffusers_ddp": "diffusers PixArtTransformer2DModel + accelerate (MULTI_CPU, gloo), 2 processes",
     "diffusers_ddp_view": "the same, DDP gradient_as_bucket_view=True and zero_grad(set_to_none=False) as colo's DDP",
+    "colo_ddp_compiled": "colo Booster(DDP(compile_blocks=True)): each DiT block compiled (inductor)",
+    "colo_zero2_compiled": "colo Booster(Zero(stage=2, compile_blocks=True)): each DiT block compiled",
+    "diffusers_ddp_compiled": "diffusers + accelerate DDP, each of PixArt's transformer_blocks compiled (inductor)",
+    "diffusers_ddp_dynamo": "diffusers + accelerate DDP, Accelerator(dynamo_backend='inductor'): whole model compiled",
 }
+PEER_COMPILE = {"diffusers_ddp_compiled": "blocks", "diffusers_ddp_dynamo": "accelerate"}
+"""The peer rows' compilation (``--peer-compile`` of their worker processes)."""
 WORLD = 2
 
 
@@ -96,6 +115,42 @@ def frozen_components(args):
     return tokenizer, text_encoder, vae
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def profiled(step_fn, args, rank: int):
+    """``(step_fn, profile)``: with ``--profile`` on rank 0, ``step_fn`` wrapped so that torch.profiler records the
+    timed steps (after the warm-up) and ``profile`` filled with the table of ops by self CPU time and the shares of
+    the matmuls (self time) when the last step ends; else ``step_fn`` and an empty dict."""
+    profile: dict = {}
+    if not args.profile or rank != 0:
+        return step_fn, profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    profiler = torch_profile(activities=[ProfilerActivity.CPU])
+
+    def wrapped(step: int) -> float:
+        if step == args.warmup:
+            profiler.start()
+        loss = step_fn(step)
+        if step == args.warmup + args.steps - 1:
+            profiler.stop()
+            events = profiler.key_averages()
+            total = sum(event.self_cpu_time_total for event in events)
+            matmul = sum(event.self_cpu_time_total for event in events if event.key in MATMUL_OPS)
+            profile["profile"] = {
+                "self_cpu_s_per_step": total / 1e6 / args.steps,
+                "matmul_share": matmul / total,
+                "table": events.table(
+                    sort_by="self_cpu_time_total", row_limit=args.profile_rows, max_name_column_width=60
+                ),
+            }
+        return loss
+
+    return wrapped, profile
+
+
 def colo_rank(impl: str, args) -> dict:
     import torch.distributed as dist
 
@@ -113,7 +168,11 @@ def colo_rank(impl: str, args) -> dict:
     builder = FlowMatchingBatchBuilder(objective, tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, seed=SEED)
     model = DenoiserLoss(transformer=transformer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
-    plugin = {"colo_zero2": lambda: Zero(stage=2), "colo_zero3": lambda: Zero(stage=3)}.get(impl, DDP)()
+    compiled = impl.endswith("_compiled")
+    plugin = {
+        "colo_zero2": lambda: Zero(stage=2, compile_blocks=compiled),
+        "colo_zero3": lambda: Zero(stage=3),
+    }.get(impl.removesuffix("_compiled"), lambda: DDP(compile_blocks=compiled))()
     booster = Booster(plugin)
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
 
@@ -129,8 +188,9 @@ def colo_rank(impl: str, args) -> dict:
     def step_fn(step: int) -> float:
         return float(booster.train_step(batch_of(step)).loss)
 
+    step_fn, profile = profiled(step_fn, args, rank)
     result = harness.timed_loop(harness_args(args), step_fn, dist.barrier, rss_before)
-    result["rank"] = rank
+    result.update(rank=rank, **profile)
     return result
 
 
@@ -143,7 +203,12 @@ def baseline_rank(args) -> dict:
     from colo.apps.diffusion.models import build_dit
 
     torch.set_num_threads(1)
-    accelerator = harness.make_accelerator(args)
+    if args.peer_compile == "accelerate":  # accelerate compiles the prepared model (torch.compile of the DDP module)
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True, dynamo_backend="inductor")
+    else:
+        accelerator = harness.make_accelerator(args)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer, text_encoder, vae = frozen_components(args)
     dataset = harness.images(harness_args(args))
@@ -151,6 +216,9 @@ def baseline_rank(args) -> dict:
     transformer = PixArtTransformer2DModel(**config.diffusers_config())
     transformer.load_state_dict(build_dit(config, seed=SEED + 3).state_dict(), strict=True)
     transformer.train()
+    if args.peer_compile == "blocks":  # the equivalent of colo's compile_blocks: one torch.compile per block, in place
+        for block in transformer.transformer_blocks:
+            block.compile()
     rss_before = harness.current_rss_mb()
     noise_scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=LR, weight_decay=0.0, fused=True)
@@ -194,8 +262,9 @@ def baseline_rank(args) -> dict:
         optimizer.zero_grad(set_to_none=not args.bucket_view)
         return accelerator.gather(loss.detach().reshape(1)).mean().item()
 
+    step_fn, profile = profiled(step_fn, args, rank)
     result = harness.timed_loop(harness_args(args), step_fn, accelerator.wait_for_everyone, rss_before)
-    result.update(rank=rank, world=world, distributed_type=str(accelerator.distributed_type))
+    result.update(rank=rank, world=world, distributed_type=str(accelerator.distributed_type), **profile)
     return result
 
 
@@ -212,8 +281,10 @@ def measure_rows(impl: str, args) -> list[dict]:
             sys.executable, __file__, "--baseline-worker", "--batch", str(args.batch), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--num-images", str(args.num_images), "--heads", str(args.heads),
             "--head-dim", str(args.head_dim), "--layers", str(args.layers),
-            "--out", os.path.join(scratch, f"rank{rank}.json"),
-        ] + (["--bucket-view"] if impl == "diffusers_ddp_view" else [])  # fmt: skip
+            "--out", os.path.join(scratch, f"rank{rank}.json"), "--profile-rows", str(args.profile_rows),
+        ] + (["--profile"] if args.profile else []) + (["--bucket-view"] if impl == "diffusers_ddp_view" else []) + (
+            ["--peer-compile", PEER_COMPILE[impl]] if impl in PEER_COMPILE else []
+        )  # fmt: skip
 
     return run_rank_processes(impl, WORLD, command, env=harness.RANK_ENV, timeout=args.row_timeout)
 
@@ -225,6 +296,9 @@ def measure(impl: str, args) -> dict:
         return {"impl": impl, "error": f"{type(error).__name__}: {error}"[-4000:]}
     elapsed = max(r["elapsed_s"] for r in per_rank)
     median_steps = [statistics.median(r["step_times_s"][args.warmup :]) for r in per_rank]
+    # compilation (and the first step's allocations) fall in the warm-up steps: reported apart from the timed steps,
+    # as the warm-up's excess over as many steady steps (the slowest rank's)
+    warmup_s = max(sum(r["step_times_s"][: args.warmup]) for r in per_rank)
     return {
         "impl": impl,
         "steps_per_s": args.steps / elapsed,
@@ -234,7 +308,10 @@ def measure(impl: str, args) -> dict:
         "training_rss_mb": max(r["training_rss_mb"] for r in per_rank),
         "step_peak_rss_mb": max(r["step_peak_rss_mb"] for r in per_rank),
         "first_losses": per_rank[0]["losses"][:3],
+        "warmup_s": warmup_s,
+        "warmup_excess_s": warmup_s - args.warmup * max(median_steps),
         "load_average": os.getloadavg()[0],
+        **({"profile_rank0": per_rank[0]["profile"]} if "profile" in per_rank[0] else {}),
     }
 
 
@@ -252,15 +329,31 @@ def main() -> int:
     parser.add_argument("--mmap-threshold", type=int, default=65536, help="as diffusion_train.py's")
     parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--note", default="")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="torch.profiler on rank 0 of each row over the timed steps (its table in the JSON; the profiler slows "
+        "the steps: read the ratios from a run without it)",
+    )  # fmt: skip
+    parser.add_argument("--profile-rows", type=int, default=25, help="ops in each profile table")
     parser.add_argument("--out", default=str(RESULTS / "diffusion_dit_train_cpu.json"))
     parser.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bucket-view", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--peer-compile", choices=["none", "blocks", "accelerate"], default="none", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--fresh-compile-cache", action="store_true",
+        help="point TORCHINDUCTOR_CACHE_DIR at a new empty directory for this run: the first repeat of a compiled row "
+        "compiles cold, later repeats hit the cache its first wrote",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.baseline_worker:
         Path(args.out).write_text(json.dumps(baseline_rank(args)))
         return 0
     if args.mmap_threshold:
         harness.set_mmap_threshold(args.mmap_threshold)  # both sides' ranks, at exec
+    if args.fresh_compile_cache:  # inherited by both sides' rank processes
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="colo-bench-dit-inductor-")
 
     runs, began = [], time.perf_counter()
     for repeat in range(args.repeats):
@@ -272,6 +365,13 @@ def main() -> int:
             error = result.get("error", "")[:600]
             shown = error or f"{result['steps_per_s']:.2f} steps/s, {result['peak_rss_mb']:.0f} MB"
             print(f"repeat {repeat} {impl}: {shown}", flush=True)
+            if "profile_rank0" in result:
+                profile = result["profile_rank0"]
+                print(
+                    f"rank 0 profile of {impl}: {profile['self_cpu_s_per_step']:.3f} s self CPU per step, matmuls "
+                    f"{profile['matmul_share']:.0%}\n{profile['table']}",
+                    flush=True,
+                )
     wall = time.perf_counter() - began
 
     summary = {}
@@ -282,34 +382,40 @@ def main() -> int:
             continue
         row = {key: statistics.median(r[key] for r in ok) for key in (
             "steps_per_s", "steps_per_s_median_step", "images_per_s", "peak_rss_mb", "training_rss_mb",
-            "step_peak_rss_mb",
+            "step_peak_rss_mb", "warmup_s", "warmup_excess_s",
         )}  # fmt: skip
+        row["warmup_s_repeats"] = [r["warmup_s"] for r in ok]
         row["steps_per_s_repeats"] = [r["steps_per_s"] for r in ok]
         row["first_losses"] = ok[0]["first_losses"]
         summary[impl] = row
     ratios = {}
-    base = summary.get("diffusers_ddp", {})
-    for colo in ("colo_ddp", "colo_zero2", "colo_zero3", "diffusers_ddp_view"):
-        row = summary.get(colo, {})
-        if "steps_per_s" not in row or "steps_per_s" not in base:
-            continue
-        ratios[f"{colo} / diffusers_ddp throughput"] = row["steps_per_s"] / base["steps_per_s"]
-        ratios[f"{colo} / diffusers_ddp throughput_median_step"] = (
-            row["steps_per_s_median_step"] / base["steps_per_s_median_step"]
-        )
-        ratios[f"{colo} / diffusers_ddp peak_rss"] = row["peak_rss_mb"] / base["peak_rss_mb"]
-        ratios[f"{colo} / diffusers_ddp training_rss"] = row["training_rss_mb"] / base["training_rss_mb"]
+    for peer in ("diffusers_ddp", "diffusers_ddp_compiled", "diffusers_ddp_dynamo"):
+        base = summary.get(peer, {})
+        for colo in [impl for impl in IMPLS if impl.startswith("colo")] + ["diffusers_ddp_view"]:
+            row = summary.get(colo, {})
+            if "steps_per_s" not in row or "steps_per_s" not in base:
+                continue
+            ratios[f"{colo} / {peer} throughput"] = row["steps_per_s"] / base["steps_per_s"]
+            ratios[f"{colo} / {peer} throughput_median_step"] = (
+                row["steps_per_s_median_step"] / base["steps_per_s_median_step"]
+            )
+            ratios[f"{colo} / {peer} peak_rss"] = row["peak_rss_mb"] / base["peak_rss_mb"]
+            ratios[f"{colo} / {peer} training_rss"] = row["training_rss_mb"] / base["training_rss_mb"]
 
-    print("\n| row | steps/s | steps/s from median step | peak RSS/rank (MB) | training RSS/rank (MB) | first losses |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| row | steps/s | steps/s from median step | peak RSS/rank (MB) | training RSS/rank (MB) | warm-up s "
+        "(excess) | first losses |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for impl, row in summary.items():
         if "error" in row:
-            print(f"| {IMPLS[impl]} | failed | | | | |")
+            print(f"| {IMPLS[impl]} | failed | | | | | |")
             continue
         losses = ", ".join(f"{x:.4f}" for x in row["first_losses"])
         print(
             f"| {IMPLS[impl]} | {row['steps_per_s']:.2f} | {row['steps_per_s_median_step']:.2f} | "
-            f"{row['peak_rss_mb']:.0f} | {row['training_rss_mb']:.0f} | {losses} |"
+            f"{row['peak_rss_mb']:.0f} | {row['training_rss_mb']:.0f} | {row['warmup_s']:.1f} "
+            f"({row['warmup_excess_s']:.1f}) | {losses} |"
         )
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
