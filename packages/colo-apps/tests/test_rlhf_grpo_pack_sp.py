@@ -110,51 +110,23 @@ def varied_reward(prompts, completions, **_) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
+def _sp_test():
+    return load_beside(__file__, "test_rlhf_grpo_sp.py", module_name="colo_apps_test_rlhf_grpo_sp")
+
+
 def _trainer_config(output_dir: str, **changes) -> dict:
-    from colo.apps.train import load_config
-
-    overrides = [
-        f"output_dir={output_dir}",
-        "grpo.synthetic_prompts=48",
-        "grpo.group_size=4",
-        "grpo.sft_steps=2",
-        "data.global_batch_size=2",
-        "schedule.total_steps=4",
-        "schedule.warmup_steps=1",
-        "eval.every_steps=100",
-        "eval.num_sequences=8",
-        "logging.every_steps=1",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "sample.max_new_tokens=0",
-        "checkpoint.every_steps=100",
-        f"grpo.reward_functions=[{__name__}:varied_reward]",
-        *[f"{key}={value}" for key, value in changes.items()],
-    ]
-    return load_config(preset="tiny-grpo", overrides=overrides).model_dump(mode="json")
-
-
-def _train(config: dict) -> dict:
-    from colo.apps.train import train, validate_config
-
-    return {"losses": train(validate_config(config)).losses}
-
-
-def _metrics(output_dir) -> dict[int, dict]:
-    import json
-
-    with open(output_dir / "metrics.jsonl") as lines:
-        return {record["step"]: record for record in map(json.loads, lines) if "loss" in record}
+    # test_rlhf_grpo_sp's short run (2 SFT + 2 GRPO steps), scored by this module's reward
+    return _sp_test()._trainer_config(output_dir, **{"grpo.reward_functions": f"[{__name__}:varied_reward]", **changes})
 
 
 def test_grpo_run_with_packed_rows_under_hybrid_sp2_ring_matches_the_padded_run(tmp_path):
-    padded_dir, packed_dir = tmp_path / "padded", tmp_path / "packed"
-    padded = run_distributed(_train, _trainer_config(str(padded_dir)), world_size=1, timeout=180)[0]["losses"]
+    padded_dir, packed_dir, sp = tmp_path / "padded", tmp_path / "packed", _sp_test()
+    padded = run_distributed(sp._train, _trainer_config(str(padded_dir)), world_size=1, timeout=180)[0]["losses"]
     hybrid = {"plugin.name": "hybrid", "plugin.sp": 2, "plugin.sp_mode": "ring", "grpo.pack_rows": "true"}
-    packed = run_distributed(_train, _trainer_config(str(packed_dir), **hybrid), world_size=2, timeout=180)
+    packed = run_distributed(sp._train, _trainer_config(str(packed_dir), **hybrid), world_size=2, timeout=180)
     assert packed[0]["losses"] == packed[1]["losses"]
     assert sorted(padded) == sorted(packed[0]["losses"]) == [1, 2, 3, 4]
-    expected, actual = _metrics(padded_dir), _metrics(packed_dir)
+    expected, actual = sp._metrics(padded_dir), sp._metrics(packed_dir)
     for step in (1, 2, 3, 4):  # 2 SFT steps, then 2 GRPO steps (the update, old log-probs and reference packed)
         assert packed[0]["losses"][step] == pytest.approx(padded[step], rel=1e-5, abs=1e-7), step
         names = ["grad_norm"] + (["grpo/entropy", "grpo/kl", "grpo/reward_mean"] if step > 2 else [])
