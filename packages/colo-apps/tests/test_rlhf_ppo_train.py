@@ -120,12 +120,22 @@ def _ppo_case(actor_plugin: str, critic_plugin: str | None, with_params: bool = 
 
 
 def _whole_params(booster) -> dict[str, torch.Tensor] | None:
-    """The boosted model's whole parameters (under a pipeline each stage's, all-gathered over pp)."""
+    """The boosted model's whole parameters (under a pipeline each stage's, all-gathered over pp; under ZeRO-3 each
+    chunk's gathered over dp first)."""
     from colo.comm import all_gather_object
 
     if booster is None:
         return None
-    own = {name: value.detach().clone() for name, value in booster.unwrap().named_parameters()}
+    stage = booster.unwrap()
+    own = {name: value.detach().clone() for name, value in stage.named_parameters()}
+    optimizer = booster.engine.optimizer
+    if getattr(optimizer, "gatherer", None) is not None:  # ZeRO-3: the chunks all-gathered over dp, one at a time
+        names = {id(param): name for name, param in stage.named_parameters()}
+        for chunk in optimizer.chunks:
+            optimizer.gatherer.gather(chunk)
+            for slot in chunk.slots:
+                own[names[id(slot.param)]] = slot.param.detach().clone()
+            optimizer.gatherer.release(chunk)
     mesh = booster.mesh
     if "pp" not in mesh.shape or mesh.size("pp") == 1:
         return own

@@ -34,14 +34,15 @@ rows, so its mean over all ranks equals the mean over the data-parallel ranks (a
 Either way the critic starts from the reference's weights module by module
 (`colo.apps.rlhf.critic.critic_from_policy`: tp shards all-gathered, re-split by the critic's layout).
 
-Under a `HybridParallel` pipeline (pp x dp, ``ppo.critic: separate``) the rollout runs on the stages' weights
-gathered over pp (GRPO's), the frozen reference is pipelined as the actor (`Booster.frozen_copy`), and the separate
-critic, under the actor's plugin section by default, is pipelined over the same stages (its scalar head on the last
-stage), started from the whole weights the reference was loaded with. `PPOCriterion` is then a `PipelineCriterion`
-(`colo.apps.rlhf.ppo_pipeline`): the experience's forwards return their per-token outputs on every rank of the
-pipeline (sent from the last stage), so GAE and whitening run on whole rows everywhere, and the losses are reduced on
-the last stage, whose criterion metrics are handed to the other ranks for logging. The value head on the actor's
-backbone (``ppo.critic: shared``) is refused under pp (the run config names the field).
+Under a `HybridParallel` pipeline (pp x dp, ``ppo.critic: separate``) the rollout runs on the stages' weights gathered
+over pp (GRPO's), the frozen reference is pipelined as the actor (`Booster.frozen_copy`), and the separate critic, under
+the actor's plugin section by default, is pipelined over the same stages (its scalar head on the last stage), started
+from the whole weights the reference was loaded with; under ZeRO-3 (pp x dp) the rollout copy and the reference's
+weights gather each stage's chunks over dp first, and the critic's stages are sharded over dp too. `PPOCriterion` is
+then a `PipelineCriterion` (`colo.apps.rlhf.ppo_pipeline`): the experience's forwards return their per-token outputs on
+every rank of the pipeline (sent from the last stage), so GAE and whitening run on whole rows everywhere, and the losses
+are reduced on the last stage, whose criterion metrics are handed to the other ranks for logging. The value head on the
+actor's backbone (``ppo.critic: shared``) is refused under pp (the run config names the field).
 """
 
 from __future__ import annotations

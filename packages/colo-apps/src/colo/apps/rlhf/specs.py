@@ -145,9 +145,10 @@ _PIPELINED_ROLLOUT = (
 )
 
 
-_PIPELINE_ZERO3_TASKS = ("grpo",)
+_PIPELINE_ZERO3_TASKS = ("grpo", "ppo")
 """The online-RL tasks that run ``plugin.pp > 1`` with ``zero_stage=3`` (the rollout copy gathers each stage's chunks
-over dp, then the stages over pp: `colo.apps.generation.RolloutEngine`; test_rlhf_grpo_tp's pp2 x dp2 ZeRO-3 case)."""
+over dp, then the stages over pp: `colo.apps.generation.RolloutEngine`; test_rlhf_grpo_tp's pp2 x dp2 ZeRO-3 case;
+PPO's separate critic is boosted under ZeRO-3 over the same stages: test_rlhf_ppo_pp's pp2 x dp2 ZeRO-3 cases)."""
 
 
 def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
@@ -177,7 +178,7 @@ def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
                 f"data.task='{task}' under plugin.pp={c.plugin.pp} does not support plugin.zero_stage=3 (pp x ZeRO-3 "
                 f"runs for data.task in {list(_PIPELINE_ZERO3_TASKS)} only): set plugin.zero_stage <= 2, or plugin.pp=1"
             ),
-            summary="plugin.pp > 1 with zero_stage 3 (pp x ZeRO-3 runs for grpo only)",
+            summary=f"plugin.pp > 1 with zero_stage 3 (pp x ZeRO-3 runs for {', '.join(_PIPELINE_ZERO3_TASKS)} only)",
         ),
     )
 
