@@ -145,16 +145,11 @@ _PIPELINED_ROLLOUT = (
 )
 
 
-_PIPELINE_ZERO3_TASKS = ("grpo", "ppo")
-"""The online-RL tasks that run ``plugin.pp > 1`` with ``zero_stage=3`` (the rollout copy gathers each stage's chunks
-over dp, then the stages over pp: `colo.apps.generation.RolloutEngine`; test_rlhf_grpo_tp's pp2 x dp2 ZeRO-3 case;
-PPO's separate critic is boosted under ZeRO-3 over the same stages: test_rlhf_ppo_pp's pp2 x dp2 ZeRO-3 cases)."""
-
-
 def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
-    """With ``plugin.pp > 1``: what the pipelined update and the rollout copy gathered over pp support (ZeRO-3 for
-    the tasks of `_PIPELINE_ZERO3_TASKS`)."""
-    rules = tuple(
+    """With ``plugin.pp > 1``: what the pipelined update and the rollout copy gathered over pp support (ZeRO 0-3: under
+    ZeRO-3 the rollout copy gathers each stage's chunks over dp, then the stages over pp,
+    `colo.apps.generation.RolloutEngine`; test_rlhf_grpo_tp's and test_rlhf_ppo_pp's pp2 x dp2 ZeRO-3 cases)."""
+    return tuple(
         TaskRule(
             field,
             lambda c, field=field, allowed=allowed: (
@@ -167,19 +162,6 @@ def _pipeline_rules(task: str) -> tuple[TaskRule, ...]:
             summary=f"plugin.pp > 1 with {field} other than {fix} ({why})",
         )
         for field, allowed, fix, why in _PIPELINED_ROLLOUT
-    )
-    if task in _PIPELINE_ZERO3_TASKS:
-        return rules
-    return rules + (
-        TaskRule(
-            "plugin.zero_stage",
-            lambda c: c.plugin.name == "hybrid" and c.plugin.pp > 1 and c.plugin.zero_stage == 3,
-            lambda c: (
-                f"data.task='{task}' under plugin.pp={c.plugin.pp} does not support plugin.zero_stage=3 (pp x ZeRO-3 "
-                f"runs for data.task in {list(_PIPELINE_ZERO3_TASKS)} only): set plugin.zero_stage <= 2, or plugin.pp=1"
-            ),
-            summary=f"plugin.pp > 1 with zero_stage 3 (pp x ZeRO-3 runs for {', '.join(_PIPELINE_ZERO3_TASKS)} only)",
-        ),
     )
 
 
