@@ -138,7 +138,9 @@ def _boost_hybrid(settings: dict) -> str:
     ("settings", "expected"),
     [
         ({"sp": 2, "sp_mode": "ulysses"}, "HybridParallel.sp=2 (sp_mode='ulysses'): MoELlama has mixture-of-experts"),
+        ({"sp": 2, "sp_mode": "ring"}, "HybridParallel.sp=2 (sp_mode='ring'): MoELlama has mixture-of-experts"),
         ({"ep": 2, "sp": 2, "sp_mode": "ulysses", "pp": 2}, "HybridParallel.ep=2 with sp=2, sp_mode='ulysses', pp=2"),
+        ({"ep": 2, "sp": 2, "sp_mode": "ring", "pp": 2}, "HybridParallel.ep=2 with sp=2, sp_mode='ring', pp=2"),
         ({"ep": 4}, "HybridParallel.ep=4 does not divide the 2 data-parallel ranks"),
     ],
 )
@@ -154,8 +156,8 @@ def test_hybrid_parallel_refuses_ep_layouts_it_cannot_run_naming_the_field():
 
     with pytest.raises(LayoutError, match=r"HybridParallel.ep=3 does not divide num_local_experts=4.*\[1, 2, 4\]"):
         MoELlamaPlan().check(_model(), HybridParallel(ep=3))
-    with pytest.raises(LayoutError, match="HybridParallel.ep=2 with sp=2, sp_mode='ring', pp=1 is not") as error:
-        HybridParallel(ep=2, sp=2, sp_mode="ring")
+    with pytest.raises(LayoutError, match="HybridParallel.ep=2 with sp=1, sp_mode='megatron', pp=1 is not") as error:
+        HybridParallel(ep=2, tp=2, sp_mode="megatron")
     assert error.value.field == "ep"
     with pytest.raises(LayoutError, match="HybridParallel.ep=2 with tp_mode='2d'"):
         HybridParallel(ep=2, tp=4, tp_mode="2d")
@@ -609,9 +611,10 @@ def _sequence_parallel_runs(cases: list[tuple[str, dict, str]]):
     return [_hybrid_run(shape, settings, path) for shape, settings, path in cases]
 
 
-def test_ep2_x_ulysses_sp2_matches_the_single_process(tmp_path):
-    """ep2 x Ulysses sp2 on 4 ranks (ZeRO-1, 2 microbatches of one sequence per data rank, each sequence's 16 tokens
-    split 8 + 8 over sp), the DeepSeek-style model (sigmoid routing with the aux-loss-free bias, per-sequence balance
+def test_ep2_x_ulysses_and_ring_sp2_match_the_single_process(tmp_path):
+    """ep2 x Ulysses sp2 and ep2 x ring sp2 on 4 ranks (ZeRO-1, 2 microbatches of one sequence per data rank, each
+    sequence's 16 tokens split 8 + 8 over sp: contiguous under Ulysses, ring attention's zigzag chunks 0 + 3 and 1 + 2
+    under ring), the DeepSeek-style model (sigmoid routing with the aux-loss-free bias, per-sequence balance
     loss, shared experts, a dense first layer) and the Mixtral-shaped one (softmax routing, per-microbatch balance
     loss, z-loss), both in one pool call: the sp ranks are data ranks of both gradient groups (dense over ep x sp,
     experts over sp), the balance loss counts each whole sequence's assignments, the aux losses escape the shard's
@@ -625,15 +628,26 @@ def test_ep2_x_ulysses_sp2_matches_the_single_process(tmp_path):
     model: Ulysses' attention sums in another order and Adam amplifies it). With the balance loss counting only each
     rank's piece the first step is already off (losses 5.6e-5 / 1.6e-4 relative, grad norms 1.1e-4 / 5.7e-5) and
     after 5 steps 1.3e-3 / 1.9e-2 (grad norms 3.5e-2 / 0.23); with the aux losses weighted by the shard's next-token
-    weight (16/15 and 14/15 here), first-step grad norms 7.4e-6 / 2.2e-5 and after 5 steps 5.2e-2 / 8.8e-2."""
-    settings = {"ep": 2, "sp": 2, "sp_mode": "ulysses", "zero_stage": 1, "num_microbatches": 2}
-    cases = [(shape, settings, os.fspath(tmp_path / shape)) for shape in ("deepseek", "mixtral")]
+    weight (16/15 and 14/15 here), first-step grad norms 7.4e-6 / 2.2e-5 and after 5 steps 5.2e-2 / 8.8e-2.
+
+    Ring (routing is per token, so the zigzag pieces need nothing the contiguous ones do not), measured: DeepSeek-style
+    losses 1.0e-6, grad norms 4.9e-6, parameters 3.1e-4 (median 1.0e-7); Mixtral-shaped losses 2.1e-5, grad norms
+    1.7e-4, parameters 1.2e-3 (median 3.6e-6), first step's loss and grad norm within 2.4e-8. Under ring too the
+    ablations fail: the balance loss counting each rank's piece only, after 5 steps losses 4.4e-3 / 2.5e-3, grad norms
+    4.1e-2 / 1.8e-2, DeepSeek's biases differ; the aux losses weighted by the shard's weight, losses 4.8e-3 / 1.5e-3,
+    grad norms 1.9e-2 / 4.6e-2."""
+    cases = [
+        (shape, {"ep": 2, "sp": 2, "sp_mode": mode, "zero_stage": 1, "num_microbatches": 2}, f"{mode}-{shape}")
+        for mode in ("ulysses", "ring")
+        for shape in ("deepseek", "mixtral")
+    ]
+    cases = [(shape, settings, os.fspath(tmp_path / name)) for shape, settings, name in cases]
     per_rank = run_distributed(_sequence_parallel_runs, cases, world_size=4)
     tolerances = {  # (loss rtol, grad norm rtol, parameter atol): see the docstring's measurements
         "deepseek": (1e-5, 1e-5, 5e-4),
         "mixtral": (3e-5, 3e-4, 1.5e-3),
     }
-    for index, (shape, _, path) in enumerate(cases):
+    for index, (shape, settings, path) in enumerate(cases):
         loss_rtol, norm_rtol, atol = tolerances[shape]
         results = [rank_results[index] for rank_results in per_rank]
         _check_layout(shape, settings, results, path, atol=atol, loss_rtol=loss_rtol, norm_rtol=norm_rtol)

@@ -2,17 +2,17 @@
 
 One 4-rank spawn runs, for each layout, two Booster steps of the DeepSeek-style model (a dense first layer, then MoE
 layers of 16 narrow experts top-4 within one of two groups, a shared expert, sigmoid routing with the bias; with
-multi-head latent attention, its heads split over tp, or with Llama's attention, which ep x Ulysses sp2 runs) and
-compares the second step with the planner (`test_plan_memory`'s measurement, reused):
+multi-head latent attention, its heads split over tp, or with Llama's attention, which ep x Ulysses / ring sp2 run)
+and compares the second step with the planner (`test_plan_memory`'s measurement, reused):
 
 - parameters, gradients, masters, optimizer states and padding: `ExpertParallelZero.memory_report()` exactly on every
-  rank (dense chunks over dp x ep, expert chunks over dp, both with sp under Ulysses; a stage's own layers; experts
-  split over tp or not);
+  rank (dense chunks over dp x ep, expert chunks over dp, both with sp under Ulysses / ring; a stage's own layers;
+  experts split over tp or not);
 - activations: the peak bytes autograd holds (`test_plan_memory._HeldActivations`) within 2%, the MoE blocks' rows
   from the step's own routing (a pipeline's last stage holds one microbatch at a time: its peak is the largest);
 - communication: `CommTracker`'s bytes per (collective, axis) exactly, the all-to-alls from the step's own routing
-  (under sp: Ulysses' all-to-alls, the blocks' all-to-alls of each rank's sequence pieces, the balance loss's counts
-  all-reduced over sp);
+  (under sp: Ulysses' all-to-alls or ring attention's k/v blocks, the blocks' all-to-alls of each rank's sequence
+  pieces, the balance loss's counts all-reduced over sp);
   the routing itself within `dispatch_bounds` (group-limited to one group = one ep rank: a token's rows all go to
   one rank).
 """
@@ -69,6 +69,22 @@ LAYOUTS = [
             "ep": 2,
             "sp": 2,
             "sp_mode": "ulysses",
+            "dp": 1,
+            "zero_stage": 2,
+            "precision": "bf16",
+            "chunk_numel": 60000,
+        },
+        1,
+    ),
+    (
+        "ep2-sp2-ring-zero2-bf16",
+        "tiny-deepseek-gqa",
+        # ring attention's zigzag pieces: the k/v blocks passed round the sp ring, the MoE blocks as under Ulysses
+        {
+            "plugin": "hybrid",
+            "ep": 2,
+            "sp": 2,
+            "sp_mode": "ring",
             "dp": 1,
             "zero_stage": 2,
             "precision": "bf16",

@@ -313,7 +313,7 @@ def test_moe_layouts_are_checked_against_the_model():
         static_memory(moe, Layout(plugin="expert", dp=1, ep=3, zero_stage=2))
     with pytest.raises(ValueError, match="dense Llama"):
         static_memory(get_preset("tiny"), Layout(plugin="expert", dp=1, ep=2, zero_stage=2))
-    with pytest.raises(ValueError, match="Layout.sp=2 .*sequence parallelism as Ulysses under expert parallelism"):
+    with pytest.raises(ValueError, match="Layout.sp=2 .*Ulysses or ring sequence parallelism under expert parallelism"):
         static_memory(moe, Layout(plugin="hybrid", sp=2, sp_mode="ulysses", zero_stage=1))
     dropping = get_moe_preset("tiny-moe", capacity_factor=1.0)
     with pytest.raises(ValueError, match="Layout.sp=2 with capacity_factor=1.0: .* use capacity_factor=None"):

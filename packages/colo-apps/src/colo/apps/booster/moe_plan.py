@@ -10,11 +10,13 @@
   reported loss is the next-token loss of the last stage.
 - Multi-head latent attention under tp: its heads split, its latents replicated
   (`colo.apps.models.moe_llama.parallelize`).
-- Ulysses sequence parallelism with ``ep > 1`` and ``pp=1``: each sp rank routes its piece of every sequence; the
-  sp ranks are data ranks of the experts' gradient groups (`colo.tensor.moe.parallel`), the load-balancing loss
-  counts the whole sequences' assignments (`colo.tensor.moe.route_sequence_pieces`), and the aux losses enter each
-  rank's loss unweighted by the shard's next-token weight (`MoELlamaPlan.prepare_batch`).
-- Refused: other sequence parallelism (ring, Megatron-SP, Ulysses without ``ep`` or with ``pp``), an expert capacity
+- Ulysses or ring sequence parallelism with ``ep > 1`` and ``pp=1``: each sp rank routes its piece of every
+  sequence (contiguous under Ulysses, ring attention's zigzag chunks under ring: routing is per token, so which
+  tokens a rank holds does not matter); the sp ranks are data ranks of the experts' gradient groups
+  (`colo.tensor.moe.parallel`), the load-balancing loss counts the whole sequences' assignments
+  (`colo.tensor.moe.route_sequence_pieces`), and the aux losses enter each rank's loss unweighted by the shard's
+  next-token weight (`MoELlamaPlan.prepare_batch`).
+- Refused: other sequence parallelism (Megatron-SP, Ulysses or ring without ``ep`` or with ``pp``), an expert capacity
   with ``sp`` (each rank would drop by its own piece's count), a grid
   ``tp_mode`` with multi-head latent attention, and ``ep`` not dividing the experts.
 """
@@ -40,11 +42,12 @@ class MoELlamaPlan(LlamaPlan):
     def check(self, model: nn.Module, plugin) -> None:
         config = model.config
         sp, sp_mode, ep = getattr(plugin, "sp", 1), getattr(plugin, "sp_mode", None), getattr(plugin, "ep", 1)
-        if (sp > 1 or sp_mode is not None) and not (sp_mode == "ulysses" and ep > 1):
+        if (sp > 1 or sp_mode is not None) and not (sp_mode in ("ulysses", "ring") and ep > 1):
             raise UnsupportedLayout(
                 f"HybridParallel.sp={sp} (sp_mode={sp_mode!r}): {type(model).__name__} has mixture-of-experts blocks, "
-                "which compose with Ulysses sequence parallelism under expert parallelism only (the sp ranks join the "
-                "experts' gradient groups); set ep > 1 with sp_mode='ulysses', or sp=1 and sp_mode=None",
+                "which compose with Ulysses or ring sequence parallelism under expert parallelism only (the sp ranks "
+                "join the experts' gradient groups); set ep > 1 with sp_mode='ulysses' or 'ring', or sp=1 and "
+                "sp_mode=None",
                 field="sp",
             )
         if sp > 1 and config.capacity_factor is not None:

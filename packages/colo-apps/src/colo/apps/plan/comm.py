@@ -19,7 +19,7 @@ all-to-all ``(n - 1) / n * S`` of the input, send / recv / broadcast ``S``. The 
 - ``ep`` (mixture of experts, the ``expert`` plugin): per MoE layer and microbatch the int64 token counts, then the
   routed rows to the experts' ranks and back (uneven all-to-alls: the rows sent to other ranks), again in backward;
   the volumes follow the routing (even routing unless a run's own is given); dense chunks sync over ``dp+ep``,
-  expert chunks over ``dp``; with Ulysses sp (HybridParallel's ep x sp) the sp ranks join both (``dp+ep+sp``,
+  expert chunks over ``dp``; with Ulysses or ring sp (HybridParallel's ep x sp) the sp ranks join both (``dp+ep+sp``,
   ``dp+sp``), each block routes the rank's piece of the sequences and its load-balancing loss all-reduces its fp32
   assignment counts (``E`` per sequence, or per microbatch) over ``sp`` in every forward;
 - full and selective activation checkpointing rerun each layer's forward collectives in backward up to the last

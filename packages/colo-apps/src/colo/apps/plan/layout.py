@@ -37,7 +37,7 @@ class Layout:
     """Pipeline stages (hybrid only)."""
     sp: int = 1
     """Sequence-parallel degree of Ulysses / ring attention (hybrid only; Megatron-SP runs on tp). A
-    mixture-of-experts model takes Ulysses with ``ep > 1`` and ``pp=1`` (mesh ``(dp, ep, sp, tp)``)."""
+    mixture-of-experts model takes Ulysses or ring with ``ep > 1`` and ``pp=1`` (mesh ``(dp, ep, sp, tp)``)."""
     sp_mode: str | None = None
     """``None``, ``"megatron"``, ``"ulysses"`` or ``"ring"``."""
     zero_stage: int = 1

@@ -20,7 +20,7 @@ Mixture of experts (`colo.apps.models.moe_llama`): the router, the routed expert
 in registration order, dense first-k layers, multi-head latent attention (its heads split over ``tp``, its latents
 whole); `colo.zero.ExpertParallelZero` packs the dense parameters (sharded over ``dp x ep``) and the experts (sharded
 over ``dp``) into separate chunks, per pipeline stage; an MoE layer's saved tensors are `moe_saved_bytes`'s, MLA's
-`_latent_attention_saved_elements`'. Under ep x Ulysses sp the sp ranks are data ranks of both parts (dense over
+`_latent_attention_saved_elements`'. Under ep x Ulysses / ring sp the sp ranks are data ranks of both parts (dense over
 ``dp x ep x sp``, experts over ``dp x sp``) and each MoE block routes the rank's piece of the sequences.
 """
 
@@ -66,9 +66,9 @@ def expert_parallel(layout: Layout) -> bool:
 def check_layout(config: LlamaConfig, layout: Layout) -> None:
     """Raise a `ValueError` naming the field and the fix when ``layout`` cannot run ``config``, by the rules the
     plugins apply with the model (`colo.apps.booster.moe_plan.MoELlamaPlan.check`): ``ep`` needs a mixture-of-experts
-    model and must divide its experts; an MoE model takes sequence parallelism as Ulysses with ``ep > 1`` only, dropless
-    (multi-head latent attention under sp is not modelled); tp must divide multi-head latent attention's heads, and
-    with expert tensor parallelism the experts' width."""
+    model and must divide its experts; an MoE model takes Ulysses or ring sequence parallelism with ``ep > 1`` only,
+    dropless (multi-head latent attention under sp is not modelled); tp must divide multi-head latent attention's
+    heads, and with expert tensor parallelism the experts' width."""
     if layout.ep > 1 and not is_moe(config):
         raise ValueError(
             f"Layout.ep={layout.ep} splits the experts of a mixture-of-experts model and this model is a dense Llama; "
@@ -85,11 +85,11 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
     if experts % layout.ep:
         choices = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ValueError(f"Layout.ep={layout.ep} does not divide num_local_experts={experts}; choose ep in {choices}")
-    if (layout.sp > 1 or layout.sp_mode is not None) and not (layout.sp_mode == "ulysses" and layout.ep > 1):
+    if (layout.sp > 1 or layout.sp_mode is not None) and not (layout.sp_mode in ("ulysses", "ring") and layout.ep > 1):
         raise ValueError(
             f"Layout.sp={layout.sp} (sp_mode={layout.sp_mode!r}) with ep={layout.ep}: a mixture-of-experts model runs "
-            "sequence parallelism as Ulysses under expert parallelism only (`MoELlamaPlan`); set sp_mode='ulysses' "
-            "with ep > 1, or sp=1 and sp_mode=None"
+            "Ulysses or ring sequence parallelism under expert parallelism only (`MoELlamaPlan`); set "
+            "sp_mode='ulysses' or 'ring' with ep > 1, or sp=1 and sp_mode=None"
         )
     if layout.sp > 1 and config.capacity_factor is not None:
         raise ValueError(
@@ -99,11 +99,11 @@ def check_layout(config: LlamaConfig, layout: Layout) -> None:
         )
     if layout.sp > 1 and config.latent_attention:
         raise ValueError(
-            f"Layout.sp={layout.sp}: colo plan does not model multi-head latent attention under Ulysses sequence "
+            f"Layout.sp={layout.sp}: colo plan does not model multi-head latent attention under sequence "
             "parallelism (its saved tensors and all-to-alls after the heads are padded); plan it with sp=1, or a "
             "model with Llama's attention (kv_lora_rank=None)"
         )
-    if layout.sp > 1:  # `LlamaPlan.check`: each rank attends with num_heads / (tp * sp) heads
+    if layout.sp_mode == "ulysses":  # `LlamaPlan.check`: each rank attends with num_heads / (tp * sp) heads
         from colo.tensor.ulysses import check_ulysses_heads
 
         heads, kv_heads = config.num_attention_heads // layout.tp, max(1, config.num_key_value_heads // layout.tp)

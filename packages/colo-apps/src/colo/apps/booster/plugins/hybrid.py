@@ -63,10 +63,10 @@ class HybridParallel(Plugin):
     ``(pp, dp, ep, tp)``): each stage splits its MoE blocks' experts over its ep group (`colo.tensor.moe.shard_experts`)
     and the optimizer is `colo.zero.ExpertParallelZero` (dense parameters over ``dp x ep``, experts over ``dp``, both
     with the tp and pp axes above); the routers' expert biases are updated after every step from the counts of all
-    data ranks (`colo.apps.booster.plugins.expert.ExpertBiases`). With Ulysses ``sp`` (``pp=1``) the sequence ranks
-    count as data ranks too (mesh ``(pp, dp, ep, sp, tp)``: dense parameters over ``dp x ep x sp``, experts over
-    ``dp x sp``, bias counts summed over all of them) and the load-balancing loss counts its assignments over the
-    whole sequences (`colo.tensor.moe.route_sequence_pieces`).
+    data ranks (`colo.apps.booster.plugins.expert.ExpertBiases`). With Ulysses or ring ``sp`` (``pp=1``) the
+    sequence ranks count as data ranks too (mesh ``(pp, dp, ep, sp, tp)``: dense parameters over ``dp x ep x sp``,
+    experts over ``dp x sp``, bias counts summed over all of them) and the load-balancing loss counts its assignments
+    over the whole sequences (`colo.tensor.moe.route_sequence_pieces`).
     """
 
     tp: int = 1
@@ -91,7 +91,7 @@ class HybridParallel(Plugin):
     averaged and sharded over ``dp x ep``, experts over ``dp`` (`colo.zero.ExpertParallelZero`). Composes with
     ``pp`` (each stage's blocks use the ep group inside the stage), 1D ``tp`` (attention and dense layers split
     over tp, each ep rank's experts whole on its tp ranks, or split with ``expert_tensor_parallel``) and Ulysses
-    ``sp`` without ``pp``; not with ring or Megatron ``sp_mode``. fp16: one loss scaler for dense and expert parts
+    or ring ``sp`` without ``pp``; not with Megatron ``sp_mode``. fp16: one loss scaler for dense and expert parts
     over every rank, pipeline stages included (`colo.zero.ExpertParallelZero`)."""
     expert_tensor_parallel: bool = False
     """With ``tp > 1`` and a mixture-of-experts model: split each expert's FFN over the tp group as well (its gate and
@@ -169,7 +169,7 @@ class HybridParallel(Plugin):
         return ("tp",) if self.tp_mode == "1d" else GRID_AXES[self.tp_mode]
 
     def data_axes(self, mesh: Mesh) -> tuple[str, ...]:
-        if self.ep > 1:  # Ulysses ranks hold pieces of the same sequences: data ranks for gradients and counts
+        if self.ep > 1:  # Ulysses / ring ranks hold pieces of the same sequences: data ranks for gradients and counts
             return ("dp", "ep", "sp") if self.sp > 1 else ("dp", "ep")
         return self.dims.data_axes()
 
@@ -377,16 +377,14 @@ _RULES: tuple[LayoutRule, ...] = (
     LayoutRule(
         "ep",
         UnsupportedLayout,
-        lambda p: (
-            not _not_positive(p.ep) and p.ep > 1 and (p.sp_mode in ("ring", "megatron") or (p.sp > 1 and p.pp > 1))
-        ),
+        lambda p: not _not_positive(p.ep) and p.ep > 1 and (p.sp_mode == "megatron" or (p.sp > 1 and p.pp > 1)),
         lambda p: (
             f"HybridParallel.ep={p.ep} with sp={p.sp}, sp_mode={p.sp_mode!r}, pp={p.pp} is not supported: experts "
-            "compose with Ulysses sequence parallelism without a pipeline only (ring attention's zigzag pieces, "
-            "Megatron-SP's tp pieces and a pipeline's stages under sp are not wired to the experts' gradient groups "
-            "and balance loss); use sp_mode='ulysses' with pp=1, or sp=1 and sp_mode=None"
+            "compose with Ulysses or ring sequence parallelism without a pipeline only (Megatron-SP's tp pieces and "
+            "a pipeline's stages under sp are not wired to the experts' gradient groups and balance loss); use "
+            "sp_mode='ulysses' or 'ring' with pp=1, or sp=1 and sp_mode=None"
         ),
-        summary="`ep` > 1 with `sp_mode` ring / megatron, or with `sp` > 1 and `pp` > 1",
+        summary="`ep` > 1 with `sp_mode` megatron, or with `sp` > 1 and `pp` > 1",
     ),
     LayoutRule(
         "ep",
