@@ -80,42 +80,49 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) -> list[Layout]:
-    """Plugins and degrees (microbatch fields left at 1): every split of the world into dp x tp x pp x sp that the
-    model's shape allows (tp within a node), each with the ZeRO stages colo runs with it. A mixture-of-experts model
-    runs under the ``expert`` plugin or ``hybrid`` with ``ep`` (`_moe_structures`)."""
+def _tp_pp(config, cluster: Cluster):
+    """The ``(tp, pp)`` pairs a search tries: tp within a node that the model's shape allows, pp dividing the
+    layers and the ranks left."""
     from ..models.llama.parallelize import check_tp_size
 
-    config = workload.config
     world = cluster.world_size
-    layouts = []
-    precision = workload.precision
-    if is_moe(config):
-        return _moe_structures(workload, cluster, max_sp=max_sp)
     for tp in _divisors(min(world, cluster.devices_per_node)):
         try:
             check_tp_size(config, tp)
         except ValueError:
             continue
         for pp in _divisors(world // tp):
-            if config.num_hidden_layers % pp:
+            if config.num_hidden_layers % pp == 0:
+                yield tp, pp
+
+
+def candidate_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) -> list[Layout]:
+    """Plugins and degrees (microbatch fields left at 1): every split of the world into dp x tp x pp x sp that the
+    model's shape allows (tp within a node), each with the ZeRO stages colo runs with it. A mixture-of-experts model
+    runs under the ``expert`` plugin or ``hybrid`` with ``ep`` (`_moe_structures`)."""
+    config = workload.config
+    world = cluster.world_size
+    layouts = []
+    precision = workload.precision
+    if is_moe(config):
+        return _moe_structures(workload, cluster, max_sp=max_sp)
+    for tp, pp in _tp_pp(config, cluster):
+        for sp in _divisors(world // (tp * pp)):
+            if sp > max_sp:
                 continue
-            for sp in _divisors(world // (tp * pp)):
-                if sp > max_sp:
+            dp = world // (tp * pp * sp)
+            if workload.global_batch_size % dp:
+                continue
+            modes = [None] if sp == 1 else ["ulysses"]
+            if tp > 1 and sp == 1 and pp == 1:
+                modes.append("megatron")
+            for sp_mode, stage in itertools.product(modes, (0, 1, 2, 3)):
+                if sp > 1 and (config.num_attention_heads // tp) % sp:
                     continue
-                dp = world // (tp * pp * sp)
-                if workload.global_batch_size % dp:
-                    continue
-                modes = [None] if sp == 1 else ["ulysses"]
-                if tp > 1 and sp == 1 and pp == 1:
-                    modes.append("megatron")
-                for sp_mode, stage in itertools.product(modes, (0, 1, 2, 3)):
-                    if sp > 1 and (config.num_attention_heads // tp) % sp:
-                        continue
-                    fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=sp_mode, zero_stage=stage, precision=precision)
-                    if pp > 1:
-                        fields["num_microbatches"] = pp  # placeholder, set per microbatch size
-                    layouts.append(fields)
+                fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=sp_mode, zero_stage=stage, precision=precision)
+                if pp > 1:
+                    fields["num_microbatches"] = pp  # placeholder, set per microbatch size
+                layouts.append(fields)
     result = []
     for fields in layouts:
         try:
@@ -132,8 +139,6 @@ def _moe_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) ->
     experts and the data ranks, ZeRO 0-3; without a pipeline also Ulysses ``sp`` up to ``max_sp`` (the sp ranks
     count as data ranks of both gradient groups; `check_layout` drops what colo does not run or plan: a capacity
     factor, multi-head latent attention)."""
-    from ..models.llama.parallelize import check_tp_size
-
     config = workload.config
     world = cluster.world_size
     precision = workload.precision
@@ -142,27 +147,20 @@ def _moe_structures(workload: Workload, cluster: Cluster, *, max_sp: int = 1) ->
         if config.num_local_experts % ep or workload.global_batch_size % world:
             continue
         fields += [dict(plugin="expert", dp=world // ep, ep=ep, zero_stage=stage) for stage in (0, 1, 2)]
-    for tp in _divisors(min(world, cluster.devices_per_node)):
-        try:
-            check_tp_size(config, tp)
-        except ValueError:
-            continue
-        for pp in _divisors(world // tp):
-            if config.num_hidden_layers % pp:
+    for tp, pp in _tp_pp(config, cluster):
+        for ep, sp in itertools.product(_divisors(world // (tp * pp))[1:], _divisors(world // (tp * pp))):
+            if sp > max_sp or (sp > 1 and pp > 1) or (world // (tp * pp)) % (ep * sp):
                 continue
-            for ep, sp in itertools.product(_divisors(world // (tp * pp))[1:], _divisors(world // (tp * pp))):
-                if sp > max_sp or (sp > 1 and pp > 1) or (world // (tp * pp)) % (ep * sp):
-                    continue
-                dp = world // (tp * pp * ep * sp)
-                if config.num_local_experts % ep or workload.global_batch_size % (dp * ep):
-                    continue
-                for split, stage in itertools.product((False, True) if tp > 1 else (False,), (0, 1, 2, 3)):
-                    structure = dict(plugin="hybrid", dp=dp, ep=ep, tp=tp, pp=pp, sp=sp, zero_stage=stage)
-                    structure["sp_mode"] = "ulysses" if sp > 1 else None
-                    structure["expert_tensor_parallel"] = split
-                    if pp > 1:
-                        structure["num_microbatches"] = pp  # placeholder, set per microbatch size
-                    fields.append(structure)
+            dp = world // (tp * pp * ep * sp)
+            if config.num_local_experts % ep or workload.global_batch_size % (dp * ep):
+                continue
+            for split, stage in itertools.product((False, True) if tp > 1 else (False,), (0, 1, 2, 3)):
+                structure = dict(plugin="hybrid", dp=dp, ep=ep, tp=tp, pp=pp, sp=sp, zero_stage=stage)
+                structure["sp_mode"] = "ulysses" if sp > 1 else None
+                structure["expert_tensor_parallel"] = split
+                if pp > 1:
+                    structure["num_microbatches"] = pp  # placeholder, set per microbatch size
+                fields.append(structure)
     result = []
     for structure in fields:
         try:
