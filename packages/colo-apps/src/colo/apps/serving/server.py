@@ -102,13 +102,17 @@ def start_followers(spec: dict, *, tp: int) -> tuple[list[subprocess.Popen], dic
 
 def stop_followers(followers: list[subprocess.Popen], *, timeout: float = 30.0) -> int:
     """Wait for the followers (they exit once the engine is shut down); kill those still running after
-    ``timeout``. Returns the first non-zero exit code, or 0."""
+    ``timeout``. Each one that did not exit 0 is named on stderr with its code. Returns the first non-zero exit
+    code, or 0."""
     code = 0
-    for process in followers:
+    for rank, process in enumerate(followers, start=1):
         try:
             result = process.wait(timeout)
         except subprocess.TimeoutExpired:
             process.kill()
             result = process.wait()
+            print(f"colo serve: tp rank {rank} still ran {timeout:g} s after the shutdown: killed", file=sys.stderr)
+        if result:
+            print(f"colo serve: tp rank {rank} exited with code {result}", file=sys.stderr, flush=True)
         code = code or result
     return code
