@@ -84,7 +84,10 @@ def _rollout_bytes(rollout) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def _rollout_case(plugin_name: str, settings: dict, lora: bool, census_every_chunk: bool = True):
+def _rollout_case(plugin_name: str, settings: dict, lora: bool, census: bool = True):
+    """Two train-then-rollout rounds on the boosted model and on a single-process reference. ``census``: count the
+    live tensor bytes before and after each rollout and at every chunk the sync gathers (each count walks every
+    Python object of the warm rank, about half a second late in a test session), for the layouts that gather."""
     from colo.apps import DDP, Booster, Gemini, HybridParallel, Zero
     from colo.apps.generation import RolloutEngine, SamplingParams, generate, rollout_model_inputs, sequence_logprobs
 
@@ -100,11 +103,11 @@ def _rollout_case(plugin_name: str, settings: dict, lora: bool, census_every_chu
     reference = _model(lora)
     optimizer = _optimizer(plugin_name, reference)
 
-    census: list[int] = []
+    chunk_counts: list[int] = []
     first_round = [True]
     on_sync_step = None
-    if census_every_chunk:
-        on_sync_step = lambda: census.append(_live_tensor_bytes()) if first_round[0] else None  # noqa: E731
+    if census:
+        on_sync_step = lambda: chunk_counts.append(_live_tensor_bytes()) if first_round[0] else None  # noqa: E731
     engine = RolloutEngine(booster, boosted, on_sync_step=on_sync_step)
     params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.95, n=2, seed=11, eos_token_id=3)
     prompts = _prompts(dp_rank)
@@ -115,10 +118,10 @@ def _rollout_case(plugin_name: str, settings: dict, lora: bool, census_every_chu
         optimizer.step()
         optimizer.zero_grad()
 
-        census.clear()
-        before = _live_tensor_bytes()
+        chunk_counts.clear()
+        before = _live_tensor_bytes() if census else 0
         rollout = engine.generate(prompts, params)
-        after = _live_tensor_bytes()
+        after = _live_tensor_bytes() if census else 0
         expected = generate(reference.eval(), prompts, params)
         with torch.no_grad():
             logits = booster.forward({**rollout_model_inputs(rollout), "return_logits": True}).logits
@@ -135,8 +138,8 @@ def _rollout_case(plugin_name: str, settings: dict, lora: bool, census_every_chu
                 "expected": expected.logprobs,
                 "recomputed": recomputed,
                 "report": report,
-                "census_excess": max(census, default=before) - before,
-                "leftover": after - before - _rollout_bytes(rollout),  # what the rollout left besides its result
+                "census_excess": max(chunk_counts, default=before) - before,
+                "leftover": after - before - _rollout_bytes(rollout) if census else None,  # besides its result
                 "chunk_bytes": chunk_bytes,
                 "generated": rollout.num_generated_tokens,
             }
@@ -164,7 +167,7 @@ def _check(results, *, layout: str):
 def test_rollouts_under_ddp_equal_the_reference_in_place(lora):
     if lora:
         pytest.importorskip("peft")
-    results = run_distributed(_rollout_case, "ddp", {}, lora, world_size=2, timeout=180)
+    results = run_distributed(_rollout_case, "ddp", {}, lora, False, world_size=2, timeout=180)  # in place: no census
     reports = _check(results, layout="in-place")
     assert all(r.synced_bytes == 0 and r.rollout_weight_bytes == 0 for rank in reports for r in rank)
 
@@ -190,7 +193,7 @@ def test_rollouts_under_gemini_gather_chunk_by_chunk_and_equal_the_reference():
 
 def test_lora_rollouts_under_zero3_gather_only_the_adapters_after_the_first():
     pytest.importorskip("peft")
-    # the per-chunk census is the ZeRO-3 / Gemini tests' (each costs a walk over every Python object): not repeated here
+    # the census is the ZeRO-3 / Gemini tests' (each costs a walk over every Python object): not repeated here
     settings = {"stage": 3, "chunk_numel": 8192}
     results = run_distributed(_rollout_case, "zero", settings, True, False, world_size=2, timeout=180)
     reports = _check(results, layout="gathered")
@@ -201,6 +204,6 @@ def test_lora_rollouts_under_zero3_gather_only_the_adapters_after_the_first():
 
 
 def test_rollouts_under_tp2_generate_tensor_parallel_on_the_shards():
-    results = run_distributed(_rollout_case, "hybrid", {"tp": 2}, False, world_size=2, timeout=180)
+    results = run_distributed(_rollout_case, "hybrid", {"tp": 2}, False, False, world_size=2, timeout=180)
     _check(results, layout="in-place")
     assert torch.equal(results[0][0]["rollout"], results[1][0]["rollout"])  # both tp ranks: the same sequences
