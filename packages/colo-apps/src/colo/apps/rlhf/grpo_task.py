@@ -101,6 +101,7 @@ class GRPOTask(LanguageModelTask):
             eps_high=grpo.eps_high,
             kl_ratio_correction=grpo.kl_ratio_correction,
             temperature=grpo.temperature,  # read under a pipeline, where the last stage takes the log-probs
+            vocab_limit=self.params.vocab_limit,  # likewise: the policy is the distribution over the tokenizer's ids
             importance_sampling_cap=grpo.importance_sampling_cap,
         )
 
@@ -138,8 +139,14 @@ class GRPOTask(LanguageModelTask):
         return build_prompt_dataset(config.data, getattr(config, cls.section), tokenizer)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses)."""
-        attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
+        """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses, over the
+        tokenizer's ids: the ids generation samples from)."""
+        attach_rollout_forward(
+            model,
+            temperature=self.settings.temperature,
+            pack_rows=self._pack_rows(),
+            vocab_limit=self.params.vocab_limit,
+        )
         self._packed_models = [model]
 
     def _pack_rows(self) -> bool:
@@ -644,7 +651,12 @@ class GRPOTask(LanguageModelTask):
             model = trainer.booster.frozen_copy(trainer.build_model(), state)
         if _axis_size(trainer, "pp") > 1:  # a FrozenPipeline: the criterion's pipeline_outputs are its forward
             return model
-        attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
+        attach_rollout_forward(
+            model,
+            temperature=self.settings.temperature,
+            pack_rows=self._pack_rows(),
+            vocab_limit=self.params.vocab_limit,
+        )
         self._packed_models.append(model)
         return model
 
