@@ -210,8 +210,5 @@ def test_grpo_runs_log_the_trainers_log_probs_on_either_path(changes, tmp_path):
     assert sorted(run["losses"]) == [1, 2, 3]
     assert [r["step"] for r in run["records"]] == [2, 3]
     for record in run["records"]:
-        assert record["grpo/logprob_mismatch_max"] < 1e-5
+        assert 0 < record["grpo/logprob_mismatch_max"] < 1e-5
         assert record["grpo/logprob_mismatch"] < 1e-6
-    # two computations compared, not one value with itself: rounding shows on some step (most tokens agree to the
-    # bit; step 2's 64 tokens all did, step 3 has 4.8e-7)
-    assert max(record["grpo/logprob_mismatch_max"] for record in run["records"]) > 0

@@ -44,18 +44,21 @@ def next_tokens(
         not the policy: vLLM and verl report the same unfiltered log-probs).
     """
     logits = logits.float()
+    policy = logits  # the columns of the policy's ids: the padded ones are never sampled, never counted
     if params.vocab_limit is not None and params.vocab_limit < logits.shape[-1]:
-        logits = logits[:, : params.vocab_limit]  # the padded ids are not the policy's: never sampled, never counted
+        policy = logits[:, : params.vocab_limit]
     if params.greedy:
-        scaled = logits
-        tokens = logits.argmax(dim=-1)
+        scaled = policy
+        tokens = policy.argmax(dim=-1)
     else:
         scaled = logits / params.temperature if params.temperature != 1 else logits
+        # drawn over the whole row, the padded columns at probability 0 (`filter_logits`)
         probs = filter_logits(scaled, params).softmax(dim=-1)
         if generator is not None and generator.device != probs.device:
             tokens = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
             tokens = tokens.to(probs.device)
         else:
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        scaled = scaled[:, : policy.shape[-1]]
     logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs
