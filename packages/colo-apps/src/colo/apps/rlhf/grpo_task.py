@@ -13,7 +13,9 @@ Each step on each data-parallel rank (`GRPOTask.train_step`):
    ``grpo.mask_truncated`` the completions that ran out of budget are left out of the loss;
 3. **log-probs**: the old log-probs recomputed by the training forward over the rollout (as verl does: the loss's
    ratio then compares like with like; their distance to the rollout's own log-probs is logged as
-   ``grpo/logprob_mismatch``), and the frozen reference's. With one update per step (``grpo.epochs`` x
+   ``grpo/logprob_mismatch``), and the frozen reference's. Every one of them, the rollout's included, is taken under
+   the one policy: the softmax over the tokenizer's ids (``SamplingParams.vocab_limit``, the rest of a padded
+   vocabulary left out) at the sampling temperature, before top-p. With one update per step (``grpo.epochs`` x
    ``grpo.minibatches`` = 1) the update's own forward is that training forward: its log-probs, detached, are the
    old ones (`GRPOCriterion`'s on-policy path), which saves a forward over the rollout; with several updates they
    are recomputed by a separate forward before the first;
