@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from colo.apps.generation import Rollout, SamplingParams, generate, rollout_model_inputs, sequence_logprobs
-from colo.apps.generation.sampling import filter_logits
+from colo.apps.generation.sampling import filter_logits, next_tokens
 from colo.apps.models.llama import Llama, get_preset
 
 SEED = 1234
@@ -195,6 +195,31 @@ def test_filters_keep_the_top_k_and_the_nucleus():
     assert kept(top_p=0.1) == [True, False, False, False]  # never empty
     assert kept(top_k=3, top_p=0.9, vocab_limit=3) == [True, False, True, False]  # nucleus of the renormalized 3
     assert kept(top_k=3, top_p=0.95, vocab_limit=3) == [True, True, True, False]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_log_probs_are_over_the_ids_below_the_vocab_limit(temperature):
+    """With a padded vocabulary the policy is the softmax over the tokenizer's ids (those below ``vocab_limit``, the
+    only ones sampled): the reported log-prob is ``log_softmax(logits[:, :limit] / T)`` of the chosen id (greedy: T
+    taken as 1), before top-k / top-p. The padded columns here hold real mass, so counting them lowers every log-prob
+    by more than 1e-2 (asserted), far past the 1e-6 tolerance (fp32 rounding of two equal computations)."""
+    generator = torch.Generator().manual_seed(SEED)
+    limit = 40
+    logits = torch.randn(16, 64, generator=generator) * 2
+    logits[:, limit:] += 1.5  # the padding columns a tokenizer never emits, made likely under the whole softmax
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=20, top_p=0.9, vocab_limit=limit)
+    tokens, logprobs = next_tokens(logits, params, torch.Generator().manual_seed(0))
+    assert bool((tokens < limit).all())
+    scale = temperature or 1.0
+    policy = torch.log_softmax(logits[:, :limit] / scale, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    whole = torch.log_softmax(logits / scale, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, policy, rtol=1e-6, atol=1e-6)
+    assert float((logprobs - whole).min()) > 1e-2  # the padded columns' mass no longer counts
+    if temperature == 0:
+        assert torch.equal(tokens, logits[:, :limit].argmax(dim=-1))
+    free, free_logprobs = next_tokens(logits, SamplingParams(max_new_tokens=1, temperature=temperature), generator)
+    whole_free = torch.log_softmax(logits / scale, dim=-1).gather(-1, free[:, None])[:, 0]
+    torch.testing.assert_close(free_logprobs, whole_free, rtol=1e-6, atol=1e-6)  # no limit: the whole row
 
 
 @pytest.mark.parametrize(

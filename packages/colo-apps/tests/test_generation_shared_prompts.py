@@ -10,6 +10,8 @@
   left-padded prompts of three lengths and responses of several lengths; the embedding sees ``3 P + 9 (T - 1)``
   tokens, not ``9 (P + T)``. Rows that share no prompt with a neighbour, and one-token responses, take the other
   paths and agree too; a model with hooks or activation checkpointing is not given the shared path.
+- With a ``vocab_limit`` (a tokenizer smaller than the model's vocabulary) the rollout forward, shared or full, and
+  generation take log-probs under the same policy, the softmax over the ids below it.
 """
 
 from __future__ import annotations
@@ -178,3 +180,27 @@ def test_rows_without_a_shared_neighbour_or_with_hooks_take_the_full_forward():
     # the same ids under another padding mask are different prompts
     ids = torch.tensor([[0, 5, 6, 1], [0, 5, 6, 1]])
     assert shared_prompt_rows(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), 3) is None
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_rollout_forward_with_a_vocab_limit_recomputes_the_rollouts_log_probs(kind):
+    """A tokenizer of 100 ids under a 128-id vocabulary: generation samples only ids below 100 and reports their
+    log-probs under the softmax over them; the rollout forward given the same ``vocab_limit`` recomputes them (shared
+    prompts or not) within 1e-5 (the cached decode sums in other orders, ~1e-6), while over the whole vocabulary it
+    reads each token lower by the padded ids' mass (here more than 1e-2)."""
+    from colo.apps.rlhf import attach_rollout_forward
+
+    limit, model = 100, _hf() if kind == "hf" else _native()
+    params = SamplingParams(max_new_tokens=5, temperature=0.8, top_p=0.9, n=3, seed=SEED, vocab_limit=limit)
+    rollout = generate(model, PROMPTS, params)
+    assert int(rollout.input_ids[:, rollout.prompt_length :].max()) < limit
+    batch = {**rollout_model_inputs(rollout, hf=kind == "hf"), "response_mask": rollout.response_mask}
+    mask = rollout.response_mask.bool()
+    with torch.no_grad():
+        for share in (True, False):
+            limited = attach_rollout_forward(model, temperature=0.8, share_prompts=share, vocab_limit=limit)
+            logps = limited(**batch)["logps"]
+            torch.testing.assert_close(logps[mask], rollout.logprobs[mask], **TOLERANCE)
+            del model.forward, model._colo_rollout_forward  # the class's forward again, for the next attach
+        whole = attach_rollout_forward(model, temperature=0.8)(**batch)["logps"]
+    assert float((rollout.logprobs - whole)[mask].min()) > 1e-2

@@ -136,10 +136,11 @@ def test_ppo_run_under_hybrid_sp2_matches_ddp(tmp_path, ddp_run, sp_mode):
             assert actual[step][name] == pytest.approx(expected[step][name], **close), (step, name)
     for step in (2, 3):
         assert actual[step]["grad_norm"] > 1e-3 and actual[step]["ppo/critic_grad_norm"] > 1e-3  # real updates
-        # the trainer's recompute against the rollout's log-probs as in one process (both sides ~0.21 apart: the
-        # rollout reports log-probs over the padded vocabulary, PPO's forward over the tokenizer's ids)
-        wanted = expected[step]["ppo/logprob_mismatch_max"]
-        assert actual[step]["ppo/logprob_mismatch_max"] == pytest.approx(wanted, rel=1e-5, abs=1e-6), step
+        # the trainer's recompute of the old log-probs (the rollout's weights) against the rollout's own: one policy,
+        # the softmax over the tokenizer's ids (smaller than the model's padded vocabulary) on both sides, so only
+        # rounding apart (observed ~1e-6; 0.21 when the rollout took them over the padded vocabulary)
+        assert expected[step]["ppo/logprob_mismatch_max"] < 1e-5, step
+        assert actual[step]["ppo/logprob_mismatch_max"] < 1e-5, step
     assert any(actual[step]["ppo/reward_std"] > 0 for step in (2, 3))  # a score that varies
     for root in ("checkpoints", "checkpoints/critic"):  # the actor's and the critic's parameters after 4 AdamW steps
         wanted, got = _last_checkpoint(ddp_dir / root), _last_checkpoint(sp_dir / root)

@@ -14,9 +14,9 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """The settings of one `generate` call, validated on construction.
 
-    The policy's distribution at a step is ``softmax(logits / temperature)``; the sampled token is drawn from it
-    after top-k and then top-p filtering (the order of Hugging Face's logits warpers), and its log-prob is taken
-    *before* the filtering, under the policy itself (what the trainer recomputes).
+    The policy's distribution at a step is ``softmax(logits / temperature)`` over the ids below ``vocab_limit``; the
+    sampled token is drawn from it after top-k and then top-p filtering (the order of Hugging Face's logits warpers),
+    and its log-prob is taken *before* the filtering, under the policy itself (what the trainer recomputes).
 
     Example::
 
@@ -42,8 +42,9 @@ class SamplingParams:
     seed: int | None = None
     """Seed of the sampling generator when `generate` is given none; ``None``: torch's global generator."""
     vocab_limit: int | None = None
-    """Never sample ids at or above this (a tokenizer smaller than the model's padded vocabulary); a filter like
-    top-k: log-probs stay those of the whole vocabulary. ``None``: no limit."""
+    """Only ids below this are the policy's (a tokenizer smaller than the model's padded vocabulary): they are never
+    sampled, and the log-probs are those of ``softmax(logits[:, :vocab_limit] / temperature)``, the distribution the
+    trainers recompute (unlike top-k / top-p, which filter the sampling only). ``None``: the whole vocabulary."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

@@ -174,7 +174,8 @@ def sequence_logprobs(logits: torch.Tensor, rollout: Rollout, temperature: float
 
     Position ``P + t - 1`` predicts response token ``t``; masked tokens (after the eos) get 0. The result is
     differentiable (the policy-gradient losses use it) and equals ``rollout.logprobs`` up to floating-point rounding
-    when the forward ran on `rollout_model_inputs` with the weights that generated the rollout.
+    when the forward ran on `rollout_model_inputs` with the weights that generated the rollout (a rollout sampled
+    with ``SamplingParams.vocab_limit`` took them over the ids below it: pass ``logits[..., :vocab_limit]``).
 
     Args:
         logits (torch.Tensor): ``(R, P + T, vocab)`` logits of the forward (``(R, T, vocab)`` is also accepted:

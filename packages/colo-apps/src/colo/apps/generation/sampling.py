@@ -1,5 +1,6 @@
 """Choosing the next token from a batch of logits: greedy, or temperature sampling after top-k and top-p filtering,
-with the chosen token's log-prob under the unfiltered policy."""
+with the chosen token's log-prob under the unfiltered policy: ``softmax(logits / temperature)`` over the ids below
+``SamplingParams.vocab_limit`` (the tokenizer's ids of a padded vocabulary)."""
 
 from __future__ import annotations
 
@@ -38,22 +39,26 @@ def next_tokens(
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(tokens, logprobs)``, both ``(rows,)``: the chosen ids (long) and their
-        fp32 log-probs under ``softmax(logits / temperature)`` (temperature 1 when greedy), before any filtering.
+        fp32 log-probs under the policy ``softmax(logits[:, :vocab_limit] / temperature)`` (the whole row without a
+        ``vocab_limit``; temperature 1 when greedy): over the ids that can be sampled, before top-k and top-p (filters,
+        not the policy: vLLM and verl report the same unfiltered log-probs).
     """
     logits = logits.float()
+    policy = logits  # the columns of the policy's ids: the padded ones are never sampled, never counted
+    if params.vocab_limit is not None and params.vocab_limit < logits.shape[-1]:
+        policy = logits[:, : params.vocab_limit]
     if params.greedy:
-        scaled = logits
-        limited = logits
-        if params.vocab_limit is not None and params.vocab_limit < logits.shape[-1]:
-            limited = logits[:, : params.vocab_limit]
-        tokens = limited.argmax(dim=-1)
+        scaled = policy
+        tokens = policy.argmax(dim=-1)
     else:
         scaled = logits / params.temperature if params.temperature != 1 else logits
+        # drawn over the whole row, the padded columns at probability 0 (`filter_logits`)
         probs = filter_logits(scaled, params).softmax(dim=-1)
         if generator is not None and generator.device != probs.device:
             tokens = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
             tokens = tokens.to(probs.device)
         else:
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        scaled = scaled[:, : policy.shape[-1]]
     logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs

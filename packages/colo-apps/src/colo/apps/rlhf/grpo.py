@@ -3,9 +3,11 @@
 `attach_rollout_forward` gives a causal LM a second way to be called, *on the instance* (parameter names, plans,
 optimizers and checkpoints are untouched): ``model(input_ids=(R, P + T), response_mask=(R, T), position_ids=...,
 document_ids=... | attention_mask=..., <criterion inputs>)`` returns ``{"logps": (R, T), "entropy": (R, T)}``, the
-log-probs of the response tokens under ``softmax(logits / temperature)`` (differentiable, fp32) and the policy's
-entropy at those positions; the model inputs are those of `colo.apps.generation.rollout_model_inputs`, so the forward
-sees exactly what generation saw. Called without ``response_mask`` the model behaves as before (generation, eval).
+log-probs of the response tokens under ``softmax(logits / temperature)`` over the ids below ``vocab_limit`` (the
+tokenizer's ids of a padded vocabulary: the policy generation samples from, `colo.apps.generation.SamplingParams`;
+differentiable, fp32) and the policy's entropy at those positions; the model inputs are those of
+`colo.apps.generation.rollout_model_inputs`, so the forward sees exactly what generation saw. Called without
+``response_mask`` the model behaves as before (generation, eval).
 
 `GRPOCriterion` turns that output and the batch's ``advantages`` (``(R,)``), ``old_logps`` and ``ref_logps``
 (``(R, T)``) into this microbatch's share of the update batch's loss (`colo.apps.rlhf.policy_loss`): with the global
@@ -54,7 +56,12 @@ _MODEL_INPUTS = ("position_ids", "document_ids", "attention_mask")
 
 
 def attach_rollout_forward(
-    model: nn.Module, *, temperature: float, share_prompts: bool = True, pack_rows: bool = False
+    model: nn.Module,
+    *,
+    temperature: float,
+    share_prompts: bool = True,
+    pack_rows: bool = False,
+    vocab_limit: int | None = None,
 ) -> nn.Module:
     """Make ``model(input_ids=..., response_mask=..., ...)`` return per-token log-probs and entropies of the
     response (module docstring); every other call is the model's own forward.
@@ -80,6 +87,10 @@ def attach_rollout_forward(
             (``[padded, packed]``). Under Ulysses or ring attention each packed row (its length rounded up to the
             layout's chunks) is split over sp as any row is and the values gathered before they are scattered back
             (`colo.apps.rlhf.packing.packed_token_logps`). Default: ``False``.
+        vocab_limit (int | None): only ids below it are the policy's classes: the rest of the (padded) vocabulary is
+            left out of the softmax, as generation leaves it out of the log-probs it reports
+            (`colo.apps.generation.SamplingParams`'s ``vocab_limit``, the tokenizer's size). ``None``: the model's
+            whole vocabulary. Default: ``None``.
 
     Returns:
         nn.Module: ``model``, changed in place.
@@ -118,7 +129,9 @@ def attach_rollout_forward(
                 self.pack_tokens[0] += packed.padded_tokens
                 self.pack_tokens[1] += packed.packed_tokens
                 shape = tuple(response_mask.shape)
-                logps, entropy = packed_token_logps(self, packed, shape, temperature=temperature, split=split)
+                logps, entropy = packed_token_logps(
+                    self, packed, shape, temperature=temperature, split=split, vocab_limit=vocab_limit
+                )
                 return {"logps": logps, "entropy": entropy}
             if split is not None:  # Ulysses / ring: this rank's piece of each row, the values gathered over sp
                 logps, entropy = split_token_logps(
@@ -131,6 +144,7 @@ def attach_rollout_forward(
                     document_ids=inputs.get("document_ids"),
                     temperature=temperature,
                     entropy=True,
+                    vocab_limit=vocab_limit,
                 )
                 return {"logps": logps, "entropy": entropy}
             shared = None
@@ -144,7 +158,9 @@ def attach_rollout_forward(
                     input_ids, inputs.get("position_ids"), document_ids=inputs.get("document_ids")
                 )[:, prompt - 1 : -1]
             tokens = input_ids[:, prompt:]
-            logps, entropy = llama_token_logps(self, hidden, tokens, temperature=temperature, entropy=True)
+            logps, entropy = llama_token_logps(
+                self, hidden, tokens, temperature=temperature, entropy=True, vocab_limit=vocab_limit
+            )
             return {"logps": logps, "entropy": entropy}
         inputs.pop("document_ids", None)
         shared = None
@@ -156,7 +172,9 @@ def attach_rollout_forward(
         else:
             output = class_forward(self, input_ids=input_ids, use_cache=False, logits_to_keep=length + 1, **inputs)
             logits = output.logits[:, :-1]
-        logps, entropy = token_logps(logits, input_ids[:, prompt:], temperature=temperature, entropy=True)
+        logps, entropy = token_logps(
+            logits, input_ids[:, prompt:], temperature=temperature, entropy=True, vocab_size=vocab_limit
+        )
         return {"logps": logps, "entropy": entropy}
 
     model.forward = types.MethodType(rollout_forward, model)
@@ -214,6 +232,8 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
             ``use_bias_correction_kl``). Default: ``False``.
         temperature (float): the sampling temperature; read only under a pipeline, where the last stage takes the
             log-probs from the logits itself (`colo.apps.rlhf.rollout_pipeline`). Default: ``1.0``.
+        vocab_limit (int | None): the ids generation samples from (`attach_rollout_forward`'s); read only under a
+            pipeline, as ``temperature`` is. Default: ``None``.
         importance_sampling_cap (float): the cap of the behaviour importance weight applied when a microbatch
             carries ``behaviour_logps`` (the sampling policy's log-probs of off-policy rollouts):
             ``min(exp(old - behaviour), cap)`` multiplies the clipped surrogate, ``old`` being the proximal
@@ -230,10 +250,11 @@ class GRPOCriterion(RolloutPipeline, _TokenMetrics):
         eps_high: float | None = None,
         kl_ratio_correction: bool = False,
         temperature: float = 1.0,
+        vocab_limit: int | None = None,
         importance_sampling_cap: float = 2.0,
     ) -> None:
         super().__init__()
-        self.temperature = temperature
+        self.temperature, self.vocab_limit = temperature, vocab_limit
         if loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(
                 f"GRPOCriterion: loss_aggregation={loss_aggregation!r} is unknown; use one of {LOSS_AGGREGATIONS}"

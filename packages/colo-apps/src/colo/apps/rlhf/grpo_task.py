@@ -13,7 +13,9 @@ Each step on each data-parallel rank (`GRPOTask.train_step`):
    ``grpo.mask_truncated`` the completions that ran out of budget are left out of the loss;
 3. **log-probs**: the old log-probs recomputed by the training forward over the rollout (as verl does: the loss's
    ratio then compares like with like; their distance to the rollout's own log-probs is logged as
-   ``grpo/logprob_mismatch``), and the frozen reference's. With one update per step (``grpo.epochs`` x
+   ``grpo/logprob_mismatch``), and the frozen reference's. Every one of them, the rollout's included, is taken under
+   the one policy: the softmax over the tokenizer's ids (``SamplingParams.vocab_limit``, the rest of a padded
+   vocabulary left out) at the sampling temperature, before top-p. With one update per step (``grpo.epochs`` x
    ``grpo.minibatches`` = 1) the update's own forward is that training forward: its log-probs, detached, are the
    old ones (`GRPOCriterion`'s on-policy path), which saves a forward over the rollout; with several updates they
    are recomputed by a separate forward before the first;
@@ -101,6 +103,7 @@ class GRPOTask(LanguageModelTask):
             eps_high=grpo.eps_high,
             kl_ratio_correction=grpo.kl_ratio_correction,
             temperature=grpo.temperature,  # read under a pipeline, where the last stage takes the log-probs
+            vocab_limit=self.params.vocab_limit,  # likewise: the policy is the distribution over the tokenizer's ids
             importance_sampling_cap=grpo.importance_sampling_cap,
         )
 
@@ -138,8 +141,14 @@ class GRPOTask(LanguageModelTask):
         return build_prompt_dataset(config.data, getattr(config, cls.section), tokenizer)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses)."""
-        attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
+        """Before the optimizer is built: the rollout forward (log-probs and entropies of the responses, over the
+        tokenizer's ids: the ids generation samples from)."""
+        attach_rollout_forward(
+            model,
+            temperature=self.settings.temperature,
+            pack_rows=self._pack_rows(),
+            vocab_limit=self.params.vocab_limit,
+        )
         self._packed_models = [model]
 
     def _pack_rows(self) -> bool:
@@ -644,7 +653,12 @@ class GRPOTask(LanguageModelTask):
             model = trainer.booster.frozen_copy(trainer.build_model(), state)
         if _axis_size(trainer, "pp") > 1:  # a FrozenPipeline: the criterion's pipeline_outputs are its forward
             return model
-        attach_rollout_forward(model, temperature=self.settings.temperature, pack_rows=self._pack_rows())
+        attach_rollout_forward(
+            model,
+            temperature=self.settings.temperature,
+            pack_rows=self._pack_rows(),
+            vocab_limit=self.params.vocab_limit,
+        )
         self._packed_models.append(model)
         return model
 

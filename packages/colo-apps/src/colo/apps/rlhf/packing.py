@@ -136,6 +136,7 @@ def packed_token_logps(
     temperature: float = 1.0,
     entropy: bool = True,
     split: SequenceSplit | None = None,
+    vocab_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps, entropy)``, each ``(R, T)`` float32 and 0 past each row's response: colo's `Llama` over the packed
     rows (one forward), the log-probs (under tensor parallelism from this rank's vocabulary columns,
@@ -156,19 +157,22 @@ def packed_token_logps(
         entropy (bool): also the entropies. Default: ``True``.
         split (SequenceSplit | None): the sequence-parallel group and layout of ``model``
             (`colo.apps.booster.llama_plan.sequence_split_of`); ``None``: whole rows. Default: ``None``.
+        vocab_limit (int | None): only ids below it are classes (`colo.apps.rlhf.token_logps.llama_token_logps`).
+            Default: ``None``.
     """
     if split is not None:
         logps, entropies = split_selected_token_logps(
             model, split, packed.input_ids, rows=packed.rows, columns=packed.columns, targets=packed.targets,
             position_ids=packed.position_ids, document_ids=packed.document_ids, temperature=temperature,
-            entropy=entropy,
+            entropy=entropy, vocab_limit=vocab_limit,
         )  # fmt: skip
     else:
         hidden = model.hidden_states(packed.input_ids, packed.position_ids, document_ids=packed.document_ids)
         scored = hidden[packed.rows, packed.columns].unsqueeze(0)
         logps, entropies = llama_token_logps(
-            model, scored, packed.targets.unsqueeze(0), temperature=temperature, entropy=entropy
-        )
+            model, scored, packed.targets.unsqueeze(0), temperature=temperature, entropy=entropy,
+            vocab_limit=vocab_limit,
+        )  # fmt: skip
         logps, entropies = logps[0], (entropies[0].detach() if entropies is not None else None)
     where = (packed.source_rows, packed.source_columns)
     zeros = torch.zeros(shape, dtype=torch.float32, device=packed.input_ids.device)

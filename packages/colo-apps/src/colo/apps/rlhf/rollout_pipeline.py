@@ -10,7 +10,8 @@ returns whole-vocabulary logits; `RolloutPipeline` makes the criterion a `colo.a
   ``old_logps``, ``ref_logps``), split with the rows into the same microbatches, so each row's advantage and masks
   travel with it. During the SFT warm-up (``criterion.sft``): ``(input_ids, labels)``, the next-token loss.
 - ``pipeline_outputs``: ``{"logps", "entropy"}`` of the response tokens from the last stage's logits
-  (`colo.apps.rlhf.token_logps.token_logps` at the criterion's ``temperature``): what the rollout forward returns.
+  (`colo.apps.rlhf.token_logps.token_logps` at the criterion's ``temperature``, over its ``vocab_limit`` ids): what
+  the rollout forward returns.
   A pipelined `Booster.forward` (old log-probs of an off-policy update) and the pipelined frozen reference
   (`Booster.frozen_copy` under pp) return it on every rank.
 - ``pipeline_loss``: the criterion on those outputs, per microbatch, on the last stage.
@@ -30,10 +31,12 @@ from .token_logps import token_logps
 
 
 class RolloutPipeline:
-    """Mixin of `GRPOCriterion`: its `PipelineCriterion` methods (module docstring). The subclass holds ``sft`` and
-    ``temperature`` (the sampling temperature the log-probs are taken at)."""
+    """Mixin of `GRPOCriterion`: its `PipelineCriterion` methods (module docstring). The subclass holds ``sft``,
+    ``temperature`` (the sampling temperature the log-probs are taken at) and ``vocab_limit`` (the ids generation
+    samples from; ``None``: every column of the logits)."""
 
     temperature: float = 1.0
+    vocab_limit: int | None = None
     sft: bool = False
     pipeline_shapes_vary = True
     """Rollout rows differ in width (and the SFT warm-up's rows in layout) from step to step."""
@@ -58,7 +61,9 @@ class RolloutPipeline:
         """``{"logps", "entropy"}`` (``(R, T)``, fp32) of the response tokens from ``(R, P + T, vocab)`` logits."""
         tokens = targets["tokens"]
         scoring = logits[:, -tokens.shape[1] - 1 : -1]  # position j predicts token j + 1
-        logps, entropy = token_logps(scoring, tokens, temperature=self.temperature or 1.0, entropy=True)
+        logps, entropy = token_logps(
+            scoring, tokens, temperature=self.temperature or 1.0, vocab_size=self.vocab_limit, entropy=True
+        )
         return {"logps": logps, "entropy": entropy}
 
     def pipeline_loss(self, logits: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> torch.Tensor:

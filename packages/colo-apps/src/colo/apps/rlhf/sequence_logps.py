@@ -99,6 +99,7 @@ def split_selected_token_logps(
     document_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     entropy: bool = False,
+    vocab_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and detached entropies) of ``targets`` at scattered positions ``(rows[i], columns[i])`` of whole
     rows (packed rows, where each row scores other columns: `colo.apps.rlhf.packing`), computed on this rank's piece
@@ -108,8 +109,8 @@ def split_selected_token_logps(
     ``position_ids`` are split with the tokens.
 
     Args:
-        model, split, input_ids, position_ids, document_ids, temperature: as `split_token_logps` (``input_ids``
-            padded at the end to the layout's chunks if they do not split into them).
+        model, split, input_ids, position_ids, document_ids, temperature, vocab_limit: as `split_token_logps`
+            (``input_ids`` padded at the end to the layout's chunks if they do not split into them).
         rows (torch.Tensor): ``(n,)`` the row of each scored position.
         columns (torch.Tensor): ``(n,)`` its column in the row.
         targets (torch.Tensor): ``(n,)`` the token it is scored on.
@@ -128,7 +129,7 @@ def split_selected_token_logps(
     local_rows, local_columns = rows[mine], where[mine]
     logps, entropies = llama_token_logps(
         model, hidden[local_rows, local_columns].unsqueeze(0), targets[mine].unsqueeze(0), temperature=temperature,
-        entropy=entropy,
+        entropy=entropy, vocab_limit=vocab_limit,
     )  # fmt: skip
     values = [logps[0]] + ([entropies[0].detach()] if entropies is not None else [])
     local = torch.zeros(num_rows, held.numel(), len(values), dtype=torch.float32, device=input_ids.device)
