@@ -22,9 +22,7 @@ class RLPhaseLR(WarmupCosine):
     Plain numbers only, so `torch.optim.lr_scheduler.LambdaLR` keeps it in its JSON-able ``state_dict``.
     """
 
-    def __init__(
-        self, *, warmup_steps: int, total_steps: int, min_ratio: float, from_step: int, ratio: float
-    ) -> None:
+    def __init__(self, *, warmup_steps: int, total_steps: int, min_ratio: float, from_step: int, ratio: float) -> None:
         super().__init__(warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
         self.from_step = from_step
         self.ratio = ratio
