@@ -242,6 +242,15 @@ def _tp_case(settings: dict) -> dict:
         if not torch.equal(rollout.input_ids, tokens):
             mismatches.append(f"step {step}: sampled tokens differ from the single process")
             break
+        report, whole = engine.last_report, 4 * sum(t.numel() for t in _meta_model().state_dict().values())
+        stage = 4 * sum(p.numel() for p in booster.engine.optimizer.full_params().values())  # this rank's stage
+        received = whole - stage + (stage if settings.get("zero_stage") == 3 else 0)  # + its chunks over dp
+        # the copy is the whole fp32 model; at the peak the received stages sit beside the model they are loaded into
+        if (report.rollout_weight_bytes, report.peak_sync_bytes) != (
+            whole,
+            2 * whole,
+        ) or report.synced_bytes < received:
+            mismatches.append(f"step {step}: {report} against a whole model of {whole} B, this stage {stage} B")
         batch = _batch(rollout, booster.forward, reference)
         for name, actual, wanted in (
             ("rollout log-probs vs the single process", rollout.logprobs, logprobs),
@@ -369,6 +378,15 @@ def _pp_case(settings: dict) -> dict:
         if not torch.equal(rollout.input_ids, tokens):
             mismatches.append(f"step {step}: sampled tokens differ from the single process")
             break
+        report, whole = engine.last_report, 4 * sum(t.numel() for t in _meta_model().state_dict().values())
+        stage = 4 * sum(p.numel() for p in booster.engine.optimizer.full_params().values())  # this rank's stage
+        received = whole - stage + (stage if settings.get("zero_stage") == 3 else 0)  # + its chunks over dp
+        # the copy is the whole fp32 model; at the peak the received stages sit beside the model they are loaded into
+        if (report.rollout_weight_bytes, report.peak_sync_bytes) != (
+            whole,
+            2 * whole,
+        ) or report.synced_bytes < received:
+            mismatches.append(f"step {step}: {report} against a whole model of {whole} B, this stage {stage} B")
         batch = _batch(rollout, booster.forward, reference)
         for name, actual, wanted in (
             ("rollout log-probs vs the single process", rollout.logprobs, logprobs),
