@@ -211,3 +211,44 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing_under_zero3():
         assert ckpt_losses == losses  # fp32, same order of operations: bit for bit
         assert all(torch.equal(ckpt_params[name], value) for name, value in params.items())
         assert calls == 3 and ckpt_calls == 6  # one forward per step, plus its recompute in backward
+
+
+def _gathered_piece_payload() -> dict:
+    """`gather_pieces` on pieces that are views into one flat buffer (this rank's master shard holding its half of
+    four 2 x 1024 tensors): the bytes its all-gather pickles, and the whole tensors it assembles."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from colo.apps.diffusion.ema import gather_pieces
+    from colo.comm import Mesh
+
+    group = Mesh(dp=2).group("dp")
+    rank = group.rank
+    flat = torch.arange(4 * 1024, dtype=torch.float32) + 10_000 * rank
+    pieces = [
+        (f"w{i}", flat[1024 * i : 1024 * (i + 1)], {"flat_start": 1024 * rank, "global_shape": [2, 1024]})
+        for i in range(4)
+    ]
+    sent = []
+    original = dist.all_gather_object
+
+    def counting(output, obj, group=None):
+        sent.append(len(pickle.dumps(obj)))
+        return original(output, obj, group=group)
+
+    dist.all_gather_object = counting
+    try:
+        whole = gather_pieces(pieces, group=group)
+    finally:
+        dist.all_gather_object = original
+    return {"sent": sent[0], "buffer": flat.numel() * 4, "whole": whole}
+
+
+def test_gathered_pieces_send_their_own_values_not_the_flat_buffer_they_view():
+    for result in run_distributed(_gathered_piece_payload, world_size=2, timeout=60):
+        # the four pieces are the whole buffer: sent once (16 KiB + framing), not once per piece (64 KiB)
+        assert result["buffer"] <= result["sent"] < 1.1 * result["buffer"], result["sent"]
+        for i in range(4):
+            expected = torch.stack([torch.arange(1024.0) + 1024 * i + 10_000 * r for r in range(2)])
+            torch.testing.assert_close(result["whole"][f"w{i}"], expected, rtol=0, atol=0)

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -242,15 +244,6 @@ def _tp_case(settings: dict) -> dict:
         if not torch.equal(rollout.input_ids, tokens):
             mismatches.append(f"step {step}: sampled tokens differ from the single process")
             break
-        report, whole = engine.last_report, 4 * sum(t.numel() for t in _meta_model().state_dict().values())
-        stage = 4 * sum(p.numel() for p in booster.engine.optimizer.full_params().values())  # this rank's stage
-        received = whole - stage + (stage if settings.get("zero_stage") == 3 else 0)  # + its chunks over dp
-        # the copy is the whole fp32 model; at the peak the received stages sit beside the model they are loaded into
-        if (report.rollout_weight_bytes, report.peak_sync_bytes) != (
-            whole,
-            2 * whole,
-        ) or report.synced_bytes < received:
-            mismatches.append(f"step {step}: {report} against a whole model of {whole} B, this stage {stage} B")
         batch = _batch(rollout, booster.forward, reference)
         for name, actual, wanted in (
             ("rollout log-probs vs the single process", rollout.logprobs, logprobs),
@@ -387,6 +380,11 @@ def _pp_case(settings: dict) -> dict:
             2 * whole,
         ) or report.synced_bytes < received:
             mismatches.append(f"step {step}: {report} against a whole model of {whole} B, this stage {stage} B")
+        # what this stage sends over pp: its weights once, plus pickle's framing (a view into a flat buffer would
+        # carry the whole buffer, once per parameter: 8-9x at pp2 before the views were made compact)
+        sent = len(pickle.dumps(engine._stage_state(booster.unwrap())[0])) if step == 0 else stage
+        if not stage <= sent < 1.1 * stage:
+            mismatches.append(f"step {step}: the stage's weights pickle to {sent} B for {stage} B")
         batch = _batch(rollout, booster.forward, reference)
         for name, actual, wanted in (
             ("rollout log-probs vs the single process", rollout.logprobs, logprobs),

@@ -103,7 +103,9 @@ def gather_pieces(pieces, *, group, to_rank: int | None = None) -> dict[str, tor
     ``{}``)."""
     import torch.distributed as dist
 
-    pieces = [(name, value.detach().cpu(), fields) for name, value, fields in pieces]
+    # each piece in a storage of its own: a flat range of a chunk's master is a view, which pickling would send
+    # with the whole master shard, once per piece
+    pieces = [(name, value.detach().to("cpu", copy=True), fields) for name, value, fields in pieces]
     if group.size == 1:
         return _assemble([pieces])
     if to_rank is None:

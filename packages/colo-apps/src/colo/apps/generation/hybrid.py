@@ -93,6 +93,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU in a storage of its own size. A view into a flat buffer (ZeRO's and the pipeline's
+    parameters) would be pickled with its whole buffer by the all-gather over pp: once per parameter."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return tensor.cpu()
+    if tensor.untyped_storage().nbytes() != _nbytes(tensor):
+        return tensor.clone()
+    return tensor
+
+
 def _state_bytes(state: dict[str, torch.Tensor], besides: nn.Module | None = None) -> int:
     """Bytes of a state dict's tensors, each distinct tensor once (a tied weight saved under two names counts once),
     leaving out those ``besides``'s own parameters and buffers are (a ``.cpu()`` of a CPU tensor is the tensor)."""
@@ -263,7 +274,7 @@ class RolloutEngine:
             state: dict[str, torch.Tensor] = {}
             for part in all_gather_object(own, group=self.pp_group):
                 state.update(part)
-            del own  # every stage's part, this one's included, is in ``state`` now
+            del own, part  # every stage's part, this one's included, is in ``state`` now
             received = _state_bytes(state)
             peak = max(peak, own_bytes + received)
             with torch.random.fork_rng(devices=[]):  # building draws from the RNG: keep the run's stream
@@ -299,7 +310,7 @@ class RolloutEngine:
         chunks gathered for it and the most bytes held at once while it was built: under ZeRO-3 its chunks are
         all-gathered over dp one at a time through the optimizer's gatherer, each parameter copied out of the full
         buffer and the buffer given back before the next chunk (ZeRO-3 holds only shards outside a forward)."""
-        own = {name: tensor.detach().cpu() for name, tensor in stage.state_dict().items()}
+        own = {name: _compact_cpu(tensor) for name, tensor in stage.state_dict().items()}
         optimizer = self._chunk_optimizer
         if optimizer is None:
             return own, 0, _state_bytes(own, besides=stage)
