@@ -106,7 +106,8 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 def _state_bytes(state: dict[str, torch.Tensor], besides: nn.Module | None = None) -> int:
     """Bytes of a state dict's tensors, each distinct tensor once (a tied weight saved under two names counts once),
-    leaving out those ``besides``'s own parameters and buffers are (a ``.cpu()`` of a CPU tensor is the tensor)."""
+    leaving out the tensors that are ``besides``'s own parameters and buffers (a ``.cpu()`` of a CPU tensor is the
+    tensor itself: no new bytes)."""
     tensors = {(t.data_ptr(), t.numel()): _nbytes(t) for t in state.values()}
     if besides is not None:
         for tensor in besides.state_dict().values():
