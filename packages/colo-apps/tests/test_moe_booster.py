@@ -514,19 +514,29 @@ def _train_fp16(overflow_step: int) -> tuple[list[float], list[bool], list[float
     if rank == 1:
         w1 = moe_blocks(booster.unwrap())[0][1].experts.w1
         w1.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
-    losses, skipped, scales, unchanged = [], [], [], False
-    for step in range(STEPS):
+    losses, skipped, _, scales, unchanged = _steps_with_an_overflow(booster, poison, rank, overflow_step, STEPS)
+    return losses, skipped, scales, unchanged
+
+
+def _steps_with_an_overflow(booster, poison: dict, rank: int, overflow_step: int, num_steps: int):
+    """``num_steps`` fp16 steps on data rank ``rank``'s sequences, ``poison["on"]`` (the injected inf) only at
+    ``overflow_step``: the losses, the skipped flags, the grad norms, the loss scale after each step, and whether the
+    overflow step left every weight of the rank as it was."""
+    zero = booster.engine.optimizer
+    losses, skipped, norms, scales, unchanged = [], [], [], [], False
+    for step in range(num_steps):
         poison["on"] = step == overflow_step
         before = zero.full_params()
         x = _sequences(step)[2 * rank : 2 * rank + 2]
         result = booster.train_step({"input_ids": x, "labels": x})
         losses.append(result.loss)
         skipped.append(result.skipped)
+        norms.append(result.grad_norm)
         scales.append(zero.loss_scaler.scale)
         if step == overflow_step:
             after = zero.full_params()
             unchanged = all(torch.equal(after[name], value) for name, value in before.items())
-    return losses, skipped, scales, unchanged
+    return losses, skipped, norms, scales, unchanged
 
 
 def test_expert_parallel_fp16_scales_the_loss_over_both_parts_and_skips_an_expert_overflow_everywhere():
@@ -567,21 +577,7 @@ def _train_ep_pp_fp16(overflow_step: int):
     assert bool(blocks) == (mesh.rank("pp") == 1) and (zero.experts is None) == (mesh.rank("pp") == 0)
     if mesh.rank("pp") == 1 and mesh.rank("ep") == 1:
         blocks[0][1].experts.w1.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
-    rank = mesh.rank("ep")
-    losses, skipped, norms, scales, unchanged = [], [], [], [], False
-    for step in range(4):
-        poison["on"] = step == overflow_step
-        before = zero.full_params()
-        x = _sequences(step)[2 * rank : 2 * rank + 2]
-        result = booster.train_step({"input_ids": x, "labels": x})
-        losses.append(result.loss)
-        skipped.append(result.skipped)
-        norms.append(result.grad_norm)
-        scales.append(zero.loss_scaler.scale)
-        if step == overflow_step:
-            after = zero.full_params()
-            unchanged = all(torch.equal(after[name], value) for name, value in before.items())
-    return losses, skipped, norms, scales, unchanged
+    return _steps_with_an_overflow(booster, poison, mesh.rank("ep"), overflow_step, 4)
 
 
 def test_ep2_x_pp2_fp16_makes_one_loss_scaler_decision_over_every_stage():
